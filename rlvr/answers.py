@@ -45,7 +45,8 @@ def parse_number(text: str) -> float | None:
 def normalize_answer(text: str) -> str | None:
     """Canonical text of a numeric answer: ``"1,080.00"`` -> ``"1080"``, ``"$-0.50"`` -> ``"-0.5"``.
 
-    Fractions that are not whole numbers keep their reduced form (``"6/8"`` -> ``"3/4"``).
+    Fractions become decimals when exact (``"6/8"`` -> ``"0.75"``) and stay reduced fractions
+    otherwise (``"2/6"`` -> ``"1/3"``).
     Returns None when ``text`` holds no single number.
     """
     fraction = _parse_fraction(text)

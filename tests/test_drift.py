@@ -1,0 +1,200 @@
+"""Drift statistics: PSI, KS, prompt features, thresholds, and embedding drift with the real model."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rlvr.drift import (
+    DriftThresholds,
+    embedding_drift,
+    evaluate_drift,
+    feature_drift,
+    ks_statistic,
+    output_drift,
+    population_stability_index,
+)
+from rlvr.prompt_features import PROMPT_FEATURES, prompt_features
+
+# PSI and KS -----------------------------------------------------------------------------------
+
+
+def test_psi_is_zero_for_identical_samples():
+    values = np.random.default_rng(0).normal(size=500)
+    assert population_stability_index(values, values) == 0.0
+    assert population_stability_index([1, 2, 2, 3], [3, 2, 1, 2]) == 0.0
+
+
+def test_psi_is_small_for_the_same_distribution_and_large_for_a_shift():
+    rng = np.random.default_rng(0)
+    reference = rng.normal(size=5000)
+    assert population_stability_index(reference, rng.normal(size=5000)) < 0.02
+    shifted = population_stability_index(reference, rng.normal(loc=1.0, size=5000))
+    assert shifted > 0.25
+    assert population_stability_index(reference, rng.normal(loc=0.3, size=5000)) < shifted
+
+
+def test_psi_is_roughly_symmetric():
+    rng = np.random.default_rng(1)
+    a, b = rng.normal(size=4000), rng.normal(loc=0.5, scale=1.2, size=4000)
+    forward, backward = population_stability_index(a, b), population_stability_index(b, a)
+    assert 0.5 < forward / backward < 2.0
+
+
+def test_psi_hand_computed_for_a_discrete_feature():
+    # bins {0, 1}: p_ref = (0.5, 0.5), p_cur = (0.25, 0.75)
+    expected = (0.25 - 0.5) * np.log(0.25 / 0.5) + (0.75 - 0.5) * np.log(0.75 / 0.5)
+    assert population_stability_index([0, 1, 0, 1], [0, 1, 1, 1]) == pytest.approx(expected)
+
+
+def test_psi_counts_unseen_categories_out_of_range_values_and_nan():
+    assert population_stability_index(["a", "b"] * 50, ["a", "b", "c", "c"] * 25) > 0.25
+    reference = np.arange(100, dtype=float)
+    assert population_stability_index(reference, reference + 1000) > 1.0  # all in the top bin
+    with_nan = np.where(np.arange(100) % 2 == 0, np.nan, reference)
+    assert population_stability_index(reference, with_nan) > 1.0
+    assert population_stability_index(with_nan, with_nan) == 0.0
+
+
+def test_ks_detects_a_shift_and_ignores_nan():
+    rng = np.random.default_rng(2)
+    reference = rng.normal(size=400)
+    same_statistic, same_p = ks_statistic(reference, rng.normal(size=400))
+    shift_statistic, shift_p = ks_statistic(reference, np.append(rng.normal(loc=0.8, size=400), np.nan))
+    assert same_p > 0.01 and shift_p < 1e-6
+    assert shift_statistic > 0.25 > same_statistic
+    assert np.isnan(ks_statistic([np.nan], [1.0])[0])
+
+
+# prompt features ------------------------------------------------------------------------------
+
+
+def test_prompt_features_of_a_known_question():
+    question = "Tom buys 3 apples at $1,250.50 each. He sells 2. How many are left?"
+    row = prompt_features([question]).iloc[0]
+    assert row["num_chars"] == len(question)
+    assert row["num_words"] == 14
+    assert row["num_numbers"] == 3
+    assert row["max_log10_number"] == pytest.approx(np.log10(1251.5))
+    assert row["mean_log10_number"] == pytest.approx((np.log10(4) + np.log10(1251.5) + np.log10(3)) / 3)
+    assert row["num_sentences"] == 3
+
+
+def test_prompt_features_without_numbers_or_final_punctuation():
+    frame = prompt_features(["no numbers here", ""])
+    assert list(frame.columns) == list(PROMPT_FEATURES)
+    assert frame.loc[0, ["num_numbers", "max_log10_number", "num_sentences"]].tolist() == [0, 0.0, 1]
+    assert frame.loc[1, ["num_chars", "num_words", "num_sentences"]].tolist() == [0, 0, 0]
+
+
+def test_feature_drift_names_metrics_by_family_and_feature():
+    reference = prompt_features(["A has 3 pens. B has 4. How many?"] * 20)
+    metrics = feature_drift(reference, reference)
+    assert set(metrics) == {f"{family}/{name}" for family in ("psi", "ks") for name in PROMPT_FEATURES}
+    assert all(value == 0.0 for value in metrics.values())
+
+
+# thresholds -----------------------------------------------------------------------------------
+
+
+def test_evaluate_drift_thresholds_by_family_and_skips_unthresholded_metrics():
+    metrics = {
+        "psi/num_words": 0.3,
+        "psi/num_numbers": 0.05,
+        "ks/num_chars": 0.1,
+        "mean_cosine_distance": 0.2,
+        "mmd_p_value": 0.001,
+        "format_compliance_drop": float("nan"),
+    }
+    checks = {check.name: check for check in evaluate_drift(metrics, DriftThresholds(psi=0.25, ks=0.2))}
+    assert checks["psi/num_words"] == ("psi/num_words", 0.3, 0.25, True)
+    assert not checks["psi/num_numbers"].drifted and not checks["ks/num_chars"].drifted
+    assert checks["mean_cosine_distance"].drifted
+    assert checks["mmd_p_value"].threshold is None and not checks["mmd_p_value"].drifted
+    assert not checks["format_compliance_drop"].drifted
+
+
+def test_output_drift_rates():
+    lengths = list(range(10))
+    reference = pd.DataFrame({"well_formed": [1] * 9 + [0], "vote_share": [1.0] * 10, "completion_chars": lengths})
+    current = pd.DataFrame({"well_formed": [1] * 6 + [0] * 4, "vote_share": [0.5] * 10, "completion_chars": lengths})
+    metrics = output_drift(reference, current)
+    assert metrics["format_compliance_drop"] == pytest.approx(0.3)
+    assert metrics["vote_share_drop"] == pytest.approx(0.5)
+    assert metrics["psi/completion_chars"] == 0.0 and metrics["psi/vote_share"] > 0.25
+    drifted = {check.name for check in evaluate_drift(metrics) if check.drifted}
+    assert drifted == {"format_compliance_drop", "vote_share_drop", "psi/vote_share"}
+
+
+# embedding drift ------------------------------------------------------------------------------
+
+
+def test_embedding_drift_on_synthetic_vectors():
+    rng = np.random.default_rng(0)
+    reference = rng.normal(size=(200, 16))
+    same = embedding_drift(reference, reference)
+    assert same["mmd"] == 0.0 and same["mean_cosine_distance"] == pytest.approx(0.0, abs=1e-9)
+    shifted = embedding_drift(reference, rng.normal(loc=0.5, size=(200, 16)), n_permutations=50)
+    assert shifted["mmd"] > 0.2 and shifted["mmd_p_value"] < 0.05
+    fresh = embedding_drift(reference, rng.normal(size=(200, 16)), n_permutations=50)
+    assert fresh["mmd"] < 0.05 and fresh["mmd_p_value"] > 0.05
+    assert embedding_drift(reference, reference[:5], max_samples=3)["n_current"] == 3
+    with pytest.raises(ValueError):
+        embedding_drift(reference, reference[:1])
+
+
+GSM8K_LIKE = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did she sell in April and May?",
+    "Weng earns $12 an hour for babysitting. Yesterday, she did 50 minutes of babysitting. How much did she earn?",
+    "Betty needs $100 for a new wallet. She has half of the money, her parents give her $15 and her "
+    "grandparents twice as much. How much more money does she need?",
+    "James writes a 3-page letter to 2 different friends twice a week. How many pages does he write a year?",
+    "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it take?",
+    "Mark has a garden with 10 yellow flowers and 80% more purple ones. How many flowers does Mark have?",
+    "Albert buys 2 large pizzas with 16 slices each and 2 small pizzas with 8 slices each. "
+    "How many slices does he eat if he eats them all?",
+    "A bakery sells 120 muffins a day at $2 each. How much money does it make in a week?",
+]
+UNRELATED = [
+    "Whisk the eggs with sugar until pale, fold in the flour and bake at 180C for 25 minutes.",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+    "Sauté the onions in olive oil, add garlic and crushed tomatoes, then simmer the sauce.",
+    "SELECT name, count(*) FROM users GROUP BY name HAVING count(*) > 1;",
+    "The quarterly board meeting is moved to Thursday; please update your calendars.",
+    "import numpy as np\nx = np.linspace(0, 1, 100)\nprint(x.mean())",
+    "Season the salmon with salt and dill and roast it skin-side down until flaky.",
+    "Our hiking trail climbs through pine forest to a lake with a view of the glacier.",
+]
+
+
+@pytest.fixture(scope="module")
+def embeddings():
+    from rlvr.embeddings import embed_texts
+
+    return embed_texts(GSM8K_LIKE, batch_size=3), embed_texts(UNRELATED, batch_size=8)
+
+
+@pytest.mark.slow
+def test_embed_texts_is_normalized_and_independent_of_batching(embeddings):
+    from rlvr.embeddings import embed_texts
+
+    gsm, _ = embeddings
+    assert gsm.shape == (len(GSM8K_LIKE), 384) and gsm.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(gsm, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(embed_texts(GSM8K_LIKE[:4], batch_size=4), gsm[:4], atol=1e-5)
+    assert embed_texts([]).shape == (0, 384)
+
+
+@pytest.mark.slow
+def test_embedding_drift_separates_math_questions_from_unrelated_text(embeddings):
+    gsm, unrelated = embeddings
+    same = embedding_drift(gsm, gsm)
+    assert same["mmd"] == 0.0 and same["mean_cosine_distance"] < 1e-6
+    within = embedding_drift(gsm[:4], gsm[4:], n_permutations=200)
+    across_small = embedding_drift(gsm[:4], unrelated[:4], n_permutations=200)
+    assert across_small["mean_cosine_distance"] > within["mean_cosine_distance"] + 0.3
+    assert across_small["mmd"] > 2 * within["mmd"] and within["mmd_p_value"] > 0.1
+    across = embedding_drift(gsm, unrelated, n_permutations=200)
+    assert across["mean_cosine_distance"] > 0.5 and across["mmd"] > 0.2 and across["mmd_p_value"] < 0.05
+    checks = {c.name: c.drifted for c in evaluate_drift(across)}
+    assert checks["mean_cosine_distance"] and checks["mmd"]

@@ -1,0 +1,106 @@
+import json
+import re
+
+import pytest
+
+from rlvr import gsm8k
+
+
+def write_split(folder, split, records):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+RECORD = {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=<<3+4=7>>7\n#### 7"}
+
+
+def test_load_local_official_files(gsm8k_dir):
+    problems = gsm8k.load_local(gsm8k_dir)
+    counts = {s: sum(p.split == s for p in problems) for s in gsm8k.SPLITS}
+    assert counts == gsm8k.OFFICIAL_COUNTS
+    first = problems[0]
+    assert first.problem_id == "local-train-00000"
+    assert first.answer_text == "72" and first.answer_value == 72.0 and first.num_steps == 2
+    assert all(o.passed for o in gsm8k.validate_problems(problems, gsm8k.OFFICIAL_COUNTS))
+
+
+def test_load_local_limit(gsm8k_dir):
+    problems = gsm8k.load_local(gsm8k_dir, limit=5)
+    assert [p.split for p in problems] == ["train"] * 5 + ["test"] * 5
+
+
+def test_missing_folder_and_file(tmp_path):
+    with pytest.raises(gsm8k.DataSourceError, match="folder not found"):
+        gsm8k.load_local(tmp_path / "nope")
+    write_split(tmp_path, "train", [RECORD])
+    with pytest.raises(gsm8k.DataSourceError, match="has no test.jsonl"):
+        gsm8k.load_local(tmp_path)
+
+
+def test_malformed_line_is_named(tmp_path):
+    write_split(tmp_path, "train", [RECORD])
+    write_split(tmp_path, "test", [RECORD])
+    with open(tmp_path / "test.jsonl", "a") as f:
+        f.write('{"question": "broken"\n')
+    with pytest.raises(gsm8k.DataSourceError, match=r"test.jsonl line 2: malformed JSON"):
+        gsm8k.load_local(tmp_path)
+
+
+def test_unreadable_file(tmp_path):
+    write_split(tmp_path, "train", [RECORD])
+    (tmp_path / "test.jsonl").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(gsm8k.DataSourceError, match="cannot read"):
+        gsm8k.load_local(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"question": "", "answer": "#### 1"}, "'question' is missing or empty"),
+        ({"question": "q?"}, "'answer' is missing or empty"),
+        ({"question": "q?", "answer": "no marker"}, "no '#### <answer>' line"),
+        ({"question": "q?", "answer": "#### seven"}, "'seven' is not a number"),
+    ],
+)
+def test_bad_records_are_named(tmp_path, record, message):
+    write_split(tmp_path, "train", [RECORD, record])
+    write_split(tmp_path, "test", [RECORD])
+    with pytest.raises(gsm8k.DataSourceError, match=f"train.jsonl line 2: .*{re.escape(message)}"):
+        gsm8k.load_local(tmp_path)
+
+
+def test_validate_flags_overlap_and_counts(tmp_path):
+    write_split(tmp_path, "train", [RECORD])
+    write_split(tmp_path, "test", [dict(RECORD, question="  TOM has 3 apples and   buys 4. How many?")])
+    outcomes = {o.name: o for o in gsm8k.validate_problems(gsm8k.load_local(tmp_path), {"train": 2, "test": 1})}
+    assert not outcomes["no_split_overlap"].passed
+    assert not outcomes["row_counts"].passed and "train: 1 rows, expected 2" in outcomes["row_counts"].description
+    assert outcomes["answers_parse"].passed and outcomes["no_nulls"].passed
+
+
+def test_gsm_symbolic_offline_generator():
+    problems = gsm8k.generate_gsm_symbolic(train_size=30, test_size=10, seed=3)
+    assert sum(p.split == "train" for p in problems) == 30
+    assert sum(p.split == "test" for p in problems) == 10
+    assert {p.source for p in problems} == {"gsm_symbolic"}
+    assert all(o.passed for o in gsm8k.validate_problems(problems, {"train": 30, "test": 10}))
+    again = gsm8k.generate_gsm_symbolic(train_size=30, test_size=10, seed=3)
+    assert [p.content_hash for p in again] == [p.content_hash for p in problems]
+
+
+def test_contamination_guard():
+    with pytest.raises(gsm8k.DataSourceError, match="contaminated evaluation"):
+        gsm8k.check_no_contamination("gsm_symbolic", "local", "test")
+    gsm8k.check_no_contamination("gsm_symbolic", "gsm_symbolic", "test")
+    gsm8k.check_no_contamination("local", "local", "test")
+
+
+def test_hub_errors_are_clear(monkeypatch):
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(gsm8k.DataSourceError, match="could not load 'openai/gsm8k'"):
+        gsm8k.load_hub()
