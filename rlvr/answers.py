@@ -21,6 +21,7 @@ _BOXED_RE = re.compile(r"\\boxed\s*\{([^{}]*)\}")
 _WELL_FORMED_END_RE = re.compile(r"####\s*(" + _NUMBER + r")\s*\.?\s*$")
 
 EXTRACTION_MODES = ("strict", "flexible")
+MAX_NUMBER_CHARS = 64  # longer digit strings are no answer (and would overflow a float)
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,8 @@ def _parse_fraction(text: str) -> Fraction | None:
         sign, cleaned = -1, cleaned[1:]
     else:
         sign = 1
+    if len(cleaned) > MAX_NUMBER_CHARS:
+        return None
     if not re.fullmatch(r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/(?:\d+(?:\.\d+)?))?", cleaned):
         return None
     cleaned = cleaned.replace(",", "")

@@ -94,3 +94,8 @@ def test_well_formed_requires_hash_line_at_the_end():
 def test_answers_match_tolerance():
     assert answers_match(0.1 + 0.2, 0.3)
     assert not answers_match(7.0, 7.01)
+
+
+def test_huge_numbers_are_no_answer():
+    assert extract_final_answer("#### " + "9" * 5000) is None
+    assert parse_number("1" * 400) is None

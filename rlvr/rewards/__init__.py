@@ -1,0 +1,24 @@
+"""Verifiable rewards: a registry of ``fn(completion, **reference) -> value in [0, 1]``.
+
+Registered: ``math_answer``, ``math_answer_flexible``, ``format``, ``exact_match``, ``token_f1``,
+``classification``, ``regression``, ``code_execution``; add your own with ``@register_reward``.
+``score`` contains failures, ``CompositeReward`` weighs rewards, ``RewardPool`` scores batches.
+"""
+
+from rlvr.rewards import code, math, text  # noqa: F401 - importing registers the built-in rewards
+from rlvr.rewards.composite import DEFAULT_GSM8K_REWARD, CompositeReward
+from rlvr.rewards.pool import RewardPool
+from rlvr.rewards.registry import (
+    Reward,
+    RewardError,
+    RewardResult,
+    get_reward,
+    register_reward,
+    reward_names,
+    score,
+)
+
+__all__ = [
+    "CompositeReward", "DEFAULT_GSM8K_REWARD", "Reward", "RewardError", "RewardPool", "RewardResult",
+    "get_reward", "register_reward", "reward_names", "score",
+]

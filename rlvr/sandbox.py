@@ -1,0 +1,341 @@
+"""Run untrusted Python in a contained child process (the code-execution reward's verifier).
+
+Each run is a fresh ``python -I -S`` process in its own session that confines itself before the
+candidate's first line runs:
+
+* resources: ``RLIMIT_CPU``, ``RLIMIT_AS`` (memory), ``RLIMIT_FSIZE`` (stdout and stderr go to
+  files, so it caps them too), ``RLIMIT_NPROC`` (fork bombs), ``RLIMIT_NOFILE``; past the wall
+  time the process group is killed, and so is every process of the sandbox uid;
+* identity: when the grader is root, the child drops to a fresh random uid/gid with no groups.
+  Root is exempt from ``RLIMIT_NPROC``; the new uid is not, and it owns only this run's processes;
+* filesystem: in a private mount namespace the child chroots into a tmpfs (``disk_mb``) holding
+  read-only binds of ``/usr``, ``/etc`` and the Python prefix, ``/dev/{null,zero,random,urandom}``,
+  ``/tmp`` and its working directory ``/sandbox``. The grader's files are not there, and
+  whatever the program writes vanishes with it;
+* network: a private network namespace, with no interface up.
+
+Where namespaces are refused, the child runs in the fresh temporary directory as the new uid
+(files of other users stay unreadable, world-writable ones stay writable) and a CPython audit
+hook refuses sockets and ctypes (best effort). Not root, there is no uid to drop to: the program
+runs as the grader's user. ``SandboxResult.isolation`` lists the layers a run actually had.
+
+Tests are ``(stdin, expected stdout)`` pairs; expected outputs never leave the grader.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+_KILL = shutil.which("kill", path="/usr/bin:/bin")
+_SANDBOX_UIDS = (1 << 20, 1 << 31)  # far above real users; a random one per run, so runs never share one
+_STDLIB_PRELOAD = (  # imported before dropping root when the stdlib would be unreadable (no chroot)
+    "math", "cmath", "re", "json", "string", "itertools", "functools", "collections", "heapq", "bisect",
+    "fractions", "decimal", "statistics", "random", "datetime", "operator", "copy", "typing", "array",
+)
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Resource limits of one sandboxed run."""
+
+    cpu_time_s: float = 2.0
+    wall_time_s: float = 5.0
+    memory_mb: int = 512  # address space, so it also bounds what the interpreter maps
+    file_size_mb: int = 4  # largest file the program may write, stdout and stderr included
+    disk_mb: int = 16  # size of the private tmpfs (all files together)
+    max_processes: int = 1  # processes and threads of the sandbox uid: 1 = no fork, no threads
+    max_open_files: int = 64
+    max_output_chars: int = 1 << 16  # how much of stdout and stderr is read back
+
+    def __post_init__(self):
+        for name in ("cpu_time_s", "wall_time_s", "memory_mb", "file_size_mb", "disk_mb",
+                     "max_processes", "max_open_files", "max_output_chars"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SandboxLimits.{name} must be positive, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What one run did: output, exit status (negative = killed by that signal), timing, isolation."""
+
+    stdout: str
+    stderr: str
+    returncode: int
+    timed_out: bool
+    wall_time_s: float
+    isolation: tuple[str, ...]  # e.g. ("chroot", "netns", "uid"), or ("audit-hook",) as a fallback
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+    @property
+    def failure(self) -> str | None:
+        """Why the run failed, in a few words (None when it exited 0 in time)."""
+        if self.timed_out:
+            return "wall-time limit"
+        if self.returncode < 0:
+            known = {signal.SIGXCPU: "cpu-time limit", signal.SIGXFSZ: "file-size limit"}
+            return known.get(-self.returncode, f"killed by {signal.Signals(-self.returncode).name}")
+        if self.returncode > 0:
+            last = self.stderr.strip().splitlines()[-1:] or [f"exit status {self.returncode}"]
+            return last[0][:200]
+        return None
+
+
+@dataclass(frozen=True)
+class CodeTest:
+    """One test of a program: it reads ``input`` on stdin and must print ``output``."""
+
+    input: str
+    output: str
+
+
+@dataclass(frozen=True)
+class CodeTestReport:
+    """Outcome of a program against its tests; ``outcomes[i]`` is "passed" or why test i failed."""
+
+    passed: int
+    total: int
+    outcomes: tuple[str, ...]
+    isolation: tuple[str, ...]
+
+    @property
+    def fraction_passed(self) -> float:
+        return self.passed / self.total
+
+
+def as_test_cases(tests: Iterable) -> list[CodeTest]:
+    """Accept tests as ``CodeTest``, ``{"input": ..., "output": ...}`` or ``(input, output)`` pairs."""
+    if isinstance(tests, (str, bytes)) or not isinstance(tests, Iterable):
+        raise ValueError(f"tests must be a list of (input, output) pairs, got {type(tests).__name__}")
+    cases = []
+    for i, test in enumerate(tests):
+        if isinstance(test, CodeTest):
+            cases.append(test)
+        elif isinstance(test, dict) and set(test) >= {"input", "output"}:
+            cases.append(CodeTest(str(test["input"]), str(test["output"])))
+        elif isinstance(test, (tuple, list)) and len(test) == 2:
+            cases.append(CodeTest(str(test[0]), str(test[1])))
+        else:
+            raise ValueError(f"test {i} is not an (input, output) pair or {{'input', 'output'}} dict: {test!r:.80}")
+    if not cases:
+        raise ValueError("no tests given")
+    return cases
+
+
+def outputs_match(actual: str, expected: str) -> bool:
+    """Compare program output line by line, ignoring trailing whitespace and trailing blank lines."""
+    def lines(text: str) -> list[str]:
+        return [line.rstrip() for line in text.rstrip().splitlines()]
+    return lines(actual) == lines(expected)
+
+
+def run_tests(code: str, tests: Iterable, limits: SandboxLimits | None = None) -> CodeTestReport:
+    """Run ``code`` once per test, each in a fresh sandbox; a test passes when stdout matches.
+
+    After a test hits the wall-time limit the remaining tests are not run (they count as failed),
+    so an infinite loop costs one timeout, not one per test.
+    """
+    cases = as_test_cases(tests)
+    limits = limits or SandboxLimits()
+    outcomes, isolation, timed_out = [], (), False
+    for case in cases:
+        if timed_out:
+            outcomes.append("not run (earlier timeout)")
+            continue
+        result = run_python(code, stdin=case.input, limits=limits)
+        isolation, timed_out = result.isolation or isolation, result.timed_out
+        if not result.ok:
+            outcomes.append(result.failure)
+        else:
+            outcomes.append("passed" if outputs_match(result.stdout, case.output) else "wrong output")
+    passed = sum(outcome == "passed" for outcome in outcomes)
+    return CodeTestReport(passed=passed, total=len(cases), outcomes=tuple(outcomes), isolation=isolation)
+
+
+def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None,
+               use_namespaces: bool = True) -> SandboxResult:
+    """Run ``code`` as ``__main__`` in a fresh sandbox and return what it printed.
+
+    ``use_namespaces=False`` skips the mount/network namespaces (to test the fallback, or on hosts
+    that forbid them); the uid drop and resource limits still apply.
+    """
+    limits = limits or SandboxLimits()
+    as_root = os.geteuid() == 0
+    uid = random.randrange(*_SANDBOX_UIDS) if as_root else None
+    workdir = tempfile.mkdtemp(prefix="rlvr-sandbox-")
+    status_read, status_write = os.pipe()
+    try:
+        code_path = os.path.join(workdir, "main.py")
+        with open(code_path, "w", encoding="utf-8", errors="replace") as f:
+            f.write(code)
+        root = os.path.join(workdir, "root")
+        os.mkdir(root, 0o700)
+        if uid is not None:
+            os.chown(root, uid, uid)
+        args = [
+            "-" if uid is None else str(uid), "1" if use_namespaces else "0", str(status_write), code_path,
+            root, str(math.ceil(limits.cpu_time_s)), str(limits.memory_mb << 20),
+            str(limits.file_size_mb << 20), str(limits.disk_mb), str(limits.max_processes),
+            str(limits.max_open_files), ",".join(_STDLIB_PRELOAD),
+        ]
+        with tempfile.TemporaryFile() as stdin_file, tempfile.TemporaryFile() as out, \
+                tempfile.TemporaryFile() as err:
+            stdin_file.write(stdin.encode("utf-8", "replace"))
+            stdin_file.seek(0)
+            start = time.monotonic()
+            process = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _CHILD, *args],
+                stdin=stdin_file, stdout=out, stderr=err, cwd=workdir, env=_child_env(),
+                start_new_session=True, pass_fds=(status_write,),
+            )
+            os.close(status_write)
+            status_write = -1
+            try:
+                returncode, timed_out = process.wait(timeout=limits.wall_time_s), False
+            except subprocess.TimeoutExpired:
+                _kill_group(process.pid)
+                returncode, timed_out = process.wait(), True
+            wall_time_s = time.monotonic() - start
+            _kill_group(process.pid)
+            if uid is not None and (timed_out or limits.max_processes > 1):
+                _kill_uid(uid)
+            stdout, stderr = (_read_back(f, limits.max_output_chars) for f in (out, err))
+        isolation = tuple(filter(None, os.read(status_read, 4096).decode().split(",")))
+    finally:
+        for fd in (status_read, status_write):
+            if fd >= 0:
+                os.close(fd)
+        shutil.rmtree(workdir, ignore_errors=True)
+    return SandboxResult(stdout=stdout, stderr=stderr, returncode=returncode, timed_out=timed_out,
+                         wall_time_s=wall_time_s, isolation=isolation)
+
+
+def _child_env() -> dict[str, str]:
+    return {"PATH": "/usr/bin:/bin", "HOME": "/sandbox", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill_uid(uid: int) -> None:
+    """Kill every process of the sandbox uid (those that left the process group included)."""
+    if _KILL:  # kill(-1) run as the uid signals exactly the processes that uid owns
+        subprocess.run([_KILL, "-KILL", "-1"], user=uid, group=uid, extra_groups=[],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={}, timeout=10)
+
+
+def _read_back(file, max_chars: int) -> str:
+    file.seek(0)
+    return file.read(4 * max_chars).decode("utf-8", "replace")[:max_chars]
+
+
+# ---- child side: ``python -I -S -c _CHILD ARGS`` confines itself, then runs the candidate ----
+# A script rather than this module, so each run imports only os, sys, ctypes and resource (~30 ms).
+
+_CHILD = r"""
+import ctypes, os, resource, sys
+
+(uid, namespaces, status_fd, code_path, root, cpu_s, memory_b, file_b, disk_mb, nproc, nofile,
+ preload) = sys.argv[1:]
+uid = None if uid == "-" else int(uid)
+libc = ctypes.CDLL(None, use_errno=True)
+NEWNS, NEWUSER, NEWNET = 0x00020000, 0x10000000, 0x40000000
+RDONLY, NOSUID, NODEV, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
+
+
+def check(result, what):
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, what + ": " + os.strerror(errno))
+
+
+def mount(source, target, fstype, flags, data=None):
+    enc = lambda s: None if s is None else s.encode()
+    check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), "mount " + target)
+
+
+def private_root():
+    # new mount + network namespaces; chroot into a tmpfs with read-only system dirs
+    check(libc.unshare(NEWNS | NEWNET), "unshare")
+    mount(None, "/", None, REC | PRIVATE)
+    mount("tmpfs", root, "tmpfs", NOSUID | NODEV, "size=%sm,nr_inodes=4096,mode=755" % disk_mb)
+    paths = [p for p in dict.fromkeys(("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64",
+                                       sys.base_prefix)) if os.path.lexists(p)]
+    dirs = [p for p in paths if not os.path.islink(p)]
+    for path in paths:
+        target = root + path
+        if os.path.islink(path):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.symlink(os.readlink(path), target)
+        elif not any(path.startswith(d + "/") for d in dirs):
+            os.makedirs(target, exist_ok=True)
+            mount(path, target, None, BIND | REC)
+            mount(None, target, None, BIND | REMOUNT | RDONLY | NOSUID | NODEV)
+    os.mkdir(root + "/dev")
+    for device in ("null", "zero", "random", "urandom"):
+        open(root + "/dev/" + device, "w").close()
+        mount("/dev/" + device, root + "/dev/" + device, None, BIND)
+    os.mkdir(root + "/tmp")
+    os.chmod(root + "/tmp", 0o1777)
+    os.mkdir(root + "/sandbox", 0o700)
+    os.chown(root + "/sandbox", uid, uid)
+    os.chroot(root)
+    os.chdir("/sandbox")
+
+
+def refuse_network_and_ctypes(event, args):
+    if event.startswith(("socket.", "ctypes.")):
+        raise PermissionError("sandbox: %s is not allowed" % event)
+
+
+with open(code_path, encoding="utf-8") as f:
+    code = f.read()
+isolation = []
+if namespaces == "1":
+    if uid is not None:
+        try:
+            private_root()
+            isolation += ["chroot", "netns"]
+        except OSError as err:
+            print("sandbox: namespaces unavailable (%s); falling back" % err, file=sys.stderr)
+    elif libc.unshare(NEWUSER | NEWNET) == 0:  # unprivileged: a user namespace can still drop the network
+        isolation.append("netns")
+if "chroot" not in isolation:
+    os.chdir(root)
+    for module in preload.split(","):  # the stdlib may be unreadable once root is dropped
+        __import__(module)
+cpu_s = int(cpu_s)
+for name, value in (("RLIMIT_CPU", (cpu_s, cpu_s + 1)), ("RLIMIT_AS", int(memory_b)),
+                    ("RLIMIT_FSIZE", int(file_b)), ("RLIMIT_NPROC", int(nproc)),
+                    ("RLIMIT_NOFILE", int(nofile)), ("RLIMIT_CORE", 0)):
+    resource.setrlimit(getattr(resource, name), value if isinstance(value, tuple) else (value, value))
+if uid is not None:
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    isolation.append("uid")
+if "netns" not in isolation:
+    sys.addaudithook(refuse_network_and_ctypes)
+    isolation.append("audit-hook")
+os.write(int(status_fd), ",".join(isolation).encode())
+os.close(int(status_fd))
+del check, mount, private_root, refuse_network_and_ctypes, f
+sys.argv = ["main.py"]
+exec(compile(code, "main.py", "exec"), {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__})
+"""
