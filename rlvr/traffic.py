@@ -1,0 +1,91 @@
+"""Serving traffic logs: rotating JSONL files written by the service, read incrementally by ingestion.
+
+One JSON object per line. The writer appends each line with a single ``write`` on a file opened
+in append mode and starts a new file past ``max_bytes``. The reader resumes from a cursor (byte
+offset per file); a last line without its newline is still being written, so it is left for the
+next pass, and a malformed complete line is counted and reported, never fatal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FILE_PREFIX = "traffic-"
+FILE_SUFFIX = ".jsonl"
+
+
+class TrafficLog:
+    """Append-only, size-rotated JSONL log in ``folder`` (thread-safe within a process)."""
+
+    def __init__(self, folder: str | Path, max_bytes: int = 16 * 2**20):
+        if max_bytes < 1024:
+            raise ValueError(f"max_bytes must be at least 1024, got {max_bytes}")
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._path: Path | None = None
+
+    def append(self, record: dict) -> None:
+        line = (json.dumps(record, ensure_ascii=False, default=str) + "\n").encode()
+        with self._lock:
+            if self._path is None or self._path.stat().st_size + len(line) > self.max_bytes:
+                self._path = self._new_path()
+            with open(self._path, "ab") as f:
+                f.write(line)
+
+    def _new_path(self) -> Path:
+        now_ns = time.time_ns()  # names sort in creation order
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now_ns / 1e9)) + f".{now_ns % 10**9:09d}"
+        path = self.folder / f"{FILE_PREFIX}{stamp}-{os.getpid()}-{uuid.uuid4().hex[:8]}{FILE_SUFFIX}"
+        path.touch()
+        return path
+
+
+@dataclass
+class TrafficBatch:
+    """What one incremental read found: parsed records, malformed lines, and the cursor to resume from."""
+
+    records: list[dict] = field(default_factory=list)
+    malformed: list[str] = field(default_factory=list)  # "file:line: reason"
+    cursor: dict[str, int] = field(default_factory=dict)  # file name -> byte offset already consumed
+
+
+def read_traffic(folder: str | Path, cursor: dict[str, int] | None = None) -> TrafficBatch:
+    """Read every complete line appended to the log files in ``folder`` since ``cursor``.
+
+    Each record gets ``_file`` and ``_offset`` (its byte offset), which identify it uniquely.
+    """
+    folder = Path(folder)
+    batch = TrafficBatch(cursor=dict(cursor or {}))
+    if not folder.is_dir():
+        return batch
+    for path in sorted(folder.glob(f"{FILE_PREFIX}*{FILE_SUFFIX}")):
+        start = batch.cursor.get(path.name, 0)
+        with open(path, "rb") as f:
+            f.seek(start)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        offset = start
+        for raw in complete.splitlines(keepends=True):
+            line_offset, offset = offset, offset + len(raw)
+            text = raw.strip()
+            if not text:
+                continue
+            try:
+                record = json.loads(text)
+                if not isinstance(record, dict):
+                    raise ValueError("not a JSON object")
+            except (ValueError, UnicodeDecodeError) as err:
+                batch.malformed.append(f"{path.name}@{line_offset}: {str(err)[:120]}")
+                continue
+            record["_file"], record["_offset"] = path.name, line_offset
+            batch.records.append(record)
+        batch.cursor[path.name] = offset
+    return batch

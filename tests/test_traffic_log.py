@@ -1,0 +1,53 @@
+import json
+import threading
+
+import pytest
+
+from rlvr.traffic import TrafficLog, read_traffic
+
+
+def test_append_rotate_and_read_incrementally(tmp_path):
+    log = TrafficLog(tmp_path, max_bytes=2048)
+    for i in range(40):
+        log.append({"i": i, "prompt": "x" * 100})
+    files = sorted(tmp_path.glob("traffic-*.jsonl"))
+    assert len(files) > 1 and all(f.stat().st_size <= 2048 for f in files)
+    first = read_traffic(tmp_path)
+    assert [r["i"] for r in first.records] == list(range(40)) and not first.malformed
+    assert read_traffic(tmp_path, first.cursor).records == []  # nothing new: nothing read twice
+    log.append({"i": 40})
+    assert [r["i"] for r in read_traffic(tmp_path, first.cursor).records] == [40]
+
+
+def test_partial_last_line_waits_for_the_next_pass(tmp_path):
+    path = tmp_path / "traffic-0001.jsonl"
+    path.write_text(json.dumps({"i": 0}) + "\n" + '{"i": 1, "prom')
+    batch = read_traffic(tmp_path)
+    assert [r["i"] for r in batch.records] == [0] and not batch.malformed
+    with open(path, "a") as f:
+        f.write('pt": "done"}\n')
+    later = read_traffic(tmp_path, batch.cursor)
+    assert later.records[0]["i"] == 1 and later.records[0]["prompt"] == "done"
+
+
+def test_malformed_lines_are_counted_not_fatal(tmp_path):
+    (tmp_path / "traffic-0001.jsonl").write_text('{"i": 0}\nnot json\n[1, 2]\n{"i": 3}\n')
+    batch = read_traffic(tmp_path)
+    assert [r["i"] for r in batch.records] == [0, 3]
+    assert len(batch.malformed) == 2 and "traffic-0001.jsonl@" in batch.malformed[0]
+
+
+def test_concurrent_writers_never_interleave_lines(tmp_path):
+    log = TrafficLog(tmp_path, max_bytes=1 << 20)
+    threads = [threading.Thread(target=lambda t=t: [log.append({"t": t, "j": j, "pad": "y" * 500}) for j in range(50)]) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    batch = read_traffic(tmp_path)
+    assert len(batch.records) == 200 and not batch.malformed
+
+
+def test_rejects_tiny_rotation_size(tmp_path):
+    with pytest.raises(ValueError, match="max_bytes"):
+        TrafficLog(tmp_path, max_bytes=10)
