@@ -1,0 +1,184 @@
+"""Evaluate a policy on problems with the rollout engine: per-problem results and their summary.
+
+The protocol is the one peers publish, so numbers compare: zero-shot, the training prompt, greedy
+decoding for pass@1, graded by strict ``####`` extraction (lm-evaluation-harness' strict-match,
+verl) beside flexible extraction. With ``num_samples`` > 0 it also samples n completions per
+problem for pass@k (unbiased estimator) and maj@k (self-consistency).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from rlvr.answers import answers_match, extract_final_answer, is_well_formed
+from rlvr.evaluation.estimators import maj_at_k, majority_vote, pass_at_k_per_problem
+from rlvr.evaluation.intervals import accuracy_by_group, bootstrap_ci
+from rlvr.evaluation.significance import mcnemar_test, paired_bootstrap
+from rlvr.prompts import render_prompt
+from rlvr.rewards import DEFAULT_GSM8K_REWARD, RewardPool
+from rlvr.rollout import SamplingConfig, stream_rollouts
+
+
+@dataclass
+class EvalConfig:
+    """What an evaluation generates and how it is summarized."""
+
+    max_new_tokens: int = 256
+    num_samples: int = 0  # n sampled completions per problem for pass@k / maj@k; 0 = greedy only
+    ks: list[int] = field(default_factory=lambda: [1])
+    sample_temperature: float = 0.7
+    top_p: float = 1.0
+    batch_rows: int = 32  # completions decoded together
+    seed: int = 0
+    reward_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_GSM8K_REWARD))
+    confidence: float = 0.95
+
+    def __post_init__(self) -> None:
+        if self.num_samples < 0 or self.max_new_tokens < 1 or self.batch_rows < 1:
+            raise ValueError("need num_samples >= 0, max_new_tokens >= 1 and batch_rows >= 1")
+        if self.num_samples and any(not 1 <= k <= self.num_samples for k in self.ks):
+            raise ValueError(f"every k in {self.ks} must be between 1 and num_samples={self.num_samples}")
+
+
+def evaluate_policy(
+    model: Any,
+    tokenizer: Any,
+    problems: list[dict],
+    config: EvalConfig,
+    progress: Callable[[int, int], None] | None = None,
+) -> list[dict]:
+    """One result dict per problem (problems need ``problem_id``, ``question``, ``answer_value``).
+
+    ``progress(done, total)`` is called after each decoded chunk, counting completions.
+    """
+    if not problems:
+        raise ValueError("no problems to evaluate")
+    prompts = [render_prompt(tokenizer, p["question"]) for p in problems]
+    total = len(problems) * (1 + config.num_samples)
+    done = 0
+
+    def decode(num_samples: int, temperature: float) -> tuple[list[str], list[str], list[int]]:
+        nonlocal done
+        sampling = SamplingConfig(
+            max_new_tokens=config.max_new_tokens, temperatures=[temperature], top_p=config.top_p,
+            seed=config.seed, max_batch_rows=config.batch_rows,
+        )
+        texts, reasons, lengths = [], [], []
+        for chunk in stream_rollouts(model, tokenizer, prompts, num_samples, sampling):
+            texts += chunk.texts
+            reasons += chunk.finish_reasons
+            lengths += chunk.completion_lengths.tolist()
+            done += len(chunk)
+            if progress:
+                progress(done, total)
+        return texts, reasons, lengths
+
+    greedy_texts, greedy_reasons, greedy_lengths = decode(1, 0.0)
+    with RewardPool(workers=2) as pool:
+        scored = pool.score_batch(config.reward_weights, greedy_texts, problems)
+    samples: list[list[str]] = [[] for _ in problems]
+    if config.num_samples:
+        sampled_texts, _, _ = decode(config.num_samples, config.sample_temperature)
+        for i, text in enumerate(sampled_texts):
+            samples[i // config.num_samples].append(text)
+
+    results = []
+    for i, problem in enumerate(problems):
+        gold = float(problem["answer_value"])
+        row = {
+            "problem_id": problem["problem_id"],
+            "num_steps": problem.get("num_steps"),
+            **grade_completion(greedy_texts[i], gold),
+            "completion_tokens": int(greedy_lengths[i]),
+            "finish_reason": greedy_reasons[i],
+            "truncated": greedy_reasons[i] == "length",
+            **{f"reward_{name}": result.value for name, result in scored[i].items()},
+        }
+        if config.num_samples:
+            row.update(grade_samples(samples[i], gold, config.ks))
+        results.append(row)
+    return results
+
+
+def grade_completion(text: str, gold: float) -> dict:
+    """Strict and flexible correctness of one completion, and whether it is well formed."""
+    strict = extract_final_answer(text, "strict")
+    flexible = extract_final_answer(text, "flexible")
+    return {
+        "completion": text,
+        "extracted_strict": strict.text if strict else None,
+        "extracted_flexible": flexible.text if flexible else None,
+        "correct_strict": bool(strict and answers_match(strict.value, gold)),
+        "correct_flexible": bool(flexible and answers_match(flexible.value, gold)),
+        "well_formed": is_well_formed(text),
+    }
+
+
+def grade_samples(texts: list[str], gold: float, ks: list[int]) -> dict:
+    """Self-consistency over n sampled completions (strict extraction): counts, majority, vote share, maj@k."""
+    found = [extract_final_answer(t, "strict") for t in texts]
+    answers = [f.text if f else None for f in found]
+    correct = [f is not None and answers_match(f.value, gold) for f in found]
+    majority, share = majority_vote(answers)
+    graded = [("correct" if ok else a) for a, ok in zip(answers, correct)]  # equal-valued answers vote together
+    return {
+        "num_samples": len(texts),
+        "num_correct_samples": int(sum(correct)),
+        "majority_answer": majority,
+        "vote_share": share,
+        **{f"maj_at_{k}": maj_at_k(graded, "correct", k) for k in ks},
+    }
+
+
+def summarize(results: list[dict], config: EvalConfig) -> dict:
+    """Headline metrics with confidence intervals, and accuracy by difficulty (reasoning steps)."""
+    strict = np.array([r["correct_strict"] for r in results], dtype=float)
+    flexible = np.array([r["correct_flexible"] for r in results], dtype=float)
+    metrics: dict[str, Any] = {"num_problems": len(results)}
+    for name, values in (("pass@1_strict", strict), ("pass@1_flexible", flexible)):
+        low, high = bootstrap_ci(values, confidence=config.confidence, seed=config.seed)
+        metrics[name] = float(values.mean())
+        metrics[f"{name}_ci_low"], metrics[f"{name}_ci_high"] = low, high
+    metrics["format_compliance"] = float(np.mean([r["well_formed"] for r in results]))
+    metrics["truncation_rate"] = float(np.mean([r["truncated"] for r in results]))
+    metrics["mean_completion_tokens"] = float(np.mean([r["completion_tokens"] for r in results]))
+    for key in sorted(k for k in results[0] if k.startswith("reward_")):
+        metrics[f"mean_{key}"] = float(np.mean([r[key] for r in results]))
+    if config.num_samples:
+        n = np.array([r["num_samples"] for r in results])
+        c = np.array([r["num_correct_samples"] for r in results])
+        for k in config.ks:
+            metrics[f"pass@{k}"] = float(pass_at_k_per_problem(n, c, k).mean())
+            metrics[f"maj@{k}"] = float(np.mean([r[f"maj_at_{k}"] for r in results]))
+        metrics["mean_vote_share"] = float(np.mean([r["vote_share"] for r in results]))
+    by_steps = accuracy_by_group([r["correct_strict"] for r in results], [r["num_steps"] or 0 for r in results], config.confidence)
+    metrics["accuracy_by_steps"] = by_steps.to_dict(orient="records")
+    return metrics
+
+
+def compare(base: list[dict], new: list[dict], confidence: float = 0.95, seed: int = 0) -> dict:
+    """Paired comparison of two evaluations on the same problems (strict pass@1): McNemar and paired bootstrap."""
+    base_by_id = {r["problem_id"]: r["correct_strict"] for r in base}
+    shared = [r for r in new if r["problem_id"] in base_by_id]
+    if not shared:
+        raise ValueError("the two evaluations share no problems")
+    base_correct = np.array([base_by_id[r["problem_id"]] for r in shared])
+    new_correct = np.array([r["correct_strict"] for r in shared])
+    test = mcnemar_test(base_correct, new_correct)
+    boot = paired_bootstrap(base_correct.astype(float), new_correct.astype(float), confidence=confidence, seed=seed)
+    return {
+        "shared_problems": len(shared),
+        "base_accuracy": float(base_correct.mean()),
+        "new_accuracy": float(new_correct.mean()),
+        "delta": boot.delta,
+        "delta_ci_low": boot.ci_low,
+        "delta_ci_high": boot.ci_high,
+        "paired_bootstrap_p_value": boot.p_value,
+        "mcnemar_p_value": test.p_value,
+        "mcnemar_method": test.method,
+        "base_only_correct": test.base_only,
+        "new_only_correct": test.new_only,
+    }

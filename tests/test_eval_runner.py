@@ -1,0 +1,56 @@
+"""The evaluation runner: grading rules on hand-written completions, mechanics with a tiny model."""
+
+import pytest
+
+from rlvr.evaluation.runner import EvalConfig, compare, evaluate_policy, grade_completion, grade_samples, summarize
+from rlvr.policy import load_policy
+
+
+def test_grade_completion_strict_vs_flexible():
+    strict = grade_completion("3 + 4 = 7\n#### 7", 7)
+    assert strict["correct_strict"] and strict["correct_flexible"] and strict["well_formed"]
+    flexible_only = grade_completion("so the answer is 7.", 7)
+    assert not flexible_only["correct_strict"] and flexible_only["correct_flexible"]
+    assert not flexible_only["well_formed"] and flexible_only["extracted_strict"] is None
+    wrong = grade_completion("#### 8\nThe answer is: 8", 7)
+    assert not wrong["correct_strict"] and not wrong["well_formed"] and wrong["extracted_strict"] == "8"
+
+
+def test_grade_samples_majority_and_maj_at_k():
+    texts = ["#### 7", "#### 7.0", "#### 8", "no answer", "#### 8"]
+    graded = grade_samples(texts, 7, ks=[1, 5])
+    assert graded["num_correct_samples"] == 2
+    assert graded["majority_answer"] == "7" and graded["vote_share"] == pytest.approx(2 / 5)  # "7.0" normalizes to "7"
+    assert graded["maj_at_5"] == 1.0  # tie 2-2 between correct and 8: first seen (correct) wins
+    assert graded["maj_at_1"] == pytest.approx(2 / 5)
+
+
+def test_evaluate_and_summarize_with_a_tiny_model(tiny_llama_dir):
+    model, tokenizer = load_policy(tiny_llama_dir)
+    problems = [
+        {"problem_id": f"p{i}", "question": f"What is {i} + {i}?", "answer_value": 2.0 * i, "answer_text": str(2 * i), "num_steps": 1 + i % 2}
+        for i in range(5)
+    ]
+    seen = []
+    config = EvalConfig(max_new_tokens=8, num_samples=3, ks=[1, 3], batch_rows=4)
+    results = evaluate_policy(model, tokenizer, problems, config, progress=lambda done, total: seen.append((done, total)))
+    assert [r["problem_id"] for r in results] == [p["problem_id"] for p in problems]
+    assert seen[-1] == (20, 20) and len(seen) > 2  # 5 greedy + 15 sampled completions, reported in chunks
+    assert all(r["completion_tokens"] <= 8 and r["num_samples"] == 3 for r in results)
+    again = evaluate_policy(model, tokenizer, problems, config)
+    assert [r["completion"] for r in again] == [r["completion"] for r in results]  # seeded: reproducible
+    metrics = summarize(results, config)
+    assert metrics["num_problems"] == 5 and 0 <= metrics["pass@1_strict"] <= metrics["pass@1_strict_ci_high"] <= 1
+    assert {"pass@3", "maj@3", "mean_reward_total", "mean_reward_math_answer", "truncation_rate"} <= set(metrics)
+    assert sorted(row["group"] for row in metrics["accuracy_by_steps"]) == [1, 2]
+
+
+def test_compare_pairs_by_problem_id():
+    base = [{"problem_id": f"p{i}", "correct_strict": i < 2} for i in range(10)]
+    new = [{"problem_id": f"p{i}", "correct_strict": i < 8} for i in reversed(range(10))]
+    result = compare(base, new)
+    assert result["shared_problems"] == 10 and result["delta"] == pytest.approx(0.6)
+    assert result["new_only_correct"] == 6 and result["base_only_correct"] == 0
+    assert result["mcnemar_p_value"] < 0.05
+    with pytest.raises(ValueError, match="share no problems"):
+        compare(base, [{"problem_id": "other", "correct_strict": True}])
