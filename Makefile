@@ -8,7 +8,7 @@ export RLVR_GSM8K_DIR ?= $(abspath $(CURDIR)/../shared/data/gsm8k)
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup run test ui clean
+.PHONY: setup test-tools run test ui clean
 
 setup: $(VENV)/.installed
 
@@ -27,7 +27,16 @@ run: setup
 	$(BIN)/dagster asset materialize -m rlvr_assets.definitions --select '*'
 	$(BIN)/python -m rlvr_assets.summary
 
-test: setup
+# Debian's chromium (the UI test drives it with Playwright) and prometheus (promtool checks the
+# monitoring configs); tests that need them skip with a reason where they cannot be installed.
+test-tools:
+	@command -v chromium >/dev/null && command -v promtool >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    { apt-get install -y -q chromium prometheus >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium prometheus >/dev/null 2>&1; }; }; } || \
+	  echo "note: chromium/promtool not installed; the UI and promtool tests will be skipped"
+
+test: setup test-tools
 	$(BIN)/python -m pytest -q tests
 
 ui: setup

@@ -84,6 +84,12 @@ class ModelStore(ConfigurableResource):
         assert stored is not None
         return stored
 
+    def work_dir(self, name: str) -> Path:
+        """A persistent scratch folder (e.g. a training run's resumable checkpoints), outside the versions."""
+        path = Path(self.root) / ".work" / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
     def set_latest(self, name: str, version: str) -> None:
         parent = Path(self.root) / name
         tmp = parent / f".LATEST.{os.getpid()}"

@@ -48,6 +48,7 @@ class MLflowResource(ConfigurableResource):
 
 
 CHAMPION, CHALLENGER = "champion", "challenger"
+POLICY_VERSION_TAG = "rlvr.policy_version"  # the model-store version of the registered checkpoint
 
 
 class PolicyRegistry:
@@ -57,20 +58,24 @@ class PolicyRegistry:
         self.client = client
         self.name = name
 
-    def register(self, source: str, run_id: str | None, tags: dict) -> str:
-        """Register a new version from an artifact ``source`` (e.g. ``runs:/<id>/checkpoint``), alias it
-        ``challenger`` and return its version number. ``tags`` carry metrics and lineage."""
+    def register(self, policy_version: str, source: str, run_id: str | None, tags: dict) -> str:
+        """Register ``policy_version`` from an artifact ``source`` (e.g. ``runs:/<id>/checkpoint``),
+        alias it ``challenger`` and return its registry version. ``tags`` carry metrics and lineage.
+        Registering a policy version again returns its existing registry version."""
         from mlflow.exceptions import MlflowException
 
         try:
             self.client.get_registered_model(self.name)
         except MlflowException:
             self.client.create_registered_model(self.name, description="GRPO-trained policies from rlvr-ops")
-        version = self.client.create_model_version(
-            self.name, source=source, run_id=run_id, tags={k: str(v) for k, v in tags.items()}
-        ).version
+        existing = self.client.search_model_versions(f"name='{self.name}' and tags.`{POLICY_VERSION_TAG}`='{policy_version}'")
+        if existing:
+            version = str(existing[0].version)
+        else:
+            all_tags = {**{k: str(v) for k, v in tags.items()}, POLICY_VERSION_TAG: policy_version}
+            version = str(self.client.create_model_version(self.name, source=source, run_id=run_id, tags=all_tags).version)
         self.client.set_registered_model_alias(self.name, CHALLENGER, version)
-        return str(version)
+        return version
 
     def version_for(self, alias: str):
         """The ModelVersion behind ``alias``, or None when the alias is not set."""

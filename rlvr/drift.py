@@ -149,6 +149,7 @@ class DriftThresholds:
     mmd: float = 0.1
     format_compliance_drop: float = 0.05  # absolute drop in the rate of well-formed completions
     vote_share_drop: float = 0.1  # absolute drop in the mean majority vote share
+    verified_reward_drop: float = 0.1  # drop of the mean reward on traffic with ground truth vs the evaluation
 
 
 class DriftCheck(NamedTuple):

@@ -35,8 +35,8 @@ class TrafficLog:
     def append(self, record: dict) -> None:
         line = (json.dumps(record, ensure_ascii=False, default=str) + "\n").encode()
         with self._lock:
-            if self._path is None or self._path.stat().st_size + len(line) > self.max_bytes:
-                self._path = self._new_path()
+            if self._path is None or not self._path.exists() or self._path.stat().st_size + len(line) > self.max_bytes:
+                self._path = self._new_path()  # first line, rotation, or the file was removed (retention)
             with open(self._path, "ab") as f:
                 f.write(line)
 
@@ -89,3 +89,49 @@ def read_traffic(folder: str | Path, cursor: dict[str, int] | None = None) -> Tr
             batch.records.append(record)
         batch.cursor[path.name] = offset
     return batch
+
+
+TRAFFIC_COLUMNS = (
+    "record_id", "timestamp", "request_id", "endpoint", "model_version", "status", "latency_s", "prompt",
+    "answer", "vote_share", "num_completions", "well_formed", "completion_chars", "completion_tokens",
+    "truncated", "ground_truth", "mean_reward", "best_reward", "source_file", "source_offset",
+)
+
+
+def traffic_row(record: dict) -> dict:
+    """One ``serving_traffic`` row from a traffic record: identity, request, outputs and their quality.
+
+    ``well_formed`` is the share of the request's completions ending in a ``#### <number>`` line,
+    ``completion_chars`` / ``completion_tokens`` their means. Missing fields become None.
+    """
+    from rlvr.answers import is_well_formed
+
+    completions = [c for c in record.get("completions") or [] if isinstance(c, str)]
+    tokens = [t for t in record.get("completion_tokens") or [] if isinstance(t, (int, float))]
+    reasons = record.get("finish_reasons") or []
+
+    def mean(values):
+        return sum(values) / len(values) if values else None
+
+    return {
+        "record_id": f"{record.get('_file')}@{record.get('_offset')}",
+        "timestamp": record.get("timestamp"),
+        "request_id": record.get("request_id"),
+        "endpoint": record.get("endpoint"),
+        "model_version": record.get("model_version"),
+        "status": record.get("status"),
+        "latency_s": record.get("latency_s"),
+        "prompt": record.get("prompt"),
+        "answer": record.get("answer"),
+        "vote_share": record.get("vote_share"),
+        "num_completions": len(completions),
+        "well_formed": mean([float(is_well_formed(c)) for c in completions]),
+        "completion_chars": mean([float(len(c)) for c in completions]),
+        "completion_tokens": mean([float(t) for t in tokens]),
+        "truncated": mean([float(r == "length") for r in reasons]),
+        "ground_truth": record.get("ground_truth"),
+        "mean_reward": record.get("mean_reward"),
+        "best_reward": record.get("best_reward"),
+        "source_file": record.get("_file"),
+        "source_offset": record.get("_offset"),
+    }

@@ -1,17 +1,27 @@
 """The one Definitions object of rlvr-ops, loaded by ``dagster dev`` through workspace.yaml."""
 
-from dagster import Definitions, define_asset_job, in_process_executor
+from dagster import Definitions, in_process_executor
 
-from rlvr_assets import data, models
+from rlvr_assets import data, evaluation, models, monitoring, registry, serving, training
+from rlvr_assets.jobs import champion_evaluation_job, monitoring_job, pipeline_job, retraining_job
 from rlvr_assets.resources import default_resources
-
-pipeline_job = define_asset_job(
-    "rlvr_pipeline", selection="*", description="Every asset, data to served policy.", tags={"rlvr/duckdb": "writer"}
-)
+from sensors import champion_evaluation_schedule, drift_sensor, retraining_schedule, traffic_sensor
 
 defs = Definitions(
-    assets=[data.gsm8k_problems, models.base_policy],
-    jobs=[pipeline_job],
+    assets=[
+        data.gsm8k_problems,
+        models.base_policy,
+        training.grpo_training,
+        evaluation.baseline_eval,
+        evaluation.eval_report,
+        registry.champion_policy,
+        serving.bento,
+        monitoring.serving_traffic,
+        monitoring.drift_report,
+    ],
+    jobs=[pipeline_job, monitoring_job, retraining_job, champion_evaluation_job],
+    sensors=[traffic_sensor, drift_sensor],
+    schedules=[retraining_schedule, champion_evaluation_schedule],
     resources=default_resources(),
     executor=in_process_executor,
 )

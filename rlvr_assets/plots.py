@@ -14,7 +14,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def figure_markdown(fig, title: str) -> str:
     """Render a matplotlib figure as Markdown with the PNG inlined, then close it."""
-    return f"![{title}](data:image/png;base64,{base64.b64encode(figure_png(fig)).decode()})"
+    return png_markdown(figure_png(fig), title)
+
+
+def png_markdown(png: bytes, title: str) -> str:
+    """Markdown showing PNG bytes inline (the Dagster UI renders it in asset metadata)."""
+    return f"![{title}](data:image/png;base64,{base64.b64encode(png).decode()})"
 
 
 def figure_png(fig) -> bytes:
@@ -41,3 +46,56 @@ def histogram_figure(values: Iterable[float], title: str, discrete: bool = False
 
 def histogram_markdown(values: Iterable[float], title: str, discrete: bool = False) -> str:
     return figure_markdown(histogram_figure(values, title, discrete), title)
+
+
+def accuracy_figure(rows: list[tuple[str, float, float, float]], title: str = "pass@1 (strict) with 95% CI"):
+    """Bars of accuracy per policy with confidence-interval error bars: rows of (label, value, low, high)."""
+    fig, ax = plt.subplots(figsize=(5, 2.8))
+    labels = [r[0] for r in rows]
+    values = [r[1] for r in rows]
+    errors = [[max(0.0, r[1] - r[2]) for r in rows], [max(0.0, r[3] - r[1]) for r in rows]]
+    ax.bar(labels, values, yerr=errors, capsize=6, color=["#8c8c8c", "#4c72b0", "#55a868"][: len(rows)])
+    for x, value in enumerate(values):
+        ax.text(x, value, f"{value:.1%}", ha="center", va="bottom", fontsize=9)
+    ax.set_ylim(0, max(0.05, max(r[3] for r in rows) * 1.25))
+    ax.set_title(title, fontsize=10)
+    return fig
+
+
+def overlaid_histograms_figure(series: dict[str, list[float]], title: str, bins: int = 20):
+    """Histograms of several samples on one axis (e.g. reward of base vs trained completions)."""
+    fig, ax = plt.subplots(figsize=(5, 2.8))
+    for label, values in series.items():
+        ax.hist(values, bins=bins, range=(0, 1), alpha=0.55, label=label)
+    ax.set_title(title, fontsize=10)
+    ax.set_ylabel("completions")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def grouped_accuracy_figure(tables: dict[str, list[dict]], title: str = "accuracy by reasoning steps"):
+    """Accuracy with Wilson CIs per group for several policies; tables are ``accuracy_by_group`` records."""
+    fig, ax = plt.subplots(figsize=(5, 2.8))
+    width = 0.8 / max(1, len(tables))
+    for i, (label, rows) in enumerate(tables.items()):
+        xs = [r["group"] + (i - (len(tables) - 1) / 2) * width for r in rows]
+        ys = [r["accuracy"] for r in rows]
+        errors = [[max(0.0, r["accuracy"] - r["ci_low"]) for r in rows], [max(0.0, r["ci_high"] - r["accuracy"]) for r in rows]]
+        ax.bar(xs, ys, width=width, yerr=errors, capsize=2, label=label)
+    ax.set_xlabel("reference reasoning steps")
+    ax.set_ylabel("accuracy")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def curves_figure(curves: dict[str, list[tuple[int, float]]], title: str = "training curves"):
+    """One line per metric over training steps: curves of (step, value)."""
+    fig, ax = plt.subplots(figsize=(5, 2.8))
+    for label, points in curves.items():
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=label)
+    ax.set_xlabel("step")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    return fig

@@ -32,14 +32,14 @@ def test_register_alias_promote_refuse(tracking, tmp_path):
     assert registry.version_for(CHAMPION) is None
 
     source, run_id = logged_checkpoint(tmp_path, "first")
-    first = registry.register(source, run_id, {"data_hash": "abc", "base_policy": "v0", "eval.strict_accuracy": 0.1})
+    first = registry.register("v1", source, run_id, {"data_hash": "abc", "base_policy": "v0", "eval.strict_accuracy": 0.1})
     assert str(registry.version_for(CHALLENGER).version) == first
     decision = decide_promotion(None, [True, False, False, False])
     registry.record_decision(first, decision.promote, decision.reason)
     assert str(registry.version_for(CHAMPION).version) == first
 
     source, run_id = logged_checkpoint(tmp_path, "second")
-    second = registry.register(source, run_id, {"data_hash": "abc"})
+    second = registry.register("v2", source, run_id, {"data_hash": "abc"})
     assert str(registry.version_for(CHALLENGER).version) == second
     worse = decide_promotion([True] * 30 + [False] * 10, [False] * 30 + [True] * 2 + [False] * 8, alpha=0.05)
     assert not worse.promote
@@ -52,7 +52,8 @@ def test_register_alias_promote_refuse(tracking, tmp_path):
     assert kept.tags["data_hash"] == "abc" and kept.tags["eval.strict_accuracy"] == "0.1"
 
     source, run_id = logged_checkpoint(tmp_path, "third")
-    third = registry.register(source, run_id, {})
+    third = registry.register("v3", source, run_id, {})
+    assert registry.register("v3", source, run_id, {}) == third  # idempotent per policy version
     better = decide_promotion([True] * 2 + [False] * 8, [True] * 6 + [False] * 4)
     registry.record_decision(third, better.promote, better.reason)
     assert str(registry.version_for(CHAMPION).version) == third

@@ -421,3 +421,13 @@ def test_pool_validates_its_inputs():
         assert pool.score_batch(DEFAULT_GSM8K_REWARD, [], []) == []
     with pytest.raises(RuntimeError, match="closed"):
         pool.score_batch(DEFAULT_GSM8K_REWARD, ["a"], [GSM8K])
+
+
+def test_pool_reward_fn_matches_the_trainer_callback():
+    with RewardPool(workers=2) as pool:
+        reward_fn = pool.reward_fn({"math_answer": 1.0, "format": 0.25})
+        totals, per = reward_fn(["#### 7", "seven\n#### 8", "7"], [{"answer_value": 7.0}] * 3)
+    assert per == {"math_answer": [1.0, 0.0, 0.0], "format": [1.0, 1.0, 0.0]}
+    assert totals == pytest.approx([1.0, 0.2, 0.0])
+    with pytest.raises(RewardError, match="unknown reward"):
+        RewardPool().reward_fn({"nope": 1.0})

@@ -3,7 +3,7 @@ import threading
 
 import pytest
 
-from rlvr.traffic import TrafficLog, read_traffic
+from rlvr.traffic import TRAFFIC_COLUMNS, TrafficLog, read_traffic, traffic_row
 
 
 def test_append_rotate_and_read_incrementally(tmp_path):
@@ -51,3 +51,24 @@ def test_concurrent_writers_never_interleave_lines(tmp_path):
 def test_rejects_tiny_rotation_size(tmp_path):
     with pytest.raises(ValueError, match="max_bytes"):
         TrafficLog(tmp_path, max_bytes=10)
+
+
+def test_traffic_row_summarizes_a_request(tmp_path):
+    TrafficLog(tmp_path).append({
+        "timestamp": "2026-11-22T10:00:00.000+00:00", "request_id": "r1", "endpoint": "/solve", "model_version": "v1",
+        "status": 200, "latency_s": 0.5, "prompt": "2+2?", "answer": "4", "vote_share": 0.5,
+        "completions": ["2+2=4\n#### 4", "four"], "completion_tokens": [6, 2], "finish_reasons": ["answer", "length"],
+    })
+    row = traffic_row(read_traffic(tmp_path).records[0])
+    assert set(row) == set(TRAFFIC_COLUMNS)
+    assert row["well_formed"] == 0.5 and row["truncated"] == 0.5 and row["completion_tokens"] == 4.0
+    assert row["num_completions"] == 2 and row["ground_truth"] is None and row["record_id"].endswith("@0")
+
+
+def test_a_removed_log_file_starts_a_new_one(tmp_path):
+    log = TrafficLog(tmp_path)
+    log.append({"i": 0})
+    for path in tmp_path.glob("traffic-*.jsonl"):
+        path.unlink()  # e.g. a retention job
+    log.append({"i": 1})
+    assert [r["i"] for r in read_traffic(tmp_path).records] == [1]

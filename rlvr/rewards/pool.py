@@ -77,6 +77,17 @@ class RewardPool:
         return batch
 
 
+    def reward_fn(self, reward_weights: Mapping[str, float]):
+        """The trainer's reward callback: ``(completions, problems) -> (totals, {name: values})``."""
+        CompositeReward(reward_weights)  # validate names and weights now, not at the first step
+
+        def rewards(completions: Sequence[str], problems: Sequence[Mapping]) -> tuple[list[float], dict[str, list[float]]]:
+            batch = self.score_batch(reward_weights, completions, problems)
+            return [b[TOTAL].value for b in batch], {name: [b[name].value for b in batch] for name in reward_weights}
+
+        return rewards
+
+
 def _run_job(job, completions, references, finished: queue.SimpleQueue) -> None:
     i, name = job
     try:

@@ -1,0 +1,84 @@
+"""Time GRPO steps on a real policy: ``python bench/grpo_step.py /tmp/smol --prompts 2 --group 4 --tokens 128``.
+
+Uses a minimal correctness reward (strict ``#### <number>`` match) so that it depends on the
+core only. Prints each step's timing breakdown and throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from rlvr.answers import answers_match, extract_final_answer
+from rlvr.grpo import GRPOConfig, GRPOTrainer
+from rlvr.policy import load_policy
+from rlvr.prompts import render_prompt
+from rlvr.rollout import SamplingConfig
+
+QUESTIONS = [
+    ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+     "How many clips did Natalia sell altogether in April and May?", 72.0),
+    ("Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
+     "How much did she earn?", 10.0),
+    ("Betty is saving money for a new wallet which costs $100. Betty has only half of the money she needs. "
+     "Her parents decided to give her $15 for that purpose, and her grandparents twice as much as her parents. "
+     "How much more money does Betty need to buy the wallet?", 5.0),
+    ("James writes a 3-page letter to 2 different friends twice a week. How many pages does he write a year?", 624.0),
+]
+
+
+def correctness(completions: list[str], problems: list[dict]) -> tuple[list[float], dict[str, list[float]]]:
+    scores = []
+    for text, problem in zip(completions, problems):
+        found = extract_final_answer(text)
+        scores.append(1.0 if found is not None and answers_match(found.value, problem["answer_value"]) else 0.0)
+    return scores, {"correctness": scores}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("model")
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load_policy(args.model)
+    problems = [
+        {"prompt": render_prompt(tokenizer, q), "answer_value": a, "problem_id": f"bench-{i}"}
+        for i, (q, a) in enumerate(QUESTIONS)
+    ]
+    config = GRPOConfig(
+        group_size=args.group,
+        prompts_per_step=args.prompts,
+        sampling=SamplingConfig(max_new_tokens=args.tokens, temperatures=[0.7, 0.8, 0.9, 1.0]),
+        lr=1e-6,
+        total_steps=args.steps,
+        micro_batch_size=args.micro_batch,
+        compute_dtype=args.compute_dtype,
+        skip_zero_variance=False,  # time the full update even when every reward is equal
+    )
+    trainer = GRPOTrainer(model, tokenizer, config, correctness)
+    for _ in range(args.steps):
+        started, cpu_started = time.perf_counter(), time.process_time()
+        batch = [problems[(trainer.step_count * args.prompts + i) % len(problems)] for i in range(args.prompts)]
+        metrics, _ = trainer.step(batch)
+        keys = ("gen_time_s", "update_time_s", "step_time_s", "tokens_per_s", "completion_len_mean", "reward_mean")
+        keys += ("ratio_mean", "clip_frac", "entropy")
+        report = {k: round(metrics[k], 4 if k in ("ratio_mean", "clip_frac") else 2) for k in keys} | {
+            "wall_s": round(time.perf_counter() - started, 2),
+            "cpu_s": round(time.process_time() - cpu_started, 2),
+        }
+        print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,229 @@
+"""Load test of the served policy, adaptive batching on vs off, in one invocation.
+
+    python bench/serve_load.py /tmp/smol --requests 16 --concurrency 8 --k 4 --max-new-tokens 64
+
+Stores the checkpoint as a BentoML model and builds the Bento (``bentos.build``) in a temporary
+``BENTOML_HOME``; then, for each configuration (``RLVR_BATCHING=0`` and ``=1``), starts
+``bentoml serve`` on loopback, warms it up, sends a fixed list of ``/solve`` requests (GSM8k test
+questions) from ``--concurrency`` client threads, and stops the server. Every request has a
+timeout, and each configuration a total time cap after which no more requests are sent.
+
+Reports per configuration: requests answered, errors (non-200, timeouts, not sent), wall time,
+requests/s, completion tokens/s (from the service's traffic log), p50/p95 latency and the mean
+number of requests per generation pass. Exits 1 when any request failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bentos.build import bentoml_cli, bentoml_env, build_bento, store_policy  # noqa: E402
+from rlvr.traffic import read_traffic  # noqa: E402
+
+FALLBACK_QUESTIONS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
+    "James writes a 3-page letter to 2 different friends twice a week. How many pages does he write a year?",
+    "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it take?",
+]
+
+
+def questions(n: int) -> list[str]:
+    """The first ``n`` GSM8k test questions (``$RLVR_GSM8K_DIR``), else a few built-in ones, cycled."""
+    default = Path(__file__).resolve().parents[2] / "shared/data/gsm8k"
+    path = Path(os.environ.get("RLVR_GSM8K_DIR", default)) / "test.jsonl"
+    found = [json.loads(line)["question"] for line in path.open()][:n] if path.is_file() else FALLBACK_QUESTIONS
+    return [found[i % len(found)] for i in range(n)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile (the smallest value with at least q% of the values at or below it)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[max(1, math.ceil(len(ordered) * q / 100)) - 1]
+
+
+def post(url: str, body: dict, timeout_s: float) -> tuple[int, dict | str]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()[:300]
+    except OSError as err:  # timeouts, refused connections
+        return 0, f"{type(err).__name__}: {err}"
+
+
+class ServedBento:
+    """``bentoml serve`` in its own process group on a free loopback port; killed on exit."""
+
+    def __init__(self, tag: str, home: Path, traffic_dir: Path, batching: bool, threads: int, log_path: Path):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**bentoml_env(home), "RLVR_TRAFFIC_DIR": str(traffic_dir), "RLVR_BATCHING": "1" if batching else "0",
+               "OMP_NUM_THREADS": str(threads)}
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([bentoml_cli(), "serve", tag, "--port", str(self.port), "--host", "127.0.0.1"],
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"bentoml serve exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(self.url + "/readyz", timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not ready in {timeout_s} s; see {self.log.name}")
+
+    def __enter__(self) -> "ServedBento":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.log.close()
+
+
+def run_load(url: str, bodies: list[dict], concurrency: int, timeout_s: float, max_total_s: float) -> dict:
+    """Send ``bodies`` from ``concurrency`` threads; stop sending after ``max_total_s``."""
+    pending = list(enumerate(bodies))
+    lock = threading.Lock()
+    results: list[dict] = []
+    started = time.perf_counter()
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not pending or time.perf_counter() - started > max_total_s:
+                    return
+                index, body = pending.pop(0)
+            t0 = time.perf_counter()
+            status, out = post(url + "/solve", body, timeout_s)
+            latency = time.perf_counter() - t0
+            with lock:
+                results.append({"index": index, "status": status, "latency_s": latency,
+                                "request_id": out.get("request_id") if isinstance(out, dict) else None,
+                                "error": None if status == 200 else out})
+
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"wall_s": time.perf_counter() - started, "results": results, "not_sent": len(pending)}
+
+
+def summarize(name: str, load: dict, traffic_dir: Path) -> dict:
+    ok = [r for r in load["results"] if r["status"] == 200]
+    records = {r["request_id"]: r for r in read_traffic(traffic_dir).records}
+    measured = [records[r["request_id"]] for r in ok if r["request_id"] in records]
+    tokens = sum(sum(rec["completion_tokens"]) for rec in measured)
+    latencies = [r["latency_s"] for r in ok]
+    wall = load["wall_s"]
+    passes = [rec["batch_requests"] for rec in measured]
+    return {
+        "config": name,
+        "requests_ok": len(ok),
+        "errors": len(load["results"]) - len(ok) + load["not_sent"],
+        "wall_s": round(wall, 2),
+        "requests_per_s": round(len(ok) / wall, 3),
+        "completion_tokens": tokens,
+        "completion_tokens_per_s": round(tokens / wall, 1),
+        "latency_p50_s": round(percentile(latencies, 50), 2),
+        "latency_p95_s": round(percentile(latencies, 95), 2),
+        "mean_requests_per_pass": round(statistics.mean(passes), 2) if passes else None,
+        "error_samples": [r["error"] for r in load["results"] if r["status"] != 200][:3],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path, help="a Hugging Face checkpoint folder (e.g. the base_policy asset)")
+    parser.add_argument("--requests", type=int, default=16, help="measured requests per configuration")
+    parser.add_argument("--concurrency", type=int, default=8, help="client threads")
+    parser.add_argument("--k", type=int, default=4, help="samples per /solve request")
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--timeout-s", type=float, default=300.0, help="per request")
+    parser.add_argument("--max-total-s", type=float, default=600.0, help="per configuration: no request sent after it")
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the server")
+    parser.add_argument("--configs", default="off,on", help="batching configurations to run, in order")
+    parser.add_argument("--out", type=Path, help="write the summaries as JSON here")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="rlvr-serve-bench-"))
+    try:
+        home = work / "bentoml"
+        tag = store_policy(args.checkpoint, {"model_version": "bench"}, {"source": str(args.checkpoint)}, home=home)
+        built = build_bento(tag, home=home)
+        print(f"built {built.tag} ({built.size_bytes / 1e6:.0f} MB) from {args.checkpoint}", flush=True)
+        bodies = [{"question": q, "k": args.k, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
+                  for q in questions(args.requests)]
+        warm_up = [{"question": q, "k": args.k, "max_new_tokens": 2} for q in questions(12)]
+        summaries = []
+        for name in args.configs.split(","):
+            traffic = work / f"traffic-{name}"
+            log = work / f"serve-{name}.log"
+            with ServedBento(built.tag, home, traffic, name == "on", args.threads, log) as server:
+                server.wait_ready(300)
+                # Twelve short requests, one at a time: the dispatcher's first passes calibrate its wait.
+                run_load(server.url, warm_up, 1, args.timeout_s, args.max_total_s)
+                load = run_load(server.url, bodies, args.concurrency, args.timeout_s, args.max_total_s)
+                summaries.append(summarize(f"batching {name}", load, traffic))
+                print(json.dumps(summaries[-1]), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(f"\n{args.requests} /solve requests (k={args.k}, T={args.temperature}, "
+          f"max_new_tokens={args.max_new_tokens}), {args.concurrency} concurrent clients, "
+          f"OMP_NUM_THREADS={args.threads}\n")
+    print("| config | ok | errors | wall s | req/s | completion tok/s | p50 s | p95 s | requests/pass |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for s in summaries:
+        cells = [s[k] for k in ("config", "requests_ok", "errors", "wall_s", "requests_per_s",
+                                "completion_tokens_per_s", "latency_p50_s", "latency_p95_s", "mean_requests_per_pass")]
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+    if len(summaries) == 2 and summaries[0]["requests_per_s"] and summaries[0]["completion_tokens_per_s"]:
+        off, on = summaries
+        print(f"\nthroughput {on['config']} / {off['config']}: "
+              f"{on['requests_per_s'] / off['requests_per_s']:.2f}x requests/s, "
+              f"{on['completion_tokens_per_s'] / off['completion_tokens_per_s']:.2f}x tokens/s")
+    if args.out:
+        args.out.write_text(json.dumps(summaries, indent=2))
+    return 1 if any(s["errors"] for s in summaries) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+"""The BentoML service of the trained policy.
+
+``schemas`` holds the request/response models and every validation limit, ``service`` the
+``RlvrPolicy`` service (``/generate``, ``/solve``, probes, metrics, traffic logs) and ``build``
+the functions the Dagster ``bento`` asset calls to store a checkpoint and build a Bento.
+Imports only the core library ``rlvr`` (never Dagster, DuckDB or MLflow).
+"""
+
+MODEL_NAME = "rlvr_policy"  # the policy's name in the BentoML model store (and the Bento's name)
+MODEL_VERSION_LABEL = "model_version"  # the model label each traffic record carries (else the tag's version)

@@ -1,0 +1,40 @@
+"""GRPO: group-relative policy optimisation with verifiable rewards (Shao et al. 2024).
+
+``config`` (the knobs), ``loss`` (the objective), ``trainer`` (the loop), ``checkpoint``
+(atomic save / resume), ``distributed`` (torchrun / DDP), ``sampler`` (data order and seeds).
+"""
+
+from .checkpoint import export_merged, latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import GRPOConfig, LoRAConfig
+from .loss import (
+    POLICY_LOSSES,
+    aggregate_loss,
+    entropy_from_logits,
+    group_advantages,
+    kl_k3,
+    register_policy_loss,
+    token_logprobs,
+    zero_variance_groups,
+)
+from .sampler import gsm8k_prompts, step_problems
+from .trainer import GRPOTrainer
+
+__all__ = [
+    "GRPOConfig",
+    "GRPOTrainer",
+    "LoRAConfig",
+    "POLICY_LOSSES",
+    "aggregate_loss",
+    "entropy_from_logits",
+    "export_merged",
+    "group_advantages",
+    "gsm8k_prompts",
+    "kl_k3",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "register_policy_loss",
+    "save_checkpoint",
+    "step_problems",
+    "token_logprobs",
+    "zero_variance_groups",
+]

@@ -1,0 +1,90 @@
+"""GRPO training configuration: plain dataclasses, every knob in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlvr.rollout import SamplingConfig
+
+from .loss import AGGREGATIONS, POLICY_LOSSES
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on the named linear layers (Hu et al. 2021, via peft)."""
+
+    rank: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+
+
+@dataclass
+class GRPOConfig:
+    """One GRPO run. A step samples ``group_size`` completions for each of ``prompts_per_step``
+    prompts, then makes ``num_iterations`` (μ) passes over them, each split into
+    ``num_minibatches`` optimizer steps of micro-batches of ``micro_batch_size`` rows (gradient
+    accumulation). ``sampling.seed`` is replaced by a seed derived from (``seed``, step, rank).
+    """
+
+    # rollouts
+    group_size: int = 8
+    prompts_per_step: int = 8
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # objective
+    loss_type: str = "grpo"  # a key of loss.POLICY_LOSSES: "grpo" (token ratio) or "gspo" (sequence ratio)
+    aggregation: str = "seq-mean-token-mean"  # or "token-mean" (DAPO), "seq-mean-token-sum-norm" (Dr. GRPO)
+    eps_low: float = 0.2
+    eps_high: float = 0.2  # > eps_low is DAPO's clip-higher, e.g. 0.28
+    beta: float = 0.0  # KL(π || π_ref) coefficient; 0 skips the reference model entirely
+    scale_rewards: bool = True  # divide advantages by the group's reward std (False: Dr. GRPO)
+    advantage_eps: float = 1e-6
+    mask_truncated: bool = False  # drop completions that hit max_new_tokens from the loss (DAPO)
+    skip_zero_variance: bool = True  # drop groups whose rewards are all equal from the update
+    num_iterations: int = 1  # μ: optimisation passes per batch of rollouts
+    num_minibatches: int = 1  # optimizer steps per pass
+    micro_batch_size: int = 8  # rows per forward/backward
+    share_prompt_forward: bool = True  # one prompt pass per group in the update (off with gradient checkpointing)
+    # optimisation (AdamW, linear warmup then decay, per training step)
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    adam_eps: float = 1e-8
+    max_grad_norm: float | None = 1.0
+    warmup_steps: int = 0
+    total_steps: int = 100
+    lr_decay: str = "cosine"  # "cosine", "linear" or "constant"
+    min_lr_ratio: float = 0.1
+    # model
+    lora: LoRAConfig | None = None
+    gradient_checkpointing: bool = False
+    # "bfloat16": mixed precision. The update runs under autocast (fp32 master weights and
+    # optimizer); rollouts come from a bf16 copy of the policy, refreshed after every update.
+    compute_dtype: str = "float32"
+    fsdp: bool = False  # shard with FSDP2 under torchrun on GPUs (DDP otherwise)
+    # bookkeeping
+    checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_checkpoints: int | None = 2  # newest checkpoints kept on disk (None = all)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sampling, dict):
+            self.sampling = SamplingConfig(**self.sampling)
+        if isinstance(self.lora, dict):
+            self.lora = LoRAConfig(**self.lora)
+        self.betas = tuple(self.betas)
+        if self.loss_type not in POLICY_LOSSES:
+            raise ValueError(f"unknown loss_type {self.loss_type!r}; registered: {sorted(POLICY_LOSSES)}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"unknown aggregation {self.aggregation!r}; expected one of {AGGREGATIONS}")
+        if self.group_size < 2:
+            raise ValueError("group_size must be >= 2: advantages are relative to the group")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
+        if self.lr_decay not in ("cosine", "linear", "constant"):
+            raise ValueError(f"unknown lr_decay {self.lr_decay!r}")
+        for name in ("prompts_per_step", "num_iterations", "num_minibatches", "micro_batch_size", "total_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")

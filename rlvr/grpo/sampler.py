@@ -1,0 +1,46 @@
+"""Which problems a training step sees, and the seeds it uses: pure functions of (seed, step).
+
+A resumed run therefore sees the same data and the same sampling randomness as an
+uninterrupted one, without storing any sampler state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+
+from rlvr.prompts import render_prompt
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed mixing ``parts`` (e.g. run seed, step, rank) through numpy's SeedSequence."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+def step_problems(problems: Sequence[Any], step: int, prompts_per_step: int, seed: int) -> list[Any]:
+    """The ``prompts_per_step`` problems of training step ``step``.
+
+    Steps walk through a seeded permutation of the problems, one fresh permutation per epoch.
+    """
+    if not problems:
+        raise ValueError("no problems to train on")
+    n = len(problems)
+    picked, permutations = [], {}
+    for position in range(step * prompts_per_step, (step + 1) * prompts_per_step):
+        epoch, offset = divmod(position, n)
+        if epoch not in permutations:
+            generator = torch.Generator().manual_seed(derive_seed(seed, epoch))
+            permutations[epoch] = torch.randperm(n, generator=generator).tolist()
+        picked.append(problems[permutations[epoch][offset]])
+    return picked
+
+
+def gsm8k_prompts(problems: Iterable[Any], tokenizer: Any) -> list[dict]:
+    """Training records for GSM8k problems: the rendered ``prompt`` plus the reference fields."""
+    records = []
+    for problem in problems:
+        row = problem.as_row() if hasattr(problem, "as_row") else dict(problem)
+        records.append({**row, "prompt": render_prompt(tokenizer, row["question"])})
+    return records

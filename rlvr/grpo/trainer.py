@@ -1,0 +1,608 @@
+"""The GRPO training loop (Shao et al. 2024, DeepSeekMath), on one process or under torchrun.
+
+One step, top to bottom (:meth:`GRPOTrainer.step`):
+
+1. generate G completions for each of this rank's prompts (rollout engine; its sampling
+   log-probs are the "old" log-probs, so no extra forward pass);
+2. score them with the reward callback; group-relative advantages;
+3. drop rows that carry no signal (zero-variance groups) or must not be trained on (truncated
+   completions, when masked) — they cost no compute;
+4. μ passes over the rest, each split into optimizer steps of gradient-accumulated micro-batches:
+   one forward per micro-batch gives the per-token log-probs (temperature-scaled like sampling, over
+   completion tokens only), the registered policy loss, the optional KL to the reference, the
+   chosen aggregation; backward; clip; AdamW.
+
+Rewards come from a callback, ``reward_fn(completions, problems) -> (totals, {name: values})``, so
+any reward library plugs in. ``on_step(step, metrics, records)`` receives each step's metrics and
+one record per completion (on rank 0 only), for whatever logging the caller wants.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, replace
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+
+from transformers import DynamicCache
+
+from rlvr.rollout import Rollouts, generate_rollouts
+
+from . import checkpoint as ckpt
+from .config import GRPOConfig, LoRAConfig
+from .distributed import (
+    all_gather_objects,
+    all_reduce_sum,
+    barrier,
+    gathered_parameters,
+    gradient_sync,
+    init_distributed,
+    shard_for_rank,
+    wrap_model,
+)
+from .loss import (
+    POLICY_LOSSES,
+    aggregate_loss,
+    group_advantages,
+    kl_k3,
+    token_logprobs_and_entropy,
+    zero_variance_groups,
+)
+from .sampler import derive_seed, step_problems
+
+RewardFn = Callable[[list[str], list[dict]], tuple[list[float], dict[str, list[float]]]]
+OnStep = Callable[[int, dict, list[dict]], None]
+
+# token-weighted sums all-reduced over ranks after each step's update
+_TOKEN_STATS = ("tokens", "clip_frac_low", "clip_frac_high", "ratio_mean", "kl", "entropy", "entropy_tokens", "loss")
+
+
+class GRPOTrainer:
+    """Trains ``model`` in place with GRPO. See the module docstring for the step."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        config: GRPOConfig,
+        reward_fn: RewardFn,
+        ref_model: Any = None,
+        checkpoint_dir: str | Path | None = None,
+        on_step: OnStep | None = None,
+    ):
+        self.config, self.tokenizer, self.reward_fn, self.on_step = config, tokenizer, reward_fn, on_step
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.dist = init_distributed(device=None if _launched_distributed() else next(model.parameters()).device)
+        if config.prompts_per_step < self.dist.world_size:
+            raise ValueError(f"prompts_per_step ({config.prompts_per_step}) < world size ({self.dist.world_size})")
+        model = model.to(self.dist.device)
+        self.ref_model = _reference_model(model, ref_model, config, self.dist.device)  # before adapters / sharding
+        if config.lora is not None:
+            model = _apply_lora(model, config.lora)
+        if config.gradient_checkpointing:
+            _enable_activation_checkpointing(model)
+        self.policy = model  # the module itself: generation, checkpoints
+        compute_dtype = getattr(torch, config.compute_dtype)
+        mixed = compute_dtype != next(model.parameters()).dtype
+        # the update's forwards run through this (DDP / FSDP when distributed; DDP syncs rank 0's weights)
+        self.model = wrap_model(model, self.dist, fsdp=config.fsdp, param_dtype=compute_dtype if mixed else None)
+        autocast = mixed and not config.fsdp
+        self._autocast = partial(torch.autocast, self.dist.device.type, compute_dtype, enabled=autocast)
+        # generation runs on a low-precision copy in mixed precision (FSDP casts on its own)
+        self.rollout_policy = copy.deepcopy(model).to(compute_dtype) if autocast else model
+        self.optimizer = torch.optim.AdamW(
+            _param_groups(self.policy, config.weight_decay), lr=config.lr, betas=config.betas, eps=config.adam_eps
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_multiplier, config=config))
+        self._share_prompts = config.share_prompt_forward and not config.gradient_checkpointing
+        self.step_count = 0  # training steps completed
+        self.history: list[dict] = []
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def train(self, problems: Iterable[dict], resume: bool = True) -> list[dict]:
+        """Train until ``config.total_steps``; a fresh trainer first resumes from the latest
+        checkpoint when there is one.
+
+        ``problems`` are dicts with a rendered ``prompt`` and the reference fields the reward needs.
+        Returns the per-step metrics of this call.
+        """
+        problems = list(problems)
+        if resume and self.step_count == 0 and self.checkpoint_dir is not None:
+            self.resume()
+        history = []
+        while self.step_count < self.config.total_steps:
+            batch = step_problems(problems, self.step_count, self.config.prompts_per_step, self.config.seed)
+            metrics, records = self.step(batch)
+            if self._checkpoint_due():
+                metrics["checkpoint"] = str(self.save_checkpoint())
+            history.append(metrics)
+            self.history.append(metrics)
+            if self.on_step is not None and self.dist.is_main:
+                self.on_step(self.step_count, metrics, records)
+        return history
+
+    def step(self, problems: list[dict]) -> tuple[dict, list[dict]]:
+        """One GRPO step on ``problems`` (the whole step's batch; each rank takes its share)."""
+        config, group = self.config, self.config.group_size
+        started = time.perf_counter()
+        offset, local = shard_for_rank(problems, self.dist)
+        rollouts = self._generate(local)
+        generated = time.perf_counter()
+
+        rewards, per_reward = self._score(rollouts, local)
+        advantages = group_advantages(rewards, group, config.scale_rewards, config.advantage_eps)
+        zero_variance = zero_variance_groups(rewards, group)
+        trained = torch.ones(len(rollouts), dtype=torch.bool)
+        if config.skip_zero_variance:
+            trained &= ~zero_variance.repeat_interleave(group)
+        if config.mask_truncated:
+            trained &= torch.tensor([reason != "length" for reason in rollouts.finish_reasons])
+        scored = time.perf_counter()
+
+        update_stats = self._update(rollouts, advantages, trained.nonzero().flatten())
+        self.scheduler.step()
+        self.step_count += 1
+        finished = time.perf_counter()
+
+        timing = {
+            "gen_time_s": generated - started,
+            "reward_time_s": scored - generated,
+            "update_time_s": finished - scored,
+        }
+        local_rows = {
+            "rewards": rewards.tolist(),
+            "per_reward": per_reward,
+            "lengths": rollouts.completion_lengths.tolist(),
+            "finish": rollouts.finish_reasons,
+            "zero_variance": zero_variance.tolist(),
+            "trained": int(trained.sum()),
+        }
+        metrics = self._metrics(all_gather_objects(local_rows, self.dist), update_stats, timing)
+        records = self._records(rollouts, local, offset, rewards, per_reward, advantages, trained)
+        return metrics, sum(all_gather_objects(records, self.dist), [])
+
+    # --- generation and rewards -----------------------------------------------------------------
+
+    def _generate(self, problems: list[dict]) -> Rollouts:
+        seed = derive_seed(self.config.seed, self.step_count, self.dist.rank)
+        sampling = replace(self.config.sampling, seed=seed)
+        self.rollout_policy.eval()
+        gather = gathered_parameters(self.policy) if self.config.fsdp else contextlib.nullcontext()
+        with gather:
+            rollouts = generate_rollouts(
+                self.rollout_policy, self.tokenizer, [p["prompt"] for p in problems], self.config.group_size, sampling
+            )
+        self.policy.train()
+        return rollouts
+
+    @torch.no_grad()
+    def _sync_rollout_policy(self) -> None:
+        """Copy the updated weights into the low-precision rollout copy (trainable ones only: the rest never change)."""
+        if self.rollout_policy is self.policy:
+            return
+        copies = dict(self.rollout_policy.named_parameters())
+        for name, param in self.policy.named_parameters():
+            if param.requires_grad:
+                copies[name].copy_(param)
+
+    def _score(self, rollouts: Rollouts, problems: list[dict]) -> tuple[torch.Tensor, dict[str, list[float]]]:
+        problem_of_row = [problems[int(g)] for g in rollouts.group_index]
+        totals, per_reward = self.reward_fn(rollouts.texts, problem_of_row)
+        if len(totals) != len(rollouts):
+            raise ValueError(f"reward_fn returned {len(totals)} rewards for {len(rollouts)} completions")
+        return torch.tensor(totals, dtype=torch.float32), {k: list(map(float, v)) for k, v in per_reward.items()}
+
+    # --- the update ------------------------------------------------------------------------------
+
+    def _update(self, rollouts: Rollouts, advantages: torch.Tensor, rows: torch.Tensor) -> dict:
+        """μ passes of minibatch updates over ``rows``; returns token-weighted stat sums (all ranks)."""
+        config = self.config
+        stats = dict.fromkeys(_TOKEN_STATS, 0.0) | {"optimizer_steps": 0, "grad_norm": 0.0}
+        if all_reduce_sum(torch.tensor([len(rows)]), self.dist).item() == 0:
+            return stats
+        lengths = rollouts.completion_lengths
+        ref_logprobs = self._reference_logprobs(rollouts, rows) if config.beta > 0 else None
+        shuffle = torch.Generator().manual_seed(derive_seed(config.seed, self.step_count, self.dist.rank, 1))
+        for iteration in range(config.num_iterations):
+            order = rows[torch.randperm(len(rows), generator=shuffle)] if config.num_minibatches > 1 else rows
+            for minibatch in order.tensor_split(config.num_minibatches):
+                totals = all_reduce_sum(torch.tensor([len(minibatch), int(lengths[minibatch].sum())]), self.dist)
+                num_seqs, num_tokens = totals.tolist()
+                if num_seqs == 0:
+                    continue
+                micro_batches = _micro_batches(rollouts, minibatch, config.micro_batch_size)
+                dummy = not micro_batches  # this rank has no rows here but must join the gradient all-reduce
+                micro_batches = micro_batches or [rows[:1] if len(rows) else torch.tensor([0])]
+                for i, micro in enumerate(micro_batches):
+                    with gradient_sync(self.model, enabled=i == len(micro_batches) - 1):
+                        loss = self._micro_batch_loss(
+                            rollouts, advantages, ref_logprobs, micro, num_seqs, num_tokens,
+                            stats=None if dummy else stats, first_pass=iteration == 0,
+                        )
+                        (loss * (0.0 if dummy else self.dist.world_size)).backward()
+                max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
+                grad_norm = torch.nn.utils.clip_grad_norm_(self._trainable(), max_norm)
+                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self._sync_rollout_policy()
+                stats["optimizer_steps"] += 1
+                stats["grad_norm"] += float(grad_norm)
+        sums = all_reduce_sum(torch.tensor([stats[k] for k in _TOKEN_STATS], dtype=torch.float64), self.dist)
+        return stats | dict(zip(_TOKEN_STATS, sums.tolist()))
+
+    def _micro_batch_loss(
+        self,
+        rollouts: Rollouts,
+        advantages: torch.Tensor,
+        ref_logprobs: torch.Tensor | None,
+        rows: torch.Tensor,
+        num_seqs: int,
+        num_tokens: int,
+        stats: dict | None,
+        first_pass: bool,
+    ) -> torch.Tensor:
+        """This micro-batch's share of the minibatch loss (normalized by the minibatch totals);
+        adds its token-weighted metrics to ``stats`` unless that is None."""
+        config, device = self.config, self.dist.device
+        batch = pack_rows(rollouts, rows, device)
+        with_entropy = first_pass and stats is not None
+        with self._autocast():
+            logprobs, entropy = completion_logprobs(
+                self.model, batch, self._share_prompts, prompt_model=self.policy, with_entropy=with_entropy
+            )
+        mask = batch.mask
+        old_logprobs = rollouts.logprobs[rows, : batch.width].to(device)
+        loss_mat, loss_metrics = POLICY_LOSSES[config.loss_type](
+            logprobs, old_logprobs, advantages[rows].to(device), mask, config
+        )
+        kl = None
+        if ref_logprobs is not None:
+            kl = kl_k3(logprobs, ref_logprobs[rows, : batch.width].to(device))
+            loss_mat = loss_mat + config.beta * kl
+        loss = aggregate_loss(
+            loss_mat,
+            mask,
+            config.aggregation,
+            max_new_tokens=config.sampling.max_new_tokens,
+            num_seqs=num_seqs,
+            num_tokens=num_tokens,
+        )
+        if stats is None:
+            return loss
+        tokens = float(mask.sum())
+        stats["tokens"] += tokens
+        if kl is not None:
+            stats["kl"] += float((kl.detach() * mask).sum())
+        stats["loss"] += float(loss.detach())
+        for name in ("clip_frac_low", "clip_frac_high", "ratio_mean"):
+            stats[name] += float(loss_metrics[name]) * tokens
+        if entropy is not None:
+            stats["entropy"] += float((entropy * mask).sum())
+            stats["entropy_tokens"] += tokens
+        return loss
+
+    @torch.no_grad()
+    def _reference_logprobs(self, rollouts: Rollouts, rows: torch.Tensor) -> torch.Tensor:
+        """log π_ref of the completion tokens of ``rows`` (zeros elsewhere), at the sampling temperature."""
+        out = torch.zeros_like(rollouts.logprobs)
+        with self._reference() as reference:
+            for micro in _micro_batches(rollouts, rows, self.config.micro_batch_size):
+                batch = pack_rows(rollouts, micro, self.dist.device)
+                with self._autocast():
+                    logprobs, _ = completion_logprobs(reference, batch, self._share_prompts)
+                out[micro, : batch.width] = (logprobs * batch.mask).cpu()
+        return out
+
+    @contextlib.contextmanager
+    def _reference(self) -> Iterator[Any]:
+        """The frozen reference policy: a separate copy, or the policy with its LoRA adapters off."""
+        if self.ref_model is not None:
+            yield self.ref_model
+        else:
+            with self.policy.disable_adapter():
+                yield self.policy
+
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.policy.parameters() if p.requires_grad]
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    def _checkpoint_due(self) -> bool:
+        if self.checkpoint_dir is None:
+            return False
+        every = self.config.checkpoint_every
+        return self.step_count == self.config.total_steps or (every > 0 and self.step_count % every == 0)
+
+    def save_checkpoint(self) -> Path | None:
+        """Write a checkpoint of the current step (rank 0 writes; every rank's RNG state goes in)."""
+        if self.checkpoint_dir is None:
+            raise ValueError("no checkpoint_dir given")
+        rng_states = all_gather_objects(ckpt.capture_rng_state(), self.dist)
+        model_state = optimizer_state = None
+        if self.config.fsdp and self.dist.enabled:  # GPU-only path, untested here: gather full state dicts
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            model_state, optimizer_state = get_state_dict(self.policy, self.optimizer, options=options)
+        path = None
+        if self.dist.is_main:
+            path = ckpt.save_checkpoint(
+                self.checkpoint_dir,
+                self.step_count,
+                self.policy,
+                self.tokenizer,
+                self.optimizer,
+                self.scheduler,
+                rng_states,
+                config=asdict(self.config),
+                keep=self.config.keep_checkpoints,
+                model_state=model_state,
+                optimizer_state=optimizer_state,
+            )
+        barrier(self.dist)
+        return path
+
+    def resume(self) -> bool:
+        """Load the latest checkpoint, if any: weights, optimizer, scheduler, step and RNG states."""
+        path = ckpt.latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir is not None else None
+        if path is None:
+            return False
+        if self.config.fsdp and self.dist.enabled:
+            raise NotImplementedError("resuming an FSDP run is not implemented; its checkpoints hold full weights")
+        state = ckpt.load_checkpoint(path, self.policy, self.optimizer, self.scheduler)
+        self._sync_rollout_policy()
+        self.step_count = int(state["step"])
+        rng = state["rng"]
+        ckpt.restore_rng_state(rng[self.dist.rank] if self.dist.rank < len(rng) else rng[0])
+        return True
+
+    # --- metrics and records ---------------------------------------------------------------------
+
+    def _metrics(self, ranks: list[dict], update: dict, timing: dict) -> dict:
+        rewards = torch.tensor([r for rank in ranks for r in rank["rewards"]])
+        lengths = torch.tensor([n for rank in ranks for n in rank["lengths"]], dtype=torch.float32)
+        finish = Counter(reason for rank in ranks for reason in rank["finish"])
+        zero_variance = [z for rank in ranks for z in rank["zero_variance"]]
+        tokens, optimizer_steps = max(update["tokens"], 1.0), max(update["optimizer_steps"], 1)
+        wall = sum(timing.values())
+        metrics = {
+            "step": self.step_count,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "loss": update["loss"] / optimizer_steps,
+            "kl": update["kl"] / tokens,
+            "entropy": update["entropy"] / max(update["entropy_tokens"], 1.0),
+            "clip_frac_low": update["clip_frac_low"] / tokens,
+            "clip_frac_high": update["clip_frac_high"] / tokens,
+            "ratio_mean": update["ratio_mean"] / tokens,
+            "grad_norm": update["grad_norm"] / optimizer_steps,
+            "optimizer_steps": update["optimizer_steps"],
+            "reward_mean": rewards.mean().item(),
+            "reward_std": rewards.std().item() if len(rewards) > 1 else 0.0,
+        }
+        metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
+        for name in ranks[0]["per_reward"]:
+            values = torch.tensor([v for rank in ranks for v in rank["per_reward"][name]])
+            metrics[f"reward_{name}_mean"] = values.mean().item()
+            metrics[f"reward_{name}_std"] = values.std().item() if len(values) > 1 else 0.0
+        metrics |= {
+            "frac_zero_variance_groups": sum(zero_variance) / len(zero_variance),
+            "trained_rows": sum(rank["trained"] for rank in ranks),
+            "completion_len_mean": lengths.mean().item(),
+            "completion_len_max": int(lengths.max()),
+            "truncation_rate": finish["length"] / len(lengths),
+            "answer_stop_rate": finish["answer"] / len(lengths),
+            "tokens_per_s": float(lengths.sum()) / wall,
+            "step_time_s": wall,
+            **timing,
+        }
+        return metrics
+
+    def _records(
+        self,
+        rollouts: Rollouts,
+        problems: list[dict],
+        offset: int,
+        rewards: torch.Tensor,
+        per_reward: dict[str, list[float]],
+        advantages: torch.Tensor,
+        trained: torch.Tensor,
+    ) -> list[dict]:
+        records = []
+        lengths = rollouts.completion_lengths.tolist()
+        for i in range(len(rollouts)):
+            problem = problems[int(rollouts.group_index[i])]
+            records.append(
+                {
+                    "step": self.step_count,
+                    "policy_version": self.step_count - 1,  # updates applied to the policy that sampled this
+                    "rank": self.dist.rank,
+                    "problem_id": problem.get("problem_id", problem.get("id")),
+                    "group_index": offset + int(rollouts.group_index[i]),
+                    "sample_index": int(rollouts.sample_index[i]),
+                    "temperature": float(rollouts.temperatures[i]),
+                    "prompt": problem["prompt"],
+                    "completion": rollouts.texts[i],
+                    "prompt_tokens": len(rollouts.prompt_ids[i]),
+                    "completion_tokens": lengths[i],
+                    "finish_reason": rollouts.finish_reasons[i],
+                    "reward": float(rewards[i]),
+                    "rewards": {name: values[i] for name, values in per_reward.items()},
+                    "advantage": float(advantages[i]),
+                    "trained": bool(trained[i]),
+                }
+            )
+        return records
+
+
+@dataclass
+class PackedRows:
+    """Rollout rows ready for a teacher-forced forward: their distinct prompts (left-padded) and
+    their completions (right-padded to the longest, ``width``)."""
+
+    prompt_ids: torch.Tensor  # [prompts, P]
+    prompt_mask: torch.Tensor  # [prompts, P]
+    prompt_index: torch.Tensor  # [rows] which prompt each row continues
+    targets: torch.Tensor  # [rows, width] completion tokens
+    mask: torch.Tensor  # [rows, width] float, 1 on real completion tokens
+    temperatures: torch.Tensor  # [rows]
+
+    @property
+    def width(self) -> int:
+        return self.targets.shape[1]
+
+
+def pack_rows(rollouts: Rollouts, rows: torch.Tensor, device: torch.device | str = "cpu") -> PackedRows:
+    """Pack ``rows`` of ``rollouts``, padded only as much as they need; rows of one group share a prompt."""
+    groups, prompt_index = torch.unique(rollouts.group_index[rows], return_inverse=True)
+    first_row = {int(g): int(r) for g, r in zip(rollouts.group_index[rows].tolist(), rows.tolist())}
+    prompts = [rollouts.prompt_ids[first_row[int(g)]] for g in groups]
+    prompt_width = max(len(p) for p in prompts)
+    prompt_ids = torch.full((len(prompts), prompt_width), rollouts.pad_token_id, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    for j, prompt in enumerate(prompts):
+        prompt_ids[j, prompt_width - len(prompt) :] = torch.tensor(prompt)
+        prompt_mask[j, prompt_width - len(prompt) :] = 1
+    width = int(rollouts.completion_lengths[rows].max())
+    return PackedRows(
+        prompt_ids=prompt_ids.to(device),
+        prompt_mask=prompt_mask.to(device),
+        prompt_index=prompt_index.to(device),
+        targets=rollouts.completion_ids[rows, :width].to(device),
+        mask=rollouts.completion_mask[rows, :width].to(device=device, dtype=torch.float32),
+        temperatures=rollouts.temperatures[rows].to(device),
+    )
+
+
+def completion_logprobs(
+    model: Any, batch: PackedRows, share_prompts: bool = True, prompt_model: Any = None, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log π(o_t | q, o_<t) for every completion token of ``batch`` ([rows, width]), and the
+    entropy of π at each position when asked (no gradient).
+
+    With ``share_prompts`` each distinct prompt goes through the model once and its KV cache
+    (gradient attached) is reused by all of its completions: [prompts, P] + [rows, width - 1]
+    tokens instead of [rows, P + width - 1]. ``prompt_model`` runs that prompt pass (the bare
+    module when ``model`` is DDP-wrapped: DDP then sees one forward per backward). Without it, one
+    forward over [prompt | completion] per row (needed with gradient checkpointing, which drops
+    the cache).
+    """
+    logits_chunks = []
+    if share_prompts:
+        cache = DynamicCache(config=(prompt_model or model).config)
+        positions = (batch.prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
+        out = (prompt_model or model)(
+            input_ids=batch.prompt_ids,
+            attention_mask=batch.prompt_mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits_chunks.append(out.logits[batch.prompt_index])  # predicts the first completion token
+        if batch.width > 1:
+            cache.batch_select_indices(batch.prompt_index)
+            attention_mask = torch.cat([batch.prompt_mask[batch.prompt_index], batch.mask[:, :-1].long()], dim=1)
+            offsets = torch.arange(batch.width - 1, device=positions.device)
+            positions = batch.prompt_mask.sum(dim=1)[batch.prompt_index].unsqueeze(1) + offsets
+            out = model(
+                input_ids=batch.targets[:, :-1],
+                attention_mask=attention_mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits_chunks.append(out.logits)
+    else:
+        input_ids = torch.cat([batch.prompt_ids[batch.prompt_index], batch.targets[:, :-1]], dim=1)
+        attention_mask = torch.cat([batch.prompt_mask[batch.prompt_index], batch.mask[:, :-1].long()], dim=1)
+        positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=batch.width,
+        )
+        logits_chunks.append(out.logits)
+    logprobs, entropy, start = [], [], 0
+    for logits in logits_chunks:
+        targets = batch.targets[:, start : start + logits.shape[1]]
+        chunk_logprobs, chunk_entropy = token_logprobs_and_entropy(logits, targets, batch.temperatures, with_entropy)
+        logprobs.append(chunk_logprobs)
+        entropy.append(chunk_entropy)
+        start += logits.shape[1]
+    return torch.cat(logprobs, dim=1), torch.cat(entropy, dim=1) if with_entropy else None
+
+
+def lr_multiplier(step: int, config: GRPOConfig) -> float:
+    """Linear warmup over ``warmup_steps``, then cosine / linear decay to ``min_lr_ratio`` at ``total_steps``."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    if config.lr_decay == "constant":
+        return 1.0
+    progress = min(1.0, (step - config.warmup_steps) / max(1, config.total_steps - config.warmup_steps))
+    shape = 1.0 - progress if config.lr_decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * shape
+
+
+def _micro_batches(rollouts: Rollouts, rows: torch.Tensor, size: int) -> list[torch.Tensor]:
+    """``rows`` ordered by group and cut into micro-batches, so that a group's rows share a prompt pass."""
+    if len(rows) == 0:
+        return []
+    return list(rows[torch.argsort(rollouts.group_index[rows], stable=True)].split(size))
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only (nanoGPT): not on norms and biases."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+def _reference_model(model: Any, ref_model: Any, config: GRPOConfig, device: torch.device) -> Any:
+    """The frozen reference for the KL term: none when beta = 0 or with LoRA (adapters off), else a
+    copy of the initial policy."""
+    if config.beta == 0 or (ref_model is None and config.lora is not None):
+        return None
+    reference = ref_model if ref_model is not None else copy.deepcopy(model)
+    return reference.to(device).eval().requires_grad_(False)
+
+
+def _apply_lora(model: Any, lora: LoRAConfig) -> Any:
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(
+        model,
+        LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules),
+            task_type="CAUSAL_LM",
+        ),
+    )
+
+
+def _enable_activation_checkpointing(model: Any) -> None:
+    """Recompute each decoder layer's activations in the backward (non-reentrant checkpointing)."""
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _launched_distributed() -> bool:
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1

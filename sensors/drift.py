@@ -1,0 +1,34 @@
+"""Request the retraining job when a drift report crosses a threshold: one run per drift episode."""
+
+import json
+
+from dagster import AssetKey, DefaultSensorStatus, RunRequest, SensorEvaluationContext, SkipReason, sensor
+
+DRIFT_REPORT = AssetKey("drift_report")
+
+
+@sensor(job_name="retraining", minimum_interval_seconds=60, default_status=DefaultSensorStatus.RUNNING,
+        description="Retrains when drift_report flags drift; consecutive drifted reports are one episode, one run.")
+def drift_sensor(context: SensorEvaluationContext):
+    """Walks new ``drift_report`` materializations in order. A drifted report opens an episode (and
+    requests one run, keyed by the episode); further drifted reports belong to it; a clean report
+    closes it. The cursor holds the last storage id read and the open episode."""
+    state = json.loads(context.cursor) if context.cursor else {"after_cursor": None, "episode": None}
+    records = context.instance.fetch_materializations(DRIFT_REPORT, limit=100, cursor=state.get("after_cursor"), ascending=True)
+    requests = []
+    for record in records.records:
+        metadata = record.asset_materialization.metadata if record.asset_materialization else {}
+        drifted = bool(metadata["drifted"].value) if "drifted" in metadata else False
+        if drifted and state["episode"] is None:
+            state["episode"] = record.storage_id
+            reasons = metadata["drift_reasons"].value if "drift_reasons" in metadata else []
+            requests.append(RunRequest(
+                run_key=f"drift-episode-{record.storage_id}",
+                tags={"rlvr/trigger": "drift", "rlvr/drift_episode": str(record.storage_id),
+                      "rlvr/drift_reasons": "; ".join(reasons)[:1000], "rlvr/drift_report_run": record.run_id},
+            ))
+        elif not drifted and "drifted" in metadata:
+            state["episode"] = None
+    state["after_cursor"] = records.cursor if records.records else state.get("after_cursor")
+    context.update_cursor(json.dumps(state))
+    return requests or SkipReason("no new drift episode")

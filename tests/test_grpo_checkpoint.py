@@ -1,0 +1,136 @@
+"""Checkpoints: atomic, complete, and a killed run resumes to the very same weights."""
+
+import os
+
+import pytest
+import torch
+
+import rlvr.grpo.checkpoint as checkpoint_module
+from rlvr.grpo import GRPOConfig, GRPOTrainer, LoRAConfig, export_merged, latest_checkpoint
+from rlvr.policy import load_policy
+from rlvr.rollout import SamplingConfig
+from tiny_policy import COPY_DIGIT_CHARS, char_tokenizer, tiny_llama
+from tiny_policy import COPY_DIGIT_PROBLEMS as PROBLEMS
+from tiny_policy import copy_digit_reward as reward
+
+
+def config(**overrides) -> GRPOConfig:
+    settings = dict(
+        group_size=8,
+        prompts_per_step=6,
+        sampling=SamplingConfig(max_new_tokens=4, temperatures=[0.8, 1.0]),
+        lr=1e-2,
+        warmup_steps=2,
+        total_steps=6,
+        num_iterations=2,
+        num_minibatches=2,
+        micro_batch_size=16,
+        checkpoint_every=2,
+        keep_checkpoints=2,
+        seed=3,
+    )
+    return GRPOConfig(**(settings | overrides))
+
+
+class Killed(Exception):
+    pass
+
+
+def kill_after(step: int):
+    def on_step(current, metrics, records):
+        if current == step:
+            raise Killed
+
+    return on_step
+
+
+def weights(trainer: GRPOTrainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("lora", [None, LoRAConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "lm_head"])])
+def test_killed_run_resumes_to_identical_weights(tmp_path, lora):
+    tokenizer = char_tokenizer(COPY_DIGIT_CHARS)
+    straight = GRPOTrainer(
+        tiny_llama(len(tokenizer), seed=0), tokenizer, config(lora=lora), reward, checkpoint_dir=tmp_path / "a"
+    )
+    straight_history = straight.train(PROBLEMS)
+
+    first = GRPOTrainer(
+        tiny_llama(len(tokenizer), seed=0), tokenizer, config(lora=lora), reward,
+        checkpoint_dir=tmp_path / "b", on_step=kill_after(3),
+    )
+    with pytest.raises(Killed):
+        first.train(PROBLEMS)
+    assert latest_checkpoint(tmp_path / "b").name == "step-000002"  # step 3 finished but was not saved
+
+    # a fresh process: different initial weights, which the checkpoint must overwrite (with LoRA,
+    # the same base model and fresh adapters)
+    fresh = tiny_llama(len(tokenizer), seed=0 if lora else 1)
+    resumed = GRPOTrainer(fresh, tokenizer, config(lora=lora), reward, checkpoint_dir=tmp_path / "b")
+    resumed_history = resumed.train(PROBLEMS)
+    assert [h["step"] for h in resumed_history] == [3, 4, 5, 6]
+    assert [h["reward_mean"] for h in resumed_history] == [h["reward_mean"] for h in straight_history[2:]]
+    assert [h["lr"] for h in resumed_history] == [h["lr"] for h in straight_history[2:]]
+    final, expected = weights(resumed), weights(straight)
+    assert final.keys() == expected.keys()
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
+    assert any(not torch.equal(final[k], weights(first)[k]) for k in expected)  # it did train past the kill
+
+
+def test_checkpoint_layout_is_a_loadable_policy(tmp_path):
+    tokenizer = char_tokenizer(COPY_DIGIT_CHARS)
+    trainer = GRPOTrainer(tiny_llama(len(tokenizer), seed=0), tokenizer, config(), reward, checkpoint_dir=tmp_path)
+    history = trainer.train(PROBLEMS)
+    assert history[-1]["checkpoint"] == str(tmp_path / "step-000006")
+    assert (tmp_path / "latest").read_text() == "step-000006"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000004", "step-000006"]  # keep 2
+    assert {p.name for p in (tmp_path / "step-000006").iterdir()} == {"model", "trainer_state.pt", "meta.json"}
+    model, loaded_tokenizer = load_policy(tmp_path / "step-000006" / "model")
+    assert loaded_tokenizer.padding_side == "left" and loaded_tokenizer("12:").input_ids == tokenizer("12:").input_ids
+    assert all(torch.equal(v, trainer.policy.state_dict()[k]) for k, v in model.state_dict().items())
+    state = torch.load(tmp_path / "step-000006" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 6 and state["config"]["seed"] == 3 and len(state["rng"]) == 1
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    tokenizer = char_tokenizer(COPY_DIGIT_CHARS)
+    model = tiny_llama(len(tokenizer), seed=0)
+    trainer = GRPOTrainer(model, tokenizer, config(total_steps=4), reward, checkpoint_dir=tmp_path)
+    real_save = torch.save
+
+    def failing_save(obj, path, *args, **kwargs):
+        if "step-000004" in str(path):
+            raise OSError("disk full")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.train(PROBLEMS)
+    assert latest_checkpoint(tmp_path).name == "step-000002"
+    assert sorted(os.listdir(tmp_path)) == ["latest", "step-000002"]  # no half-written folder left
+
+
+def test_lora_checkpoint_holds_the_adapter_and_exports_merged_weights(tmp_path):
+    tokenizer = char_tokenizer(COPY_DIGIT_CHARS)
+    lora = LoRAConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "lm_head"])
+    model = tiny_llama(len(tokenizer), seed=0)
+    trainer = GRPOTrainer(model, tokenizer, config(total_steps=2, lora=lora), reward, checkpoint_dir=tmp_path)
+    trainer.train(PROBLEMS)
+    saved = {p.name for p in (tmp_path / "step-000002" / "model").iterdir()}
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= saved and "model.safetensors" not in saved
+
+    export_merged(trainer.policy, tokenizer, tmp_path / "merged")
+    merged, _ = load_policy(tmp_path / "merged")
+    ids = torch.tensor([tokenizer("37:1").input_ids])
+    with torch.no_grad():
+        expected = trainer.policy(input_ids=ids).logits
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)

@@ -1,0 +1,120 @@
+"""GRPO learns a verifiable toy task from scratch, and would not with the advantage's sign flipped.
+
+Task: the prompt is ``"dd:"`` for a digit d; the reward is 1 when the completion starts with d.
+A randomly initialised 2-layer model starts near chance (about 1/14) and must learn to read the
+prompt to do better.
+"""
+
+import copy
+
+import pytest
+import torch
+
+import rlvr.grpo.trainer as trainer_module
+from rlvr.grpo import GRPOConfig, GRPOTrainer, LoRAConfig
+from rlvr.rollout import SamplingConfig
+from tiny_policy import COPY_DIGIT_CHARS, char_tokenizer, copy_digit_reward, tiny_llama
+from tiny_policy import COPY_DIGIT_PROBLEMS as PROBLEMS
+
+
+def config(**overrides) -> GRPOConfig:
+    settings = dict(
+        group_size=16,
+        prompts_per_step=16,
+        sampling=SamplingConfig(max_new_tokens=3, temperatures=[1.0]),
+        lr=1e-2,
+        lr_decay="constant",
+        total_steps=30,
+        micro_batch_size=128,
+        seed=0,
+    )
+    return GRPOConfig(**(settings | overrides))
+
+
+def train(cfg: GRPOConfig, seed: int = 0) -> list[dict]:
+    tokenizer = char_tokenizer(COPY_DIGIT_CHARS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: threads only add overhead
+    try:
+        return GRPOTrainer(tiny_llama(len(tokenizer), seed=seed), tokenizer, cfg, copy_digit_reward).train(PROBLEMS)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def mean_reward(history: list[dict], steps: slice) -> float:
+    values = [h["reward_mean"] for h in history[steps]]
+    return sum(values) / len(values)
+
+
+def test_grpo_raises_reward_on_toy_task():
+    history = train(config(total_steps=40))
+    assert mean_reward(history, slice(0, 3)) < 0.2
+    assert mean_reward(history, slice(-5, None)) > 0.8
+    reached = next(h["step"] for h in history if h["reward_mean"] > 0.6)
+    assert reached <= 25
+    last = history[-1]
+    assert last["reward_copy_digit_mean"] == last["reward_mean"]
+    assert last["entropy"] < history[0]["entropy"]
+
+
+def test_flipped_advantage_does_not_learn(monkeypatch):
+    flipped = lambda *args, **kwargs: -group_advantages(*args, **kwargs)  # noqa: E731
+    group_advantages = trainer_module.group_advantages
+    monkeypatch.setattr(trainer_module, "group_advantages", flipped)
+    history = train(config(total_steps=20))
+    assert mean_reward(history, slice(-5, None)) < 0.05
+
+
+# LoRA on a random model learns slower: the adapters must also reach the (random) output layer
+LORA = LoRAConfig(rank=8, alpha=16, target_modules=["q_proj", "v_proj", "lm_head"])
+
+
+@pytest.mark.parametrize(
+    "overrides, final_reward",
+    [
+        (dict(aggregation="token-mean", eps_high=0.28), 0.6),
+        (dict(aggregation="seq-mean-token-sum-norm", scale_rewards=False), 0.6),
+        (dict(loss_type="gspo", eps_low=3e-4, eps_high=4e-4, num_iterations=2), 0.6),
+        (dict(beta=0.01, num_iterations=2, num_minibatches=2, micro_batch_size=64), 0.6),
+        (dict(lora=LORA, lr=3e-2, beta=0.01), 0.25),  # reference = the policy with adapters off
+        (dict(gradient_checkpointing=True, micro_batch_size=32), 0.6),
+        (dict(compute_dtype="bfloat16"), 0.6),
+    ],
+    ids=["dapo-token-mean", "dr-grpo", "gspo-mu2", "kl-mu2-minibatches", "lora-kl", "grad-checkpointing", "bf16"],
+)
+def test_objective_variants_learn(overrides, final_reward):
+    history = train(config(**overrides))
+    assert mean_reward(history, slice(0, 3)) < 0.15
+    assert mean_reward(history, slice(-5, None)) > final_reward
+    if overrides.get("beta"):
+        assert max(h["kl"] for h in history) > 0
+    if overrides.get("num_iterations", 1) > 1:
+        assert history[-1]["optimizer_steps"] == overrides["num_iterations"] * overrides.get("num_minibatches", 1)
+
+
+def test_rows_without_signal_cost_no_update():
+    tokenizer = char_tokenizer(COPY_DIGIT_CHARS)
+    model = tiny_llama(len(tokenizer), seed=0)
+    before = copy.deepcopy(model.state_dict())
+    constant = lambda completions, problems: ([1.0] * len(completions), {})  # noqa: E731
+    trainer = GRPOTrainer(model, tokenizer, config(total_steps=2), constant)
+    calls = []
+    trainer.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    history = trainer.train(PROBLEMS)
+    assert [h["frac_zero_variance_groups"] for h in history] == [1.0, 1.0]
+    assert [h["trained_rows"] for h in history] == [0, 0] and history[-1]["optimizer_steps"] == 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    generation_forwards = 2 * 3  # per step: prefill + 2 decode steps, no update forward
+    assert len(calls) == generation_forwards
+
+    # truncated completions are dropped from the update when masked
+    seen = []
+    cfg = config(total_steps=1, mask_truncated=True)
+    trainer = GRPOTrainer(model, tokenizer, cfg, copy_digit_reward, on_step=lambda *args: seen.append(args))
+    metrics = trainer.train(PROBLEMS)[0]
+    (step, logged, records), = seen
+    assert step == 1 and logged is metrics and len(records) == 16 * 16
+    truncated = [r for r in records if r["finish_reason"] == "length"]
+    assert 0 < len(truncated) < len(records) and metrics["truncation_rate"] == len(truncated) / len(records)
+    assert not any(r["trained"] for r in truncated)
+    assert metrics["trained_rows"] == sum(r["trained"] for r in records) > 0

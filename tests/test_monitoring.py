@@ -1,0 +1,120 @@
+"""Traffic ingestion into a real DuckDB file, drift reports on fixtures with and without drift, and
+the sensors driven through Dagster's sensor testing API."""
+
+import json
+import random
+
+import duckdb
+import pytest
+from dagster import DagsterInstance, RunRequest, SkipReason, build_sensor_context, materialize
+from dagster_duckdb import DuckDBResource
+
+from rlvr.traffic import TrafficLog
+from rlvr_assets import data, monitoring
+from sensors import drift_sensor, traffic_sensor
+
+OFF_TOPIC = [
+    "Write a haiku about the autumn sea and the moon over the harbor.",
+    "Translate 'where is the train station' into French, German and Italian.",
+    "Summarize the plot of Hamlet in two sentences for a school newsletter.",
+    "Explain how a Python decorator works and show an example with functools.wraps.",
+    "What is the capital of Australia, and why is it not Sydney?",
+    "Draft a polite email declining a meeting invitation next Tuesday afternoon.",
+]
+
+
+def traffic_record(prompt, well_formed=True, vote_share=0.75, model_version="v1"):
+    completion = "Step one.\n#### 12" if well_formed else "I think the answer is twelve."
+    return {
+        "timestamp": "2026-11-22T10:00:00.000+00:00", "request_id": f"r{random.random()}", "endpoint": "/solve",
+        "model_version": model_version, "status": 200, "latency_s": 0.3, "prompt": prompt, "answer": "12",
+        "answers": ["12"] * 4, "vote_share": vote_share, "completions": [completion] * 4,
+        "completion_tokens": [9] * 4, "finish_reasons": ["answer"] * 4,
+    }
+
+
+def write_traffic(folder, prompts, **kwargs):
+    log = TrafficLog(folder)
+    for prompt in prompts:
+        log.append(traffic_record(prompt, **kwargs))
+
+
+@pytest.fixture
+def env(tmp_path, gsm8k_dir, monkeypatch):
+    monkeypatch.setenv("RLVR_HOME", str(tmp_path))
+    traffic = tmp_path / "traffic"
+    resources = {"duckdb": DuckDBResource(database=str(tmp_path / "rlvr.duckdb"))}
+    with DagsterInstance.ephemeral() as instance:
+        assert materialize([data.gsm8k_problems], resources=resources, instance=instance,
+                           run_config={"ops": {"gsm8k_problems": {"config": {"local_dir": str(gsm8k_dir), "limit": 400}}}}).success
+        yield {"instance": instance, "resources": resources, "traffic": traffic, "db": tmp_path / "rlvr.duckdb",
+               "questions": [json.loads(l)["question"] for l in (gsm8k_dir / "test.jsonl").read_text().splitlines()]}
+
+
+def ingest_and_report(env, **drift_config):
+    config = {"ops": {"serving_traffic": {"config": {"folder": str(env["traffic"])}},
+                      "drift_report": {"config": {"window": 120, "min_requests": 20, "reference_size": 400, **drift_config}}}}
+    result = materialize([monitoring.serving_traffic, monitoring.drift_report], resources=env["resources"],
+                         run_config=config, instance=env["instance"], selection=None)
+    assert result.success
+    return {k: v.value for k, v in result.asset_materializations_for_node("drift_report")[0].metadata.items()}
+
+
+def count_rows(env):
+    with duckdb.connect(str(env["db"]), read_only=True) as conn:
+        return conn.execute("SELECT count(*) FROM serving_traffic").fetchone()[0]
+
+
+def test_ingestion_is_incremental_and_survives_malformed_lines(env):
+    write_traffic(env["traffic"], env["questions"][:30])
+    log_file = next(env["traffic"].glob("traffic-*.jsonl"))
+    with open(log_file, "a") as f:
+        f.write("this is not json\n")
+        f.write(json.dumps(traffic_record(env["questions"][30])) + "\n")
+        f.write('{"prompt": "half a li')  # the service is mid-write
+    config = {"ops": {"serving_traffic": {"config": {"folder": str(env["traffic"])}}}}
+    first = materialize([monitoring.serving_traffic], resources=env["resources"], run_config=config, instance=env["instance"])
+    meta = first.asset_materializations_for_node("serving_traffic")[0].metadata
+    assert meta["new_rows"].value == 31 and meta["malformed_lines"].value == 1
+    assert count_rows(env) == 31
+    materialize([monitoring.serving_traffic], resources=env["resources"], run_config=config, instance=env["instance"])
+    assert count_rows(env) == 31  # re-run: no duplicates
+    with open(log_file, "a") as f:
+        f.write('ne", "status": 200}\n')
+    materialize([monitoring.serving_traffic], resources=env["resources"], run_config=config, instance=env["instance"])
+    assert count_rows(env) == 32  # the completed line, once
+
+
+def test_clean_traffic_does_not_drift_and_requests_no_run(env):
+    write_traffic(env["traffic"], env["questions"][:120])
+    report = ingest_and_report(env)
+    assert report["drifted"] is False, report["metrics"]
+    assert report["requests"] == 120 and "psi_num_words" in report and "mmd" in report
+    context = build_sensor_context(instance=env["instance"])
+    assert isinstance(drift_sensor(context), SkipReason)
+
+
+def test_drifted_traffic_requests_exactly_one_run_per_episode(env):
+    prompts = [f"{OFF_TOPIC[i % len(OFF_TOPIC)]} (request {i})" for i in range(120)]
+    write_traffic(env["traffic"], prompts, well_formed=False)
+    report = ingest_and_report(env)
+    assert report["drifted"] is True
+    assert any(reason.startswith(("psi/", "ks/", "mmd", "mean_cosine")) for reason in report["drift_reasons"])
+    context = build_sensor_context(instance=env["instance"])
+    requests = drift_sensor(context)
+    assert len(requests) == 1 and isinstance(requests[0], RunRequest)
+    assert requests[0].tags["rlvr/trigger"] == "drift" and requests[0].tags["rlvr/drift_reasons"]
+    # the same episode goes on: a second drifted report requests nothing new
+    write_traffic(env["traffic"], prompts[:10], well_formed=False)
+    assert ingest_and_report(env)["drifted"] is True
+    again = build_sensor_context(instance=env["instance"], cursor=context.cursor)
+    assert isinstance(drift_sensor(again), SkipReason)
+
+
+def test_traffic_sensor_fires_only_when_the_folder_grows(env, monkeypatch):
+    context = build_sensor_context(instance=env["instance"])
+    assert isinstance(traffic_sensor(context), SkipReason)
+    write_traffic(env["traffic"], env["questions"][:3])
+    request = traffic_sensor(context)
+    assert isinstance(request, RunRequest) and request.job_name in (None, "monitoring")
+    assert isinstance(traffic_sensor(build_sensor_context(instance=env["instance"], cursor=context.cursor)), SkipReason)

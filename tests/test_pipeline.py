@@ -1,0 +1,113 @@
+"""End to end on a tiny policy: data -> base -> GRPO -> evaluation -> promotion gate -> Bento,
+real DuckDB, model store, MLflow store and BentoML store under a temporary RLVR_HOME."""
+
+import importlib.metadata
+
+import duckdb
+import pytest
+from dagster import AssetKey, DagsterInstance, materialize
+from dagster_duckdb import DuckDBResource
+
+from resources import ComputeResource, MLflowResource, ModelStore
+from resources.tracking import CHAMPION, POLICY_VERSION_TAG
+from rlvr_assets import data, evaluation, models, registry, serving, training
+
+TRAINING = [data.gsm8k_problems, models.base_policy, training.grpo_training, evaluation.baseline_eval,
+            evaluation.eval_report, registry.champion_policy]
+PROTOCOL = {"limit": 4, "max_new_tokens": 8, "batch_rows": 8}
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLVR_HOME", str(tmp_path))
+    monkeypatch.delenv("BENTOML_HOME", raising=False)
+    return tmp_path
+
+
+def resources_for(home):
+    return {
+        "duckdb": DuckDBResource(database=str(home / "rlvr.duckdb")),
+        "model_store": ModelStore(root=str(home / "models")),
+        "mlflow": MLflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}", artifact_location=str(home / "mlartifacts")),
+        "compute": ComputeResource(device="cpu"),
+    }
+
+
+def run_config(gsm8k_dir, model_dir, steps=2, init_from="base", seed=0):
+    return {"ops": {
+        "gsm8k_problems": {"config": {"local_dir": str(gsm8k_dir), "limit": 12}},
+        "base_policy": {"config": {"model": str(model_dir)}},
+        "grpo_training": {"config": {"init_from": init_from, "overrides": {
+            "total_steps": steps, "prompts_per_step": 2, "group_size": 2, "seed": seed, "checkpoint_every": 1,
+            "sampling": {"max_new_tokens": 8}}}},
+        "baseline_eval": {"config": PROTOCOL},
+        "eval_report": {"config": PROTOCOL},
+    }}
+
+
+def test_training_path_end_to_end(home, gsm8k_dir, tiny_llama_dir):
+    res = resources_for(home)
+    with DagsterInstance.ephemeral() as instance:
+        result = materialize(TRAINING, resources=res, run_config=run_config(gsm8k_dir, tiny_llama_dir), instance=instance)
+        assert result.success
+        with duckdb.connect(str(home / "rlvr.duckdb"), read_only=True) as conn:
+            assert conn.execute("SELECT count(*) FROM rollouts").fetchone()[0] == 2 * 2 * 2  # steps x prompts x G
+            names = {r[0] for r in conn.execute("SELECT DISTINCT reward_name FROM rewards").fetchall()}
+            assert names == {"math_answer", "format", "total"}
+            roles = dict(conn.execute("SELECT policy_role, count(*) FROM eval_results GROUP BY 1").fetchall())
+            assert roles == {"base": 4, "trained": 4}
+        trained = res["model_store"].latest("grpo_checkpoint")
+        assert trained.manifest["steps"] == 2 and trained.manifest["parent_version"] == res["model_store"].latest("base_policy").version
+        report = result.asset_materializations_for_node("eval_report")[0].metadata
+        assert "vs base" in report["report"].value and "![accuracy.png]" in report["report"].value
+        client = res["mlflow"].client()
+        training_run = client.get_run(trained.manifest["mlflow_run_id"])
+        assert len(client.get_metric_history(training_run.info.run_id, "reward_mean")) == 2
+        artifacts = {a.path for a in client.list_artifacts(training_run.info.run_id)}
+        assert {"checkpoint", "sample_completions.json"} <= artifacts
+        champion = res["mlflow"].registry().version_for(CHAMPION)
+        assert champion.tags[POLICY_VERSION_TAG] == trained.version  # first policy: promoted, no champion before
+        gate = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+        assert gate["promotion_gate"] is True
+
+        # the baseline is reused, not recomputed, when only the trained policy changes
+        again = materialize([evaluation.baseline_eval], resources=res, run_config={"ops": {"baseline_eval": {"config": PROTOCOL}}}, instance=instance)
+        assert again.asset_materializations_for_node("baseline_eval")[0].metadata["reused"].value is True
+
+
+def test_bento_is_built_once_per_champion(home, gsm8k_dir, tiny_llama_dir):
+    res = resources_for(home)
+    with DagsterInstance.ephemeral() as instance:
+        assert materialize(TRAINING, resources=res, run_config=run_config(gsm8k_dir, tiny_llama_dir, steps=1), instance=instance).success
+        installed = {d.metadata["Name"] for d in importlib.metadata.distributions()}
+        first = materialize([serving.bento], resources=res, instance=instance)
+        assert {d.metadata["Name"] for d in importlib.metadata.distributions()} == installed  # the build installed nothing
+        meta = first.asset_materializations_for_node("bento")[0].metadata
+        assert meta["bento_tag"].value.startswith("rlvr_policy:") and meta["size_mb"].value > 0
+        assert "bentoml serve" in meta["serve_command"].value
+        second = materialize([serving.bento], resources=res, instance=instance)
+        assert second.success and not second.asset_materializations_for_node("bento")  # champion unchanged: no new Bento
+        assert instance.get_latest_materialization_event(AssetKey("bento")).run_id == first.run_id
+
+
+def test_grpo_on_the_embedded_model(home, gsm8k_dir, embedded_policy, session_store):
+    """rollouts -> rewards -> grpo_checkpoint on the real SmolLM2-135M with the local GSM8k source."""
+    res = {**resources_for(home), "model_store": session_store}
+    config = {"ops": {
+        "gsm8k_problems": {"config": {"local_dir": str(gsm8k_dir), "limit": 20}},
+        "grpo_training": {"config": {"overrides": {
+            "total_steps": 1, "prompts_per_step": 2, "group_size": 4, "sampling": {"max_new_tokens": 48}}}},
+    }}
+    with DagsterInstance.ephemeral() as instance:
+        result = materialize([data.gsm8k_problems, training.grpo_training], resources=res, run_config=config, instance=instance)
+    assert result.success
+    with duckdb.connect(str(home / "rlvr.duckdb"), read_only=True) as conn:
+        rows = conn.execute("SELECT completion, finish_reason, completion_tokens FROM rollouts").fetchall()
+        totals = [r[0] for r in conn.execute("SELECT value FROM rewards WHERE reward_name = 'total'").fetchall()]
+    assert len(rows) == 8 and len(totals) == 8 and all(0 <= t <= 1 for t in totals)
+    assert all(text.strip() and tokens <= 48 for text, _, tokens in rows)  # real text from the real model
+    trained = session_store.latest("grpo_checkpoint")
+    assert trained.manifest["base_policy_version"] == embedded_policy.version
+    assert trained.manifest["data_source"] == "local" and trained.manifest["steps"] == 1
+    metadata = result.asset_materializations_for_node("grpo_training")
+    assert {m.asset_key.to_user_string() for m in metadata} == {"rollouts", "rewards", "grpo_checkpoint"}

@@ -1,0 +1,189 @@
+"""Rollout engine: shapes, padding, seeds, temperatures, finish reasons, row dropping, HF parity."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig
+
+from rlvr.rollout import Rollouts, SamplingConfig, _top_p_filter, generate_rollouts, sample_tokens, stream_rollouts
+from tiny_policy import char_tokenizer, tiny_llama
+
+PROMPTS = ["what is 12+30?", "7", "count: a b c d e f"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_llama(len(tokenizer), seed=0)
+
+
+def full_forward_logprobs(model, tokenizer, rollouts: Rollouts) -> torch.Tensor:
+    """Log-probs of each completion token recomputed by one unpadded forward per row."""
+    out = torch.zeros_like(rollouts.logprobs)
+    for row, (prompt, completion) in enumerate(zip(rollouts.prompt_ids, rollouts.completion_token_lists())):
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+        temperature = float(rollouts.temperatures[row]) or 1.0
+        logprobs = torch.log_softmax(logits / temperature, dim=-1)
+        out[row, : len(completion)] = logprobs.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+    return out
+
+
+def test_shapes_and_bookkeeping(model, tokenizer):
+    config = SamplingConfig(max_new_tokens=12, temperatures=[0.5, 1.0, 0.0], stop_at_final_answer=False)
+    r = generate_rollouts(model, tokenizer, PROMPTS, num_samples=4, config=config)
+    n = len(PROMPTS) * 4
+    assert len(r) == n and r.completion_ids.shape == r.logprobs.shape == r.completion_mask.shape
+    assert r.completion_ids.shape[1] <= 12
+    assert r.group_index.tolist() == [i // 4 for i in range(n)]
+    assert r.sample_index.tolist() == [i % 4 for i in range(n)]
+    assert r.temperatures.tolist() == [[0.5, 1.0, 0.0, 0.5][i % 4] for i in range(n)]
+    assert r.prompt_ids[5] == tokenizer(PROMPTS[1]).input_ids
+    lengths = r.completion_lengths
+    assert ((r.completion_mask.cumsum(1) <= lengths[:, None]) | (r.completion_mask == 0)).all()  # right-padded
+    assert (r.logprobs[r.completion_mask == 0] == 0).all() and (r.logprobs[r.completion_mask == 1] < 0).all()
+    assert (r.completion_ids[r.completion_mask == 0] == tokenizer.pad_token_id).all()
+    for row in range(n):
+        assert r.finish_reasons[row] == ("length" if lengths[row] == 12 else "eos")
+        assert r.texts[row] == tokenizer.decode(r.completion_token_lists()[row], skip_special_tokens=True)
+    assert not r.completion_ids.is_inference() and not r.logprobs.is_inference()
+
+
+def test_left_padding_gives_same_greedy_tokens_and_logprobs(model, tokenizer):
+    config = SamplingConfig(max_new_tokens=10, temperatures=[0.0], stop_at_final_answer=False)
+    batch = generate_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=config)
+    for i, prompt in enumerate(PROMPTS):
+        alone = generate_rollouts(model, tokenizer, [prompt], num_samples=1, config=config)
+        n = int(alone.completion_lengths[0])
+        assert torch.equal(batch.completion_ids[2 * i, :n], alone.completion_ids[0, :n])
+        assert torch.equal(batch.completion_ids[2 * i + 1, :n], alone.completion_ids[0, :n])
+        torch.testing.assert_close(batch.logprobs[2 * i, :n], alone.logprobs[0, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_matches_hf_generate(model, tokenizer):
+    config = SamplingConfig(max_new_tokens=15, temperatures=[0.0], stop_at_final_answer=False, stop_token_ids=[1])
+    ours = generate_rollouts(model, tokenizer, PROMPTS, num_samples=1, config=config)
+    enc = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    hf = model.generate(**enc, max_new_tokens=15, do_sample=False, eos_token_id=1, pad_token_id=0)
+    hf = hf[:, enc.input_ids.shape[1] :]
+    for row in range(len(PROMPTS)):
+        n = int(ours.completion_lengths[row])
+        assert hf[row, :n].tolist() == ours.completion_ids[row, :n].tolist()
+
+
+def test_logprobs_follow_each_rows_temperature(model, tokenizer):
+    config = SamplingConfig(max_new_tokens=8, temperatures=[0.3, 1.0, 2.0, 0.0], top_p=0.9, seed=3)
+    r = generate_rollouts(model, tokenizer, PROMPTS[:2], num_samples=4, config=config)
+    recomputed = full_forward_logprobs(model, tokenizer, r)
+    torch.testing.assert_close(r.logprobs, recomputed, atol=1e-4, rtol=1e-4)
+    at_temperature_one = full_forward_logprobs(model, tokenizer, Rollouts(**{**vars(r), "temperatures": torch.ones(8)}))
+    differs = ~torch.isclose(r.logprobs, at_temperature_one, atol=1e-3).all(dim=1)
+    assert differs.tolist() == [True, False, True, False] * 2  # T = 0.3 and 2 rows used their temperature
+    greedy_alone = generate_rollouts(model, tokenizer, PROMPTS[:2], 1, SamplingConfig(8, [0.0]))
+    assert r.completion_token_lists()[3::4] == greedy_alone.completion_token_lists()
+
+
+def test_seeded_sampling_is_reproducible(model, tokenizer):
+    config = SamplingConfig(max_new_tokens=10, temperatures=[1.0], seed=7)
+    a = generate_rollouts(model, tokenizer, PROMPTS, num_samples=3, config=config)
+    b = generate_rollouts(model, tokenizer, PROMPTS, num_samples=3, config=config)
+    c = generate_rollouts(model, tokenizer, PROMPTS, num_samples=3, config=SamplingConfig(10, [1.0], seed=8))
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+    assert len(set(a.texts[:3])) > 1  # samples of one group differ
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    probs = torch.tensor([[0.05, 0.5, 0.15, 0.3]])
+    assert torch.equal(_top_p_filter(probs.clone(), 0.7), torch.tensor([[0.0, 0.5, 0.0, 0.3]]))
+    assert torch.equal(_top_p_filter(probs.clone(), 0.5), torch.tensor([[0.0, 0.5, 0.0, 0.0]]))
+    # a tiny nucleus samples the argmax but reports the untruncated log-prob
+    logits = torch.log(probs)
+    generator = torch.Generator().manual_seed(0)
+    tokens, logprobs = sample_tokens(logits, torch.tensor([1.0]), top_p=1e-6, generator=generator)
+    assert tokens.tolist() == [1]
+    torch.testing.assert_close(logprobs, torch.log(torch.tensor([0.5])))
+
+
+def test_micro_batches_stream_the_same_rollouts(model, tokenizer):
+    config = SamplingConfig(max_new_tokens=8, temperatures=[0.0], stop_at_final_answer=False)
+    whole = generate_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=config)
+    rows_per_forward = []
+    count_rows = lambda module, args, kwargs: rows_per_forward.append(kwargs["input_ids"].shape[0])  # noqa: E731
+    hook = model.register_forward_pre_hook(count_rows, with_kwargs=True)
+    try:
+        config.max_batch_rows = 4
+        chunks = list(stream_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=config))
+    finally:
+        hook.remove()
+    assert [len(c) for c in chunks] == [4, 2] and max(rows_per_forward) <= 4
+    assert torch.cat([c.group_index for c in chunks]).tolist() == whole.group_index.tolist()
+    joined = generate_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=config)
+    assert torch.equal(joined.completion_ids, whole.completion_ids)
+
+
+class ScriptedLM(torch.nn.Module):
+    """A fake causal LM that writes ``scripts[c]`` after a prompt ending in character ``c``.
+
+    Its per-row state (which script, how far along) rides in the KV cache, so it survives the
+    engine's row dropping only if cache rows are selected correctly. ``rows_per_forward`` records
+    the batch size of every forward call.
+    """
+
+    def __init__(self, tokenizer, scripts: dict[str, str]):
+        super().__init__()
+        vocab = len(tokenizer)
+        self.config = LlamaConfig(vocab_size=vocab, num_hidden_layers=1, hidden_size=8, num_attention_heads=1)
+        self.lm_head = torch.nn.Linear(1, vocab, bias=False)
+        width = max(len(tokenizer(s).input_ids) for s in scripts.values()) + 1
+        self.scripts = torch.full((vocab, width), tokenizer.eos_token_id)
+        for last_char, text in scripts.items():
+            ids = tokenizer(text).input_ids
+            self.scripts[tokenizer.convert_tokens_to_ids(last_char), : len(ids)] = torch.tensor(ids)
+        self.rows_per_forward: list[int] = []
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, input_ids, past_key_values: DynamicCache, **kwargs):
+        rows, length = input_ids.shape
+        self.rows_per_forward.append(rows)
+        if past_key_values.get_seq_length() == 0:
+            script, step = input_ids[:, -1], torch.zeros(rows, dtype=torch.long)
+        else:
+            state = past_key_values.layers[0].keys[:, 0, -1].long()
+            script, step = state[:, 0], state[:, 1] + 1
+        state = torch.stack([script, step], dim=1).float()[:, None, None, :].expand(rows, 1, length, 2)
+        past_key_values.update(state, state, layer_idx=0)
+        logits = torch.full((rows, 1, self.scripts.shape[0]), -1e4)
+        logits[torch.arange(rows), 0, self.scripts[script, step.clamp(max=self.scripts.shape[1] - 1)]] = 0.0
+        return SimpleNamespace(logits=logits, past_key_values=past_key_values)
+
+
+def test_finish_reasons_and_row_dropping(tokenizer):
+    scripts = {
+        "a": "hello",  # then eos
+        "b": "so 6*7\n#### 42\nand more text",  # stops after the answer line
+        "c": "no newline ever " * 3,  # runs out of budget
+        "d": "#### 7",  # eos right after the answer
+    }
+    fake = ScriptedLM(tokenizer, scripts)
+    config = SamplingConfig(max_new_tokens=30, temperatures=[1.0, 0.0])
+    r = generate_rollouts(fake, tokenizer, ["xa", "xb", "xc", "xd"], num_samples=2, config=config)
+    assert r.finish_reasons == ["eos", "eos", "answer", "answer", "length", "length", "answer", "answer"]
+    assert r.texts[::2] == ["hello", "so 6*7\n#### 42\n", scripts["c"][:30], "#### 7"]
+    assert r.completion_lengths[::2].tolist() == [6, 15, 30, 7]  # the end token is part of the completion
+    # one prefill of 4 prompts, then 8 rows; rows leave as they finish and stop costing forwards
+    rows = fake.rows_per_forward
+    assert rows[:2] == [4, 8] and rows[-1] == 2 and len(rows) == 30
+    assert sum(rows[1:]) == sum(n - 1 for n in r.completion_lengths.tolist())
+
+    config = SamplingConfig(max_new_tokens=30, stop_at_final_answer=False)
+    no_stop = generate_rollouts(fake, tokenizer, ["xb"], 1, config)
+    assert no_stop.finish_reasons == ["eos"] and no_stop.texts[0] == scripts["b"]

@@ -1,0 +1,56 @@
+"""Tiny policies for mechanics tests: a character-level tokenizer and a 2-layer Llama built from a config."""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIALS = ["<pad>", "<eos>", "<unk>"]  # ids 0, 1, 2
+CHARS = "0123456789abcdefghijklmnopqrstuvwxyz #=+-*/:?.,\n"
+
+
+def char_tokenizer(chars: str = CHARS) -> PreTrainedTokenizerFast:
+    """One token per character; pad 0, eos 1; left padding as in rlvr.policy.load_policy."""
+    vocab = {token: i for i, token in enumerate(SPECIALS + list(dict.fromkeys(chars)))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens(SPECIALS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
+
+
+def tiny_llama(vocab_size: int, seed: int = 0, hidden_size: int = 64, num_layers: int = 2) -> LlamaForCausalLM:
+    """A randomly initialised 2-layer Llama (sdpa attention), deterministic given ``seed``."""
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=2 * hidden_size,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = 1
+    return model.eval()
+
+
+# A verifiable toy task: the prompt is "dd:" for a digit d; reward 1 when the completion starts with d.
+COPY_DIGIT_CHARS = "0123456789:"
+COPY_DIGIT_PROBLEMS = [{"prompt": f"{d}{d}:", "digit": str(d), "problem_id": f"copy-{d}"} for d in range(10)]
+
+
+def copy_digit_reward(completions: list[str], problems: list[dict]) -> tuple[list[float], dict[str, list[float]]]:
+    """The GRPO reward callback for the toy task: (totals, {reward name: values})."""
+    correct = [1.0 if text.startswith(p["digit"]) else 0.0 for text, p in zip(completions, problems)]
+    return correct, {"copy_digit": correct}
