@@ -22,9 +22,12 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@
 
-run: setup
-	mkdir -p $(DAGSTER_HOME)
-	$(BIN)/dagster asset materialize -m rlvr_assets.definitions --select '*'
+# The Dagster instance: local storage under $(DAGSTER_HOME), telemetry off (these machines are offline).
+$(DAGSTER_HOME)/dagster.yaml:
+	mkdir -p $(DAGSTER_HOME) && printf 'telemetry:\n  enabled: false\n' > $@
+
+run: setup $(DAGSTER_HOME)/dagster.yaml
+	$(BIN)/dagster job execute -m rlvr_assets.definitions -j rlvr_pipeline
 	$(BIN)/python -m rlvr_assets.summary
 
 # Debian's chromium (the UI test drives it with Playwright) and prometheus (promtool checks the
@@ -39,8 +42,7 @@ test-tools:
 test: setup test-tools
 	$(BIN)/python -m pytest -q tests
 
-ui: setup
-	mkdir -p $(DAGSTER_HOME)
+ui: setup $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/dagster dev -w workspace.yaml
 
 clean:

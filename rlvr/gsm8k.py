@@ -6,7 +6,9 @@ Sources:
 * ``hub``: ``datasets.load_dataset("openai/gsm8k", "main")`` (needs the network);
 * ``gsm_symbolic``: reasoning-gym's offline generator. Its templates were made from the GSM8k
   *test* split, so a policy trained on it must never be evaluated on GSM8k test
-  (:func:`check_no_contamination`).
+  (:func:`check_no_contamination`);
+* ``reasoning_gym``: any other reasoning-gym task with numeric answers (e.g. ``chain_sum``), for
+  problems on which a small policy already has some success and GRPO a learning signal.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Iterable
 
 from rlvr.answers import count_reasoning_steps, normalize_answer, parse_number, split_gsm8k_answer
 
-SOURCES = ("local", "hub", "gsm_symbolic")
+SOURCES = ("local", "hub", "gsm_symbolic", "reasoning_gym")
 SPLITS = ("train", "test")
 OFFICIAL_COUNTS = {"train": 7473, "test": 1319}
 
@@ -137,21 +139,27 @@ def load_hub(dataset: str = "openai/gsm8k", config: str = "main", limit: int | N
     return problems
 
 
-def generate_gsm_symbolic(train_size: int, test_size: int, seed: int = 0) -> list[Problem]:
-    """Generate problems offline with reasoning-gym's ``gsm_symbolic`` task.
+def generate_reasoning_gym(
+    task: str, train_size: int, test_size: int, seed: int = 0, task_config: dict | None = None
+) -> list[Problem]:
+    """Generate problems offline with a reasoning-gym task whose answers are numbers.
 
     The two splits come from different seeds; a generated question already taken (by either
     split) is skipped and generation continues, so each split gets exactly its size and the splits
-    never overlap.
+    never overlap. Tasks without a worked solution get an empty ``solution`` (0 steps).
     """
     import reasoning_gym
 
     if train_size < 1 or test_size < 1:
-        raise DataSourceError("gsm_symbolic needs train_size and test_size of at least 1")
+        raise DataSourceError(f"{task} needs train_size and test_size of at least 1")
+    source = "gsm_symbolic" if task == "gsm_symbolic" else f"reasoning_gym:{task}"
     problems: list[Problem] = []
     seen: set[str] = set()
     for split, size, split_seed in (("train", train_size, seed), ("test", test_size, seed + 1_000_003)):
-        dataset = reasoning_gym.create_dataset("gsm_symbolic", size=4 * size + 16, seed=split_seed)
+        try:
+            dataset = reasoning_gym.create_dataset(task, size=4 * size + 16, seed=split_seed, **(task_config or {}))
+        except Exception as err:  # noqa: BLE001 - unknown task or bad task config, named in one message
+            raise DataSourceError(f"reasoning-gym task {task!r} with config {task_config or {}}: {err}") from None
         index = 0
         for entry in dataset:
             if index == size:
@@ -161,12 +169,17 @@ def generate_gsm_symbolic(train_size: int, test_size: int, seed: int = 0) -> lis
                 continue
             seen.add(key)
             cot = entry["metadata"].get("answer_cot") or f"#### {entry['answer']}"
-            where = f"gsm_symbolic {split} item {entry['metadata'].get('source_index')}"
-            problems.append(make_problem(entry["question"], cot, split, index, "gsm_symbolic", where))
+            where = f"{task} {split} item {entry['metadata'].get('source_index', index)}"
+            problems.append(make_problem(entry["question"], cot, split, index, source, where))
             index += 1
         if index < size:
-            raise DataSourceError(f"gsm_symbolic produced only {index} distinct {split} problems of {size} asked")
+            raise DataSourceError(f"{task} produced only {index} distinct {split} problems of {size} asked")
     return problems
+
+
+def generate_gsm_symbolic(train_size: int, test_size: int, seed: int = 0) -> list[Problem]:
+    """reasoning-gym's ``gsm_symbolic``: GSM8k-like problems from templates of the GSM8k test split."""
+    return generate_reasoning_gym("gsm_symbolic", train_size, test_size, seed)
 
 
 def validate_problems(problems: Iterable[Problem], expected_counts: dict[str, int] | None) -> list[CheckOutcome]:
@@ -199,7 +212,8 @@ def validate_problems(problems: Iterable[Problem], expected_counts: dict[str, in
         f"{len(overlap)} questions appear in both train and test",
         {"overlapping_questions": len(overlap)},
     ))
-    nulls = Counter(k for p in problems for k, v in p.as_row().items() if v is None or v == "")
+    nulls = Counter(k for p in problems for k, v in p.as_row().items()
+                    if v is None or (v == "" and k != "solution"))  # generated tasks may have no worked solution
     outcomes.append(CheckOutcome(
         "no_nulls", not nulls,
         "no null or empty fields" if not nulls else f"null or empty fields: {dict(nulls)}",

@@ -5,9 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 SYSTEM_PROMPT = (
-    "You are a careful math tutor. Solve the problem step by step, showing each calculation. "
-    "Then write the final answer on its own last line in the form '#### <number>'."
+    "Solve the math word problem step by step, then give the final answer on the last line as '#### <number>'.\n\n"
+    "Example:\n"
+    "Question: Tom has 3 boxes with 4 apples each. He eats 2 apples. How many apples are left?\n"
+    "Answer: Tom has 3 * 4 = 12 apples. After eating 2, he has 12 - 2 = 10 apples.\n"
+    "#### 10"
 )
+"""One worked example in the system prompt: the embedded 135M model then ends about half of its
+GSM8k answers with a well-formed ``####`` line (one in six without it), which gives GRPO's format
+reward a signal from the first step."""
 
 
 def build_messages(question: str, system_prompt: str = SYSTEM_PROMPT) -> list[dict[str, str]]:

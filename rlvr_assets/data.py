@@ -32,12 +32,14 @@ CHECKS = {
 class GSM8kSourceConfig(Config):
     """Which source fills ``gsm8k_problems``."""
 
-    source: str = Field(default="local", description="'local' (official jsonl folder), 'hub' (openai/gsm8k) or 'gsm_symbolic' (offline generator)")
+    source: str = Field(default="local", description="'local' (official jsonl folder), 'hub' (openai/gsm8k), 'gsm_symbolic' or 'reasoning_gym' (offline generators)")
     local_dir: str = Field(default_factory=lambda: str(Settings.from_env().gsm8k_dir), description="folder with train.jsonl and test.jsonl (source 'local')")
     limit: Optional[int] = Field(default=None, description="keep only the first N problems of each split (local and hub)")
-    symbolic_train_size: int = Field(default=2000, description="problems generated for train (source 'gsm_symbolic')")
-    symbolic_test_size: int = Field(default=200, description="problems generated for test (source 'gsm_symbolic')")
-    seed: int = Field(default=0, description="generator seed (source 'gsm_symbolic')")
+    task: str = Field(default="chain_sum", description="reasoning-gym task with numeric answers (source 'reasoning_gym')")
+    task_config: dict = Field(default={}, description="keyword arguments of the reasoning-gym task (source 'reasoning_gym')")
+    generated_train_size: int = Field(default=2000, description="problems generated for train (generated sources)")
+    generated_test_size: int = Field(default=200, description="problems generated for test (generated sources)")
+    seed: int = Field(default=0, description="generator seed (generated sources)")
 
 
 def load_problems(config: GSM8kSourceConfig) -> tuple[list[gsm8k.Problem], dict[str, int]]:
@@ -46,9 +48,12 @@ def load_problems(config: GSM8kSourceConfig) -> tuple[list[gsm8k.Problem], dict[
         raise gsm8k.DataSourceError(f"unknown source {config.source!r}; expected one of {gsm8k.SOURCES}")
     if config.limit is not None and config.limit < 1:
         raise gsm8k.DataSourceError(f"limit must be at least 1, got {config.limit}")
-    if config.source == "gsm_symbolic":
-        problems = gsm8k.generate_gsm_symbolic(config.symbolic_train_size, config.symbolic_test_size, config.seed)
-        return problems, {"train": config.symbolic_train_size, "test": config.symbolic_test_size}
+    if config.source in ("gsm_symbolic", "reasoning_gym"):
+        task = "gsm_symbolic" if config.source == "gsm_symbolic" else config.task
+        problems = gsm8k.generate_reasoning_gym(
+            task, config.generated_train_size, config.generated_test_size, config.seed, config.task_config or None
+        )
+        return problems, {"train": config.generated_train_size, "test": config.generated_test_size}
     if config.source == "local":
         problems = gsm8k.load_local(config.local_dir, limit=config.limit)
     else:

@@ -24,6 +24,15 @@ def main() -> None:
         where = metadata.get("path") or metadata.get("table")
         detail = f"  -> {where.value}" if where is not None else ""
         print(f"  {key.to_user_string():<18} run {event.run_id[:8]}{detail}")
+    report = instance.get_latest_materialization_event(AssetKey("eval_report"))
+    if report is not None and report.asset_materialization is not None:
+        meta = report.asset_materialization.metadata
+        print(f"evaluation: pass@1 (strict) {meta['pass@1_strict'].value:.1%} on {int(meta['num_problems'].value)} problems, "
+              f"{meta['delta_pass@1_strict'].value:+.1%} vs the base policy (McNemar p = {meta['mcnemar_p_value'].value:.3g})")
+    bento = instance.get_latest_materialization_event(AssetKey("bento"))
+    if bento is not None and bento.asset_materialization is not None:
+        command = bento.asset_materialization.metadata["serve_command"].value.strip("`\n ")
+        print(f"serve the champion:\n  {command}")
 
 
 if __name__ == "__main__":

@@ -6,9 +6,8 @@ are produced by one step (a multi-asset) while the graph still reads rollouts ->
 
 import hashlib
 import json
-import tempfile
+import shutil
 from dataclasses import asdict
-from pathlib import Path
 from typing import Optional
 
 import pandas as pd
@@ -102,13 +101,16 @@ def grpo_training(
         def on_step(step: int, metrics: dict, step_records: list[dict]) -> None:
             mlflow_api.log_metrics({k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
             records.extend(step_records)
+            step_rollouts, step_rewards = _tables(step_records, run_id, config.rewards)  # written as the run goes:
+            replace_rows(duckdb, "rollouts", step_rollouts, key="completion_id")  # a killed run keeps its rows,
+            replace_rows(duckdb, "rewards", step_rewards, key="completion_id")  # a resumed one never duplicates them
             context.log.info(
                 f"step {step}/{grpo_config.total_steps}: reward {metrics['reward_mean']:.3f}, loss {metrics['loss']:.4f}, "
                 f"zero-variance groups {metrics['frac_zero_variance_groups']:.0%}, {metrics['tokens_per_s']:.0f} tok/s"
             )
 
-        trainer = GRPOTrainer(model, tokenizer, grpo_config, reward_fn,
-                              checkpoint_dir=model_store.work_dir(f"grpo-runs/{run_id}"), on_step=on_step)
+        work_dir = model_store.work_dir(f"grpo-runs/{run_id}")  # resumable checkpoints of this run
+        trainer = GRPOTrainer(model, tokenizer, grpo_config, reward_fn, checkpoint_dir=work_dir, on_step=on_step)
         with pool:
             history = trainer.train(problems)
         stored = model_store.put(
@@ -121,7 +123,6 @@ def grpo_training(
             },
         )
         mlflow_api.log_artifacts(str(stored.path), artifact_path="checkpoint")
-        rollouts, rewards = _tables(records, run_id, config.rewards)
         if records:
             samples = pd.DataFrame([
                 {"step": r["step"], "problem_id": r["problem_id"], "completion": r["completion"],
@@ -130,18 +131,19 @@ def grpo_training(
             ])
             mlflow_api.log_table(samples, artifact_file="sample_completions.json")
         mlflow_api.set_tag("rlvr.policy_version", stored.version)
+    shutil.rmtree(work_dir, ignore_errors=True)  # the run is complete: its resume points are no longer needed
 
-    if not rollouts.empty:  # a re-executed run that resumed at its last step sampled nothing new
-        replace_rows(duckdb, "rollouts", rollouts, key="run_id")
-        replace_rows(duckdb, "rewards", rewards, key="run_id")
+    with duckdb.get_connection() as conn:
+        finish = dict(conn.execute("SELECT finish_reason, count(*) FROM rollouts WHERE run_id = ? GROUP BY 1", [run_id]).fetchall())
+        means = dict(conn.execute("SELECT reward_name, avg(value) FROM rewards WHERE run_id = ? GROUP BY 1", [run_id]).fetchall())
     last = history[-1] if history else {}
     yield MaterializeResult(asset_key="rollouts", metadata={
-        "dagster/row_count": len(rollouts), "run_id": run_id, "table": f"{duckdb.database}:rollouts",
-        "finish_reasons": MetadataValue.json(rollouts["finish_reason"].value_counts().to_dict() if len(rollouts) else {}),
+        "dagster/row_count": sum(finish.values()), "run_id": run_id, "table": f"{duckdb.database}:rollouts",
+        "finish_reasons": MetadataValue.json(finish),
     })
     yield MaterializeResult(asset_key="rewards", metadata={
-        "dagster/row_count": len(rewards), "run_id": run_id, "table": f"{duckdb.database}:rewards",
-        **{f"mean_{name}": float(rewards.loc[rewards.reward_name == name, "value"].mean()) for name in config.rewards if len(rewards)},
+        "dagster/row_count": sum(finish.values()) * len(means), "run_id": run_id, "table": f"{duckdb.database}:rewards",
+        **{f"mean_{name}": float(value) for name, value in means.items()},
     })
     yield MaterializeResult(asset_key="grpo_checkpoint", metadata={
         "path": MetadataValue.path(str(stored.path)), "version": stored.version, "parent_base_policy": base.version,

@@ -110,7 +110,7 @@ def test_malformed_jsonl_line_is_named(tmp_path, gsm8k_dir, instance):
 
 def test_gsm_symbolic_source(tmp_path, instance):
     db = tmp_path / "rlvr.duckdb"
-    result = run(db, instance, source="gsm_symbolic", symbolic_train_size=40, symbolic_test_size=10)
+    result = run(db, instance, source="gsm_symbolic", generated_train_size=40, generated_test_size=10)
     assert result.success
     assert table_counts(db) == {"train": 40, "test": 10}
     with duckdb.connect(str(db), read_only=True) as conn:

@@ -104,3 +104,12 @@ def test_hub_errors_are_clear(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(gsm8k.DataSourceError, match="could not load 'openai/gsm8k'"):
         gsm8k.load_hub()
+
+
+def test_reasoning_gym_task_with_numeric_answers():
+    problems = gsm8k.generate_reasoning_gym("chain_sum", train_size=20, test_size=5, seed=1)
+    assert {p.source for p in problems} == {"reasoning_gym:chain_sum"}
+    assert all(p.solution == "" and p.num_steps == 0 for p in problems)
+    assert all(o.passed for o in gsm8k.validate_problems(problems, {"train": 20, "test": 5}))
+    with pytest.raises(gsm8k.DataSourceError, match="reasoning-gym task 'no_such_task'"):
+        gsm8k.generate_reasoning_gym("no_such_task", 2, 2)

@@ -57,6 +57,7 @@ def test_training_path_end_to_end(home, gsm8k_dir, tiny_llama_dir):
             roles = dict(conn.execute("SELECT policy_role, count(*) FROM eval_results GROUP BY 1").fetchall())
             assert roles == {"base": 4, "trained": 4}
         trained = res["model_store"].latest("grpo_checkpoint")
+        assert not any((home / "models" / ".work" / "grpo-runs").iterdir())  # resume points removed once complete
         assert trained.manifest["steps"] == 2 and trained.manifest["parent_version"] == res["model_store"].latest("base_policy").version
         report = result.asset_materializations_for_node("eval_report")[0].metadata
         assert "vs base" in report["report"].value and "![accuracy.png]" in report["report"].value

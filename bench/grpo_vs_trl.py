@@ -1,0 +1,150 @@
+"""GRPO step throughput, rlvr-ops against TRL's ``GRPOTrainer``, in one run on the same machine.
+
+Same model, prompts, group size, completion budget, temperature, learning rate, loss aggregation
+(TRL's default "dapo" = token-mean) and beta = 0. Each trainer runs ``--steps`` steps; the first is
+warm-up and is not counted. Throughput = completion tokens generated per second of step time
+(generation + reward + update). Results are printed as a Markdown table and JSON.
+
+    python bench/grpo_vs_trl.py .rlvr/models/base_policy/<version> --prompts 2 --group 4 --tokens 128 --steps 4 --bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import torch
+
+from rlvr.answers import answers_match, extract_final_answer
+from rlvr.grpo import GRPOConfig, GRPOTrainer
+from rlvr.policy import load_policy
+from rlvr.prompts import build_messages, render_prompt
+from rlvr.rollout import SamplingConfig
+
+QUESTIONS = [  # the first GSM8k train problems
+    ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+     "How many clips did Natalia sell altogether in April and May?", 72.0),
+    ("Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
+     "How much did she earn?", 10.0),
+    ("Betty is saving money for a new wallet which costs $100. Betty has only half of the money she needs. "
+     "Her parents decided to give her $15 for that purpose, and her grandparents twice as much as her parents. "
+     "How much more money does Betty need to buy the wallet?", 5.0),
+    ("James writes a 3-page letter to 2 different friends twice a week. How many pages does he write a year?", 624.0),
+]
+
+
+def correct(text: str, answer: float) -> float:
+    found = extract_final_answer(text)
+    return 1.0 if found is not None and answers_match(found.value, answer) else 0.0
+
+
+def run_rlvr(args, stop_at_final_answer: bool, compute_dtype: str = "float32") -> list[dict]:
+    model, tokenizer = load_policy(args.model)
+    problems = [{"prompt": render_prompt(tokenizer, q), "answer_value": a, "problem_id": f"q{i}"} for i, (q, a) in enumerate(QUESTIONS)]
+
+    def reward_fn(completions, batch):
+        scores = [correct(c, p["answer_value"]) for c, p in zip(completions, batch)]
+        return scores, {"correct": scores}
+
+    config = GRPOConfig(
+        group_size=args.group, prompts_per_step=args.prompts, lr=args.lr, lr_decay="constant", total_steps=args.steps,
+        aggregation="token-mean", beta=0.0, micro_batch_size=args.prompts * args.group, skip_zero_variance=False,
+        compute_dtype=compute_dtype,
+        sampling=SamplingConfig(max_new_tokens=args.tokens, temperatures=[1.0], stop_at_final_answer=stop_at_final_answer),
+    )
+    trainer = GRPOTrainer(model, tokenizer, config, reward_fn)
+    steps = []
+    for step in range(args.steps):
+        batch = [problems[(step * args.prompts + i) % len(problems)] for i in range(args.prompts)]
+        started = time.perf_counter()
+        metrics, _ = trainer.step(batch)
+        wall = time.perf_counter() - started
+        steps.append({"step_s": wall, "tokens": metrics["completion_len_mean"] * args.prompts * args.group})
+    return steps
+
+
+def run_trl(args, gradient_checkpointing: bool, bf16: bool = False) -> list[dict]:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig as TRLConfig
+    from trl import GRPOTrainer as TRLTrainer
+
+    model, tokenizer = load_policy(args.model)
+    tokenizer.padding_side = "left"
+    rows = [{"prompt": build_messages(q), "answer": a} for q, a in QUESTIONS]
+    dataset = Dataset.from_list([rows[i % len(rows)] for i in range(args.prompts * args.steps)])
+
+    def reward(completions, answer, **_):
+        return [correct(c[0]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
+
+    steps: list[dict] = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, *_, **__):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            steps.append({"step_s": time.perf_counter() - self.started})
+
+        def on_log(self, _args, _state, _control, logs=None, **__):
+            if logs and "completions/mean_length" in logs and steps:
+                steps[-1]["tokens"] = logs["completions/mean_length"] * args.prompts * args.group
+
+    with tempfile.TemporaryDirectory() as out:
+        config = TRLConfig(
+            output_dir=out, per_device_train_batch_size=args.prompts * args.group, num_generations=args.group,
+            max_completion_length=args.tokens, temperature=1.0, beta=0.0, learning_rate=args.lr,
+            lr_scheduler_type="constant", max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[],
+            use_cpu=True, bf16=bf16, gradient_checkpointing=gradient_checkpointing, shuffle_dataset=False, seed=0,
+        )
+        trainer = TRLTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset,
+                             processing_class=tokenizer, callbacks=[Timer()])
+        trainer.train()
+    return steps
+
+
+def summarize(name: str, steps: list[dict]) -> dict:
+    counted = steps[1:] or steps  # the first step warms up
+    step_s = statistics.median(s["step_s"] for s in counted)
+    tokens_per_s = sum(s["tokens"] for s in counted) / sum(s["step_s"] for s in counted)
+    return {"trainer": name, "median_step_s": round(step_s, 2), "tokens_per_s": round(tokens_per_s, 2),
+            "mean_tokens_per_step": round(statistics.mean(s["tokens"] for s in counted), 1), "steps_counted": len(counted)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="a Hugging Face checkpoint folder (e.g. the base_policy in the model store)")
+    parser.add_argument("--prompts", type=int, default=2)
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--bf16", action="store_true", help="also compare bf16 mixed precision (TRL bf16=True vs compute_dtype=bfloat16)")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    results = [
+        summarize("TRL GRPOTrainer (defaults: fp32, gradient checkpointing on)", run_trl(args, gradient_checkpointing=True)),
+        summarize("TRL GRPOTrainer (fp32, gradient checkpointing off)", run_trl(args, gradient_checkpointing=False)),
+        summarize("rlvr-ops (fp32, stop at final answer off)", run_rlvr(args, stop_at_final_answer=False)),
+        summarize("rlvr-ops (default: fp32, stop after the #### line)", run_rlvr(args, stop_at_final_answer=True)),
+    ]
+    if args.bf16:
+        results += [
+            summarize("TRL GRPOTrainer (bf16=True, gradient checkpointing off)", run_trl(args, gradient_checkpointing=False, bf16=True)),
+            summarize("rlvr-ops (compute_dtype=bfloat16: bf16 rollouts, bf16 autocast update)",
+                      run_rlvr(args, stop_at_final_answer=True, compute_dtype="bfloat16")),
+        ]
+    baseline = results[0]["tokens_per_s"]
+    print(f"\n{args.prompts} prompts x {args.group} completions x {args.tokens} tokens, beta 0, {torch.get_num_threads()} threads\n")
+    print("| trainer | median step (s) | completion tokens / step | tokens / s | vs TRL defaults |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        print(f"| {r['trainer']} | {r['median_step_s']} | {r['mean_tokens_per_step']} | {r['tokens_per_s']} | {r['tokens_per_s'] / baseline:.2f}x |")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
