@@ -14,6 +14,7 @@ from rlvr.embeddings import embed_texts
 from rlvr.prompt_features import prompt_features
 from rlvr.traffic import TRAFFIC_COLUMNS, read_traffic, traffic_row
 from rlvr_assets import plots
+from rlvr_assets.freshness import DAILY
 
 TRAFFIC_SCHEMA = """
 CREATE TABLE IF NOT EXISTS serving_traffic (
@@ -29,7 +30,7 @@ class TrafficConfig(Config):
     folder: str = Field(default_factory=lambda: str(Settings.from_env().traffic_dir), description="the service's traffic log folder ($RLVR_TRAFFIC_DIR)")
 
 
-@asset(group_name="monitoring", kinds={"duckdb"}, owners=["team:rlvr-serving"])
+@asset(group_name="monitoring", kinds={"duckdb"}, owners=["team:rlvr-serving"], freshness_policy=DAILY)
 def serving_traffic(context: AssetExecutionContext, config: TrafficConfig, duckdb: DuckDBResource) -> MaterializeResult:
     """The Bento's JSONL traffic logs, ingested incrementally: each file is read from a per-file
     byte cursor stored with the rows in one transaction, so re-runs never duplicate rows; a
@@ -84,7 +85,8 @@ class DriftConfig(Config):
         return DriftThresholds(**{k: getattr(self, k) for k in DriftThresholds.__dataclass_fields__})
 
 
-@asset(group_name="monitoring", kinds={"duckdb"}, owners=["team:rlvr-serving"], deps=["serving_traffic", "gsm8k_problems"])
+@asset(group_name="monitoring", kinds={"duckdb"}, owners=["team:rlvr-serving"], deps=["serving_traffic", "gsm8k_problems"],
+       freshness_policy=DAILY)
 def drift_report(context: AssetExecutionContext, config: DriftConfig, duckdb: DuckDBResource) -> MaterializeResult:
     """Drift of the recent traffic window from the training reference. Inputs: PSI and KS of prompt
     features against train questions, and embedding distance (MMD, mean cosine). Outputs against

@@ -22,6 +22,7 @@ from resources import ComputeResource, MLflowResource, ModelStore
 from resources.tracking import CHAMPION, POLICY_VERSION_TAG
 from rlvr.evaluation import decide_promotion
 from rlvr_assets.evaluation import EvalProtocol, evaluate_or_reuse, load_eval_problems
+from rlvr_assets.freshness import WEEKLY
 
 
 class PromotionConfig(Config):
@@ -32,6 +33,7 @@ class PromotionConfig(Config):
 
 
 @asset(
+    freshness_policy=WEEKLY,
     group_name="evaluation",
     kinds={"mlflow"},
     owners=["team:rlvr-eval"],

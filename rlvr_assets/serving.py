@@ -7,10 +7,12 @@ from dagster import AssetExecutionContext, AssetKey, Failure, MaterializeResult,
 from bentos.build import bentoml_home, build_bento, store_policy
 from resources import MLflowResource, ModelStore
 from resources.tracking import CHAMPION, POLICY_VERSION_TAG
+from rlvr_assets.freshness import WEEKLY
 from rlvr_assets.registry import download_checkpoint
 
 
-@asset(group_name="serving", kinds={"bentoml"}, owners=["team:rlvr-serving"], deps=["champion_policy"], output_required=False)
+@asset(group_name="serving", kinds={"bentoml"}, owners=["team:rlvr-serving"], deps=["champion_policy"],
+       output_required=False, freshness_policy=WEEKLY)
 def bento(context: AssetExecutionContext, model_store: ModelStore, mlflow: MLflowResource):
     """The champion policy in the BentoML model store (its MLflow lineage as labels) and a Bento
     built around it, offline. Not rebuilt while the champion is unchanged, so a retraining whose

@@ -10,6 +10,7 @@ from dagster_duckdb import DuckDBResource
 
 from resources import ComputeResource, MLflowResource, ModelStore
 from resources.tracking import CHAMPION, POLICY_VERSION_TAG
+from rlvr.rewards import register_reward
 from rlvr_assets import data, evaluation, models, registry, serving, training
 
 TRAINING = [data.gsm8k_problems, models.base_policy, training.grpo_training, evaluation.baseline_eval,
@@ -112,3 +113,36 @@ def test_grpo_on_the_embedded_model(home, gsm8k_dir, embedded_policy, session_st
     assert trained.manifest["data_source"] == "local" and trained.manifest["steps"] == 1
     metadata = result.asset_materializations_for_node("grpo_training")
     assert {m.asset_key.to_user_string() for m in metadata} == {"rollouts", "rewards", "grpo_checkpoint"}
+
+
+@register_reward("test_completion_length", replace=True)
+def completion_length(completion: str, **_) -> float:
+    return min(1.0, len(completion) / 400)
+
+
+def test_retraining_starts_from_the_champion_and_rebuilds_the_bento(home, gsm8k_dir, tiny_llama_dir):
+    res = resources_for(home)
+    with DagsterInstance.ephemeral() as instance:
+        assert materialize(TRAINING + [serving.bento], resources=res, instance=instance,
+                           run_config=run_config(gsm8k_dir, tiny_llama_dir, steps=1)).success
+        first_champion = res["mlflow"].registry().version_for(CHAMPION).tags[POLICY_VERSION_TAG]
+        first_bento = instance.get_latest_materialization_event(AssetKey("bento")).asset_materialization.metadata
+
+        config = run_config(gsm8k_dir, tiny_llama_dir, steps=1, init_from="champion", seed=1)
+        # a random tiny policy never answers right: a reward with variance makes the update move the weights
+        config["ops"]["grpo_training"]["config"]["rewards"] = {"test_completion_length": 1.0}
+        retrain = [training.grpo_training, evaluation.eval_report, registry.champion_policy, serving.bento]
+        result = materialize(retrain, resources=res, run_config={"ops": {k: v for k, v in config["ops"].items()
+                                                                          if k in ("grpo_training", "eval_report")}},
+                             instance=instance, selection=[key for a in retrain for key in a.keys])
+        assert result.success
+        retrained = res["model_store"].latest("grpo_checkpoint")
+        assert retrained.manifest["parent_version"] == first_champion and retrained.version != first_champion
+        champion = res["mlflow"].registry().version_for(CHAMPION).tags[POLICY_VERSION_TAG]
+        gate = {e.check_name: e for e in result.get_asset_check_evaluations()}["promotion_gate"]
+        bento = result.asset_materializations_for_node("bento")
+        if gate.passed:  # promoted: a new Bento around the new champion
+            assert champion == retrained.version and bento[0].metadata["model_version"].value == retrained.version
+            assert bento[0].metadata["bento_tag"].value != first_bento["bento_tag"].value
+        else:  # refused: the champion and its Bento stay
+            assert champion == first_champion and not bento
