@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Reproduce docs/results.md: the whole pipeline on the embedded model, one experiment per config in
 # bench/results/, each in its own data directory (.rlvr-results/<name>), then its result table.
-#   bash bench/results.sh            # both experiments (about 2.5 hours on 2 CPU cores)
+#   bash bench/results.sh            # gsm8k and products (about 2.5 hours on 2 CPU cores)
 #   bash bench/results.sh products   # one of them
 set -euo pipefail
 cd "$(dirname "$0")/.."
 make setup >/dev/null
-for experiment in "${@:-products gsm8k}"; do
+for experiment in "${@:-gsm8k products}"; do
   export RLVR_HOME="$PWD/.rlvr-results/$experiment" DAGSTER_HOME="$PWD/.rlvr-results/$experiment/dagster"
   export RLVR_GSM8K_DIR="${RLVR_GSM8K_DIR:-$(cd .. && pwd)/shared/data/gsm8k}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
   make --no-print-directory "$DAGSTER_HOME/dagster.yaml" DAGSTER_HOME="$DAGSTER_HOME" >/dev/null

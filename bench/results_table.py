@@ -20,7 +20,7 @@ def main() -> None:
 
         base, trained = rows(meta["base_eval_id"].value), rows(meta["trained_eval_id"].value)
         source = conn.execute("SELECT any_value(source), count(*) FILTER (split = 'train') FROM gsm8k_problems").fetchone()
-    config = EvalConfig(**{k: v for k, v in meta["protocol"].value.items() if k in ("max_new_tokens", "seed")})
+    config = EvalConfig(**{k: v for k, v in meta["protocol"].value.items() if k in ("max_new_tokens", "seed", "num_samples", "ks")})
     b, t, paired = summarize(base, config), summarize(trained, config), compare(base, trained)
     client = MLflowResource(tracking_uri=settings.mlflow_tracking_uri).client()
     run = client.search_runs(
@@ -30,9 +30,9 @@ def main() -> None:
     params = run.data.params
     print(f"\nsource {source[0]} ({source[1]} train problems); policy {meta['policy_version'].value}")
     print(f"training: {len(steps)} GRPO steps x {params['grpo.prompts_per_step']} prompts x {params['grpo.group_size']} "
-          f"completions, max {params['grpo.sampling.max_new_tokens']} new tokens, lr {params['grpo.lr']}, "
-          f"rewards {params.get('rewards.math_answer', '')}{params.get('rewards.math_answer_flexible', '')} / format "
-          f"{params.get('rewards.format', '')}: {sum(m.value for m in steps) / 60:.1f} min of steps")
+          f"completions, max {params['grpo.sampling.max_new_tokens']} new tokens, lr {params['grpo.lr']}, rewards "
+          f"{ {k.removeprefix('rewards.'): float(v) for k, v in params.items() if k.startswith('rewards.')} }: "
+          f"{sum(m.value for m in steps) / 60:.1f} min of steps")
     print(f"\nevaluation on {paired['shared_problems']} held-out problems, greedy, max {config.max_new_tokens} new tokens\n")
     print("| metric | base | trained |\n|---|---|---|")
     for name in ("pass@1_strict", "pass@1_flexible"):
@@ -41,6 +41,8 @@ def main() -> None:
     for name in ("format_compliance", "truncation_rate"):
         print(f"| {name} | {b[name]:.1%} | {t[name]:.1%} |")
     print(f"| mean completion tokens | {b['mean_completion_tokens']:.1f} | {t['mean_completion_tokens']:.1f} |")
+    for name in sorted(k for k in t if k.startswith(("pass@", "maj@")) and "_" not in k):
+        print(f"| {name} (n={config.num_samples}, strict) | {b[name]:.1%} | {t[name]:.1%} |")
     print(f"\nstrict pass@1 difference {paired['delta']:+.1%} (95% CI {paired['delta_ci_low']:+.1%} to {paired['delta_ci_high']:+.1%}); "
           f"McNemar p = {paired['mcnemar_p_value']:.3g} ({paired['mcnemar_method']}); paired bootstrap p = "
           f"{paired['paired_bootstrap_p_value']:.3g}; solved only by trained {paired['new_only_correct']}, only by base {paired['base_only_correct']}")
