@@ -1,4 +1,4 @@
-"""Time GRPO steps on a real policy: ``python bench/grpo_step.py /tmp/smol --prompts 2 --group 4 --tokens 128``.
+"""Time GRPO steps on a real policy: ``python bench/grpo_step.py <checkpoint> --prompts 2 --group 4 --tokens 128``.
 
 Uses a minimal correctness reward (strict ``#### <number>`` match) so that it depends on the
 core only. Prints each step's timing breakdown and throughput.
@@ -12,29 +12,16 @@ import time
 
 import torch
 
-from rlvr.answers import answers_match, extract_final_answer
 from rlvr.grpo import GRPOConfig, GRPOTrainer
 from rlvr.policy import load_policy
 from rlvr.prompts import render_prompt
 from rlvr.rollout import SamplingConfig
 
-QUESTIONS = [
-    ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-     "How many clips did Natalia sell altogether in April and May?", 72.0),
-    ("Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
-     "How much did she earn?", 10.0),
-    ("Betty is saving money for a new wallet which costs $100. Betty has only half of the money she needs. "
-     "Her parents decided to give her $15 for that purpose, and her grandparents twice as much as her parents. "
-     "How much more money does Betty need to buy the wallet?", 5.0),
-    ("James writes a 3-page letter to 2 different friends twice a week. How many pages does he write a year?", 624.0),
-]
+from grpo_vs_trl import QUESTIONS, correct  # bench/ is on sys.path when run as a script
 
 
 def correctness(completions: list[str], problems: list[dict]) -> tuple[list[float], dict[str, list[float]]]:
-    scores = []
-    for text, problem in zip(completions, problems):
-        found = extract_final_answer(text)
-        scores.append(1.0 if found is not None and answers_match(found.value, problem["answer_value"]) else 0.0)
+    scores = [correct(text, problem["answer_value"]) for text, problem in zip(completions, problems)]
     return scores, {"correctness": scores}
 
 
