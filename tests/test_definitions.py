@@ -1,6 +1,8 @@
 """The Definitions object as the UI shows it: groups, descriptions, owners, freshness, jobs, automation."""
 
 import json
+import subprocess
+import sys
 
 from dagster import AssetKey, DefaultScheduleStatus, DefaultSensorStatus
 
@@ -42,3 +44,13 @@ def test_training_runs_ask_kubernetes_for_a_gpu():
     resources = json.loads(tags["dagster-k8s/config"])["container_config"]["resources"]
     assert resources["limits"]["nvidia.com/gpu"] == "1"
     assert AssetKey("grpo_checkpoint") in grpo_training.keys
+
+
+def test_the_rl_core_knows_nothing_of_dagster():
+    code = (
+        "import importlib, pkgutil, sys, rlvr\n"
+        "for m in pkgutil.walk_packages(rlvr.__path__, 'rlvr.'): importlib.import_module(m.name)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('dagster', 'dagster_duckdb', 'resources', 'rlvr_assets')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
