@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reproduce docs/results.md: the whole pipeline on the embedded model, one experiment per config in
 # bench/results/, each in its own data directory (.rlvr-results/<name>), then its result table.
-#   bash bench/results.sh            # gsm8k and products (about 2.5 hours on 2 CPU cores)
+#   bash bench/results.sh            # gsm8k and products (about 2 hours 10 minutes on 2 CPU cores)
 #   bash bench/results.sh products   # one of them
 set -euo pipefail
 cd "$(dirname "$0")/.."
