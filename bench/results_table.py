@@ -4,6 +4,8 @@ Recomputes every number from the per-problem rows in DuckDB (``eval_results``) w
 functions the ``eval_report`` asset uses, and reads the training run's budget from MLflow.
 """
 
+from collections import Counter
+
 import duckdb
 from dagster import AssetKey, DagsterInstance
 
@@ -20,6 +22,10 @@ def main() -> None:
 
         base, trained = rows(meta["base_eval_id"].value), rows(meta["trained_eval_id"].value)
         source = conn.execute("SELECT any_value(source), count(*) FILTER (split = 'train') FROM gsm8k_problems").fetchone()
+        curve = conn.execute(  # the training run's mean reward per reward function, per block of 10 steps
+            "SELECT reward_name, list(round(value, 3) ORDER BY block) FROM (SELECT reward_name, (step - 1) // 10 AS block, "
+            "avg(value) AS value FROM rewards WHERE run_id = (SELECT max_by(run_id, step) FROM rollouts) GROUP BY ALL) GROUP BY 1"
+        ).fetchall()
     config = EvalConfig(**{k: v for k, v in meta["protocol"].value.items() if k in ("max_new_tokens", "seed", "num_samples", "ks")})
     b, t, paired = summarize(base, config), summarize(trained, config), compare(base, trained)
     client = MLflowResource(tracking_uri=settings.mlflow_tracking_uri).client()
@@ -50,6 +56,11 @@ def main() -> None:
                        [dict(r, correct_strict=r["correct_flexible"]) for r in trained])
     print(f"flexible pass@1 difference {flexible['delta']:+.1%} (95% CI {flexible['delta_ci_low']:+.1%} to "
           f"{flexible['delta_ci_high']:+.1%}); McNemar p = {flexible['mcnemar_p_value']:.3g}")
+    for role, rows_ in (("base", base), ("trained", trained)):
+        answers = Counter(r["extracted_flexible"] for r in rows_)
+        top, count = answers.most_common(1)[0]
+        print(f"{role}: {len(answers)} distinct answers (flexible); most common {top!r} on {count / len(rows_):.1%} of problems")
+    print("\ntraining reward per block of 10 steps: " + "; ".join(f"{name} {values}" for name, values in sorted(curve)))
 
 
 if __name__ == "__main__":

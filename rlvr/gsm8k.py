@@ -177,11 +177,6 @@ def generate_reasoning_gym(
     return problems
 
 
-def generate_gsm_symbolic(train_size: int, test_size: int, seed: int = 0) -> list[Problem]:
-    """reasoning-gym's ``gsm_symbolic``: GSM8k-like problems from templates of the GSM8k test split."""
-    return generate_reasoning_gym("gsm_symbolic", train_size, test_size, seed)
-
-
 def validate_problems(problems: Iterable[Problem], expected_counts: dict[str, int] | None) -> list[CheckOutcome]:
     """Data-quality checks: row counts, parseable answers, no question in both splits, no nulls."""
     problems = list(problems)

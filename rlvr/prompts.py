@@ -11,9 +11,9 @@ SYSTEM_PROMPT = (
     "Answer: Tom has 3 * 4 = 12 apples. After eating 2, he has 12 - 2 = 10 apples.\n"
     "#### 10"
 )
-"""One worked example in the system prompt: the embedded 135M model then ends about half of its
-GSM8k answers with a well-formed ``####`` line (one in six without it), which gives GRPO's format
-reward a signal from the first step."""
+"""One worked example in the system prompt: the embedded 135M model then ends 40% of its GSM8k
+test answers with a well-formed ``####`` line (docs/results.md), which gives GRPO's format reward
+a signal from the first step."""
 
 
 def build_messages(question: str, system_prompt: str = SYSTEM_PROMPT) -> list[dict[str, str]]:

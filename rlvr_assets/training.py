@@ -136,14 +136,15 @@ def grpo_training(
     with duckdb.get_connection() as conn:
         finish = dict(conn.execute("SELECT finish_reason, count(*) FROM rollouts WHERE run_id = ? GROUP BY 1", [run_id]).fetchall())
         means = dict(conn.execute("SELECT reward_name, avg(value) FROM rewards WHERE run_id = ? GROUP BY 1", [run_id]).fetchall())
+        reward_rows = conn.execute("SELECT count(*) FROM rewards WHERE run_id = ?", [run_id]).fetchone()[0]
     last = history[-1] if history else {}
     yield MaterializeResult(asset_key="rollouts", metadata={
         "dagster/row_count": sum(finish.values()), "run_id": run_id, "table": f"{duckdb.database}:rollouts",
         "finish_reasons": MetadataValue.json(finish),
     })
     yield MaterializeResult(asset_key="rewards", metadata={
-        "dagster/row_count": sum(finish.values()) * len(means), "run_id": run_id, "table": f"{duckdb.database}:rewards",
-        **{f"mean_{name}": float(value) for name, value in means.items()},
+        "dagster/row_count": reward_rows, "run_id": run_id, "table": f"{duckdb.database}:rewards",
+        **{f"mean_{name}": float(means[name]) for name in config.rewards if name in means},
     })
     yield MaterializeResult(asset_key="grpo_checkpoint", metadata={
         "path": MetadataValue.path(str(stored.path)), "version": stored.version, "parent_base_policy": base.version,

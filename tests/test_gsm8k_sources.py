@@ -79,12 +79,12 @@ def test_validate_flags_overlap_and_counts(tmp_path):
 
 
 def test_gsm_symbolic_offline_generator():
-    problems = gsm8k.generate_gsm_symbolic(train_size=30, test_size=10, seed=3)
+    problems = gsm8k.generate_reasoning_gym("gsm_symbolic", train_size=30, test_size=10, seed=3)
     assert sum(p.split == "train" for p in problems) == 30
     assert sum(p.split == "test" for p in problems) == 10
     assert {p.source for p in problems} == {"gsm_symbolic"}
     assert all(o.passed for o in gsm8k.validate_problems(problems, {"train": 30, "test": 10}))
-    again = gsm8k.generate_gsm_symbolic(train_size=30, test_size=10, seed=3)
+    again = gsm8k.generate_reasoning_gym("gsm_symbolic", train_size=30, test_size=10, seed=3)
     assert [p.content_hash for p in again] == [p.content_hash for p in problems]
 
 
