@@ -72,7 +72,11 @@ def run_trl(args, gradient_checkpointing: bool, bf16: bool = False) -> list[dict
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer as TRLTrainer
 
-    model, tokenizer = load_policy(args.model)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # as a TRL user loads it: transformers' own attention ("sdpa"), not rlvr's low-precision CPU variant
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
     tokenizer.padding_side = "left"
     rows = [{"prompt": build_messages(q), "answer": a} for q, a in QUESTIONS]
     dataset = Dataset.from_list([rows[i % len(rows)] for i in range(args.prompts * args.steps)])

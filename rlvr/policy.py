@@ -126,8 +126,26 @@ def load_policy(path: str | Path, device: Any = "cpu", dtype: Any = None) -> tup
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    from rlvr.attention import use_fast_attention
+
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32).to(device)
-    return model, tokenizer
+    return use_fast_attention(model), tokenizer
+
+
+# architectures whose logits are exactly lm_head(last hidden state): no soft-capping or scaling
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3"})
+
+
+def plain_output_head(model: Any) -> Any:
+    """The output layer (a bias-free ``nn.Linear``) when the model's logits are exactly
+    ``lm_head(decoder(...).last_hidden_state)``, else None; callers then use the model's logits."""
+    import torch
+
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES or not hasattr(model, "get_decoder"):
+        return None
+    head = model.get_output_embeddings()
+    return head if type(head) is torch.nn.Linear and head.bias is None else None
 
 
 def _hash_file(digest: Any, path: Path) -> None:

@@ -4,8 +4,9 @@ The loop is written out (no HF ``generate``) so that GRPO gets exactly what it n
 
 * each prompt is prefilled once (left-padded batch, attention mask, position ids, logits of the last
   position only) and its KV cache repeated for its G samples;
-* decoding steps a ``DynamicCache`` one token at a time with a per-row temperature (0 = greedy)
-  and top-p; finished rows are dropped from the batch (cache rows and per-row state are
+* decoding steps one token at a time with a per-row temperature (0 = greedy) and top-p, writing
+  keys and values into a cache preallocated for the whole token budget (no concatenation per
+  step); finished rows are dropped from the batch (cache rows and per-row state are
   index-selected), so they stop costing compute;
 * a row stops at an end token (``"eos"``), right after a completed ``#### <number>`` line
   (``"answer"``), or at the token budget (``"length"``);
@@ -23,8 +24,10 @@ from typing import Any, Iterator
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from rlvr.answers import is_well_formed
+from rlvr.policy import plain_output_head
 
 FINISH_REASONS = ("eos", "answer", "length")
 _TAIL_TOKENS = 48  # tokens decoded to check for a just-completed '#### <number>' line
@@ -222,19 +225,15 @@ def _decode_loop(
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp_(min=0)
     cache = DynamicCache(config=model.config)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
+    head = plain_output_head(model)
+    logits = _last_logits(
+        model, head, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache
     )
-    logits = out.logits[:, -1]
     if group > 1:
         cache.batch_repeat_interleave(group)
         logits = logits.repeat_interleave(group, dim=0)
         attention_mask = attention_mask.repeat_interleave(group, dim=0)
+    preallocate(cache, extra=budget)
     next_position = position_ids[:, -1].repeat_interleave(group) + 1
 
     sample_index = torch.arange(num_rows) % group
@@ -269,14 +268,14 @@ def _decode_loop(
             rows, tokens, row_temps = rows[keep], tokens[keep], row_temps[keep]
             attention_mask, next_position = attention_mask[keep], next_position[keep]
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(rows), 1))], dim=1)
-        out = model(
+        logits = _last_logits(
+            model,
+            head,
             input_ids=tokens.unsqueeze(1),
             attention_mask=attention_mask,
             position_ids=next_position.unsqueeze(1),
             past_key_values=cache,
-            use_cache=True,
         )
-        logits = out.logits[:, -1]
         next_position = next_position + 1
 
     width = int(lengths.max())
@@ -298,6 +297,72 @@ def _decode_loop(
         sample_index=sample_index,
         pad_token_id=pad_id,
     )
+
+
+def _last_logits(model: Any, head: Any, **inputs: Any) -> torch.Tensor:
+    """Logits at the last position of each row, [rows, vocabulary].
+
+    In float32 with a plain output layer they are computed as (W hᵀ)ᵀ: MKL runs that orientation
+    about twice as fast as h Wᵀ for a few rows against a large vocabulary (``bench/cpu_kernels.py``).
+    """
+    if head is None or head.weight.dtype != torch.float32:
+        return model(**inputs, use_cache=True, logits_to_keep=1).logits[:, -1]
+    hidden = model.get_decoder()(**inputs, use_cache=True).last_hidden_state[:, -1]
+    return (head.weight @ hidden.T).T
+
+
+class PreallocatedLayer(DynamicLayer):
+    """A ``DynamicLayer`` whose keys and values are views of buffers with room to grow: an update
+    writes into the buffer instead of concatenating the whole cache again."""
+
+    def __init__(self, layer: DynamicLayer, extra: int):
+        super().__init__()
+        self.dtype, self.device, self.is_initialized = layer.dtype, layer.device, True
+        self.length = layer.keys.shape[-2]
+        self._buffers = [self._with_room(t, self.length + extra) for t in (layer.keys, layer.values)]
+        self._set_views()
+
+    @staticmethod
+    def _with_room(tensor: torch.Tensor, capacity: int) -> torch.Tensor:
+        buffer = tensor.new_empty((*tensor.shape[:-2], capacity, tensor.shape[-1]))
+        buffer[..., : tensor.shape[-2], :] = tensor
+        return buffer
+
+    def _set_views(self) -> None:
+        self.keys, self.values = (b[..., : self.length, :] for b in self._buffers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        end = self.length + key_states.shape[-2]
+        if end > self._buffers[0].shape[-2]:  # out of room: double it
+            self._buffers = [self._with_room(b[..., : self.length, :], 2 * end) for b in self._buffers]
+        self._buffers[0][..., self.length : end, :] = key_states
+        self._buffers[1][..., self.length : end, :] = value_states
+        self.length = end
+        self._set_views()
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._buffers = [b[indices] for b in self._buffers]
+        self._set_views()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._buffers = [b.repeat_interleave(repeats, dim=0) for b in self._buffers]
+        self._set_views()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a preallocated cache layer is not cropped")
+
+    def reset(self) -> None:
+        raise NotImplementedError("a preallocated cache layer is not reset")
+
+
+def preallocate(cache: DynamicCache, extra: int) -> None:
+    """Give each filled full-attention layer of ``cache`` room for ``extra`` more positions
+    (sliding-window and other special layers are left as they are)."""
+    cache.layers = [
+        PreallocatedLayer(layer, extra) if type(layer) is DynamicLayer and layer.is_initialized else layer
+        for layer in cache.layers
+    ]
 
 
 def _mark_answers(

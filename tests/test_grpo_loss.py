@@ -1,6 +1,7 @@
 """The GRPO objective against hand computations on tiny tensors."""
 
 import math
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -177,3 +178,64 @@ def test_fused_entropy_matches_entropy_from_logits():
     logprobs, entropy = token_logprobs_and_entropy(logits, tokens, temperatures)
     torch.testing.assert_close(logprobs, token_logprobs(logits, tokens, temperatures))
     torch.testing.assert_close(entropy, entropy_from_logits(logits, temperatures.unsqueeze(1)))
+
+
+def autograd_head_logprobs(hidden, weight, targets, temperatures):
+    """The reference chain: full logits through lm_head, then token_logprobs_and_entropy."""
+    from rlvr.grpo.loss import token_logprobs_and_entropy
+
+    logits = torch.nn.functional.linear(hidden, weight).unsqueeze(1)
+    logprobs, entropy = token_logprobs_and_entropy(logits, targets.unsqueeze(1), temperatures)
+    return logprobs.squeeze(1), entropy.squeeze(1)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_head_logprobs_match_autograd_through_full_logits(monkeypatch, autocast):
+    """Values, entropies and both gradients, over several chunks, with per-row temperatures (0 = 1)."""
+    import rlvr.grpo.head as head
+
+    monkeypatch.setattr(head, "_CHUNK_ELEMENTS", 16 * 50)  # 16-row chunks: 70 rows take 5
+    torch.manual_seed(0)
+    hidden = torch.randn(70, 24, requires_grad=True)
+    weight = (0.3 * torch.randn(50, 24)).requires_grad_()
+    targets = torch.randint(0, 50, (70,))
+    temperatures = torch.tensor([0.7, 1.0, 0.0, 1.3, 0.9]).repeat(14)
+    upstream = torch.randn(70)
+    results = []
+    for fn in (autograd_head_logprobs, partial(head.head_logprobs, with_entropy=True)):
+        hidden.grad = weight.grad = None
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            logprobs, entropy = fn(hidden, weight, targets, temperatures)
+        (logprobs * upstream).sum().backward()
+        results.append((logprobs.detach(), entropy, hidden.grad, weight.grad))
+    tolerance = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-5, atol=1e-5)
+    for expected, got in zip(*results):
+        torch.testing.assert_close(got, expected, **tolerance)
+    assert results[1][2].dtype == hidden.dtype and results[1][3].dtype == weight.dtype
+
+
+def test_completion_logprobs_through_the_head_equal_the_models_logits(monkeypatch):
+    """The hidden-state path (plain lm_head) and the logits path give the same values and gradients."""
+    import rlvr.grpo.trainer as trainer
+    import rlvr.policy as policy
+    from rlvr.rollout import SamplingConfig, generate_rollouts
+    from tiny_policy import char_tokenizer, tiny_llama
+
+    tokenizer = char_tokenizer()
+    model = tiny_llama(len(tokenizer), seed=4)
+    assert policy.plain_output_head(model) is model.lm_head
+    rollouts = generate_rollouts(model, tokenizer, ["12+30=", "a longer prompt: 7="], 3, SamplingConfig(max_new_tokens=8, temperatures=[0.8, 1.0]))
+    batch = trainer.pack_rows(rollouts, torch.arange(6))
+    results = []
+    for plain_types in (policy.PLAIN_HEAD_MODEL_TYPES, frozenset()):
+        monkeypatch.setattr(policy, "PLAIN_HEAD_MODEL_TYPES", plain_types)
+        model.zero_grad()
+        logprobs, entropy = trainer.completion_logprobs(model, batch, with_entropy=True)
+        (logprobs * torch.linspace(-1, 1, logprobs.numel()).view_as(logprobs)).sum().backward()
+        results.append((logprobs.detach(), entropy, [p.grad.clone() for p in model.parameters()]))
+    assert policy.plain_output_head(model) is None  # the fallback ran second
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)
+    for a, b in zip(results[0][2], results[1][2]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    assert (results[0][0][batch.mask == 0] == 0).all()  # padding gets no log-prob

@@ -116,7 +116,7 @@ def test_micro_batches_stream_the_same_rollouts(model, tokenizer):
     whole = generate_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=config)
     rows_per_forward = []
     count_rows = lambda module, args, kwargs: rows_per_forward.append(kwargs["input_ids"].shape[0])  # noqa: E731
-    hook = model.register_forward_pre_hook(count_rows, with_kwargs=True)
+    hook = model.get_decoder().register_forward_pre_hook(count_rows, with_kwargs=True)  # every path runs it
     try:
         config.max_batch_rows = 4
         chunks = list(stream_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=config))
@@ -187,3 +187,28 @@ def test_finish_reasons_and_row_dropping(tokenizer):
     config = SamplingConfig(max_new_tokens=30, stop_at_final_answer=False)
     no_stop = generate_rollouts(fake, tokenizer, ["xb"], 1, config)
     assert no_stop.finish_reasons == ["eos"] and no_stop.texts[0] == scripts["b"]
+
+
+def test_preallocated_cache_layer_behaves_like_concatenation():
+    """Writes past the reserved room grow the buffer; row selection and repetition keep every position."""
+    from transformers.cache_utils import DynamicLayer
+
+    from rlvr.rollout import PreallocatedLayer
+
+    torch.manual_seed(0)
+    plain = DynamicLayer()
+    plain.update(torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 5))
+    fast = PreallocatedLayer(plain, extra=1)
+    plain.batch_repeat_interleave(2)
+    fast.batch_repeat_interleave(2)
+    for step in range(4):  # the third write no longer fits the room reserved
+        if step == 2:
+            keep = torch.tensor([0, 2, 3])
+            plain.batch_select_indices(keep)
+            fast.batch_select_indices(keep)
+        rows = plain.keys.shape[0]
+        key, value = torch.randn(rows, 3, 1, 5), torch.randn(rows, 3, 1, 5)
+        expected, got = plain.update(key, value), fast.update(key, value)
+        for a, b in zip(expected, got):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+    assert fast.get_seq_length() == 8

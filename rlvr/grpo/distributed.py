@@ -56,8 +56,8 @@ def init_distributed(device: torch.device | str | None = None, timeout_s: float 
 def wrap_model(
     model: torch.nn.Module, ctx: DistributedContext, fsdp: bool = False, param_dtype: torch.dtype | None = None
 ) -> torch.nn.Module:
-    """DDP around ``model`` (which keeps being the module used for generation); FSDP2 on request,
-    computing in ``param_dtype`` when given."""
+    """DDP around ``model`` (its submodules stay usable unwrapped, for generation); FSDP2 on
+    request, computing in ``param_dtype`` when given."""
     if not ctx.enabled:
         return model
     if fsdp:

@@ -33,6 +33,8 @@ import torch
 
 from transformers import DynamicCache
 
+from rlvr.attention import use_fast_attention
+from rlvr.policy import plain_output_head
 from rlvr.rollout import Rollouts, generate_rollouts
 
 from . import checkpoint as ckpt
@@ -47,6 +49,7 @@ from .distributed import (
     shard_for_rank,
     wrap_model,
 )
+from .head import head_logprobs
 from .loss import (
     POLICY_LOSSES,
     aggregate_loss,
@@ -82,7 +85,7 @@ class GRPOTrainer:
         self.dist = init_distributed(device=None if _launched_distributed() else next(model.parameters()).device)
         if config.prompts_per_step < self.dist.world_size:
             raise ValueError(f"prompts_per_step ({config.prompts_per_step}) < world size ({self.dist.world_size})")
-        model = model.to(self.dist.device)
+        model = use_fast_attention(model.to(self.dist.device))
         self.ref_model = _reference_model(model, ref_model, config, self.dist.device)  # before adapters / sharding
         if config.lora is not None:
             model = _apply_lora(model, config.lora)
@@ -92,16 +95,23 @@ class GRPOTrainer:
         compute_dtype = getattr(torch, config.compute_dtype)
         mixed = compute_dtype != next(model.parameters()).dtype
         # the update's forwards run through this (DDP / FSDP when distributed; DDP syncs rank 0's weights)
-        self.model = wrap_model(model, self.dist, fsdp=config.fsdp, param_dtype=compute_dtype if mixed else None)
+        share_prompts = config.share_prompt_forward and not config.gradient_checkpointing
+        self.model = wrap_model(
+            CompletionScorer(model, share_prompts), self.dist, fsdp=config.fsdp, param_dtype=compute_dtype if mixed else None
+        )
         autocast = mixed and not config.fsdp
         self._autocast = partial(torch.autocast, self.dist.device.type, compute_dtype, enabled=autocast)
         # generation runs on a low-precision copy in mixed precision (FSDP casts on its own)
         self.rollout_policy = copy.deepcopy(model).to(compute_dtype) if autocast else model
         self.optimizer = torch.optim.AdamW(
-            _param_groups(self.policy, config.weight_decay), lr=config.lr, betas=config.betas, eps=config.adam_eps
+            _param_groups(self.policy, config.weight_decay),
+            lr=config.lr,
+            betas=config.betas,
+            eps=config.adam_eps,
+            fused=self.dist.device.type in ("cpu", "cuda") and not config.fsdp,  # one kernel, several times faster
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_multiplier, config=config))
-        self._share_prompts = config.share_prompt_forward and not config.gradient_checkpointing
+        self._share_prompts = share_prompts
         self.step_count = 0  # training steps completed
         self.history: list[dict] = []
 
@@ -175,7 +185,7 @@ class GRPOTrainer:
         seed = derive_seed(self.config.seed, self.step_count, self.dist.rank)
         sampling = replace(self.config.sampling, seed=seed)
         self.rollout_policy.eval()
-        gather = gathered_parameters(self.policy) if self.config.fsdp else contextlib.nullcontext()
+        gather = gathered_parameters(self.model) if self.config.fsdp else contextlib.nullcontext()
         with gather:
             rollouts = generate_rollouts(
                 self.rollout_policy, self.tokenizer, [p["prompt"] for p in problems], self.config.group_size, sampling
@@ -256,9 +266,7 @@ class GRPOTrainer:
         batch = pack_rows(rollouts, rows, device)
         with_entropy = first_pass and stats is not None
         with self._autocast():
-            logprobs, entropy = completion_logprobs(
-                self.model, batch, self._share_prompts, prompt_model=self.policy, with_entropy=with_entropy
-            )
+            logprobs, entropy = self.model(batch, with_entropy=with_entropy)
         mask = batch.mask
         old_logprobs = rollouts.logprobs[rows, : batch.width].to(device)
         loss_mat, loss_metrics = POLICY_LOSSES[config.loss_type](
@@ -482,65 +490,87 @@ def pack_rows(rollouts: Rollouts, rows: torch.Tensor, device: torch.device | str
     )
 
 
+class CompletionScorer(torch.nn.Module):
+    """The update's forward as one module, which DDP / FSDP wrap: :func:`completion_logprobs` of
+    ``policy`` (so that DDP sees one forward, prompt pass included, per backward)."""
+
+    def __init__(self, policy: Any, share_prompts: bool = True):
+        super().__init__()
+        self.policy, self.share_prompts = policy, share_prompts
+
+    def forward(self, batch: PackedRows, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return completion_logprobs(self.policy, batch, self.share_prompts, with_entropy)
+
+
 def completion_logprobs(
-    model: Any, batch: PackedRows, share_prompts: bool = True, prompt_model: Any = None, with_entropy: bool = False
+    model: Any, batch: PackedRows, share_prompts: bool = True, with_entropy: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(o_t | q, o_<t) for every completion token of ``batch`` ([rows, width]), and the
-    entropy of π at each position when asked (no gradient).
+    """log π(o_t | q, o_<t) for every completion token of ``batch`` ([rows, width], 0 on padding),
+    and the entropy of π at each position when asked (no gradient).
 
     With ``share_prompts`` each distinct prompt goes through the model once and its KV cache
     (gradient attached) is reused by all of its completions: [prompts, P] + [rows, width - 1]
-    tokens instead of [rows, P + width - 1]. ``prompt_model`` runs that prompt pass (the bare
-    module when ``model`` is DDP-wrapped: DDP then sees one forward per backward). Without it, one
-    forward over [prompt | completion] per row (needed with gradient checkpointing, which drops
-    the cache).
+    tokens instead of [rows, P + width - 1]. Without it, one forward over [prompt | completion]
+    per row (needed with gradient checkpointing, which drops the cache). Only real completion
+    tokens reach the output layer; for architectures with a plain ``lm_head`` that is
+    :func:`~rlvr.grpo.head.head_logprobs` on the decoder's hidden states, else the model's logits.
     """
-    logits_chunks = []
+    head = plain_output_head(model)
+    if head is not None:
+        decoder = model.get_decoder()
+        run = lambda **kwargs: decoder(**kwargs).last_hidden_state  # noqa: E731
+    else:
+        run = lambda **kwargs: model(**kwargs).logits  # noqa: E731
     if share_prompts:
-        cache = DynamicCache(config=(prompt_model or model).config)
+        cache = DynamicCache(config=model.config)
         positions = (batch.prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
-        out = (prompt_model or model)(
+        last = {} if head is not None else {"logits_to_keep": 1}
+        first = run(
             input_ids=batch.prompt_ids,
             attention_mask=batch.prompt_mask,
             position_ids=positions,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=1,
+            **last,
         )
-        logits_chunks.append(out.logits[batch.prompt_index])  # predicts the first completion token
+        outputs = [first[:, -1:][batch.prompt_index]]  # predicts the first completion token
         if batch.width > 1:
             cache.batch_select_indices(batch.prompt_index)
             attention_mask = torch.cat([batch.prompt_mask[batch.prompt_index], batch.mask[:, :-1].long()], dim=1)
             offsets = torch.arange(batch.width - 1, device=positions.device)
             positions = batch.prompt_mask.sum(dim=1)[batch.prompt_index].unsqueeze(1) + offsets
-            out = model(
-                input_ids=batch.targets[:, :-1],
-                attention_mask=attention_mask,
-                position_ids=positions,
-                past_key_values=cache,
-                use_cache=True,
+            outputs.append(
+                run(
+                    input_ids=batch.targets[:, :-1],
+                    attention_mask=attention_mask,
+                    position_ids=positions,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
             )
-            logits_chunks.append(out.logits)
+        features = torch.cat(outputs, dim=1)
     else:
         input_ids = torch.cat([batch.prompt_ids[batch.prompt_index], batch.targets[:, :-1]], dim=1)
         attention_mask = torch.cat([batch.prompt_mask[batch.prompt_index], batch.mask[:, :-1].long()], dim=1)
         positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            use_cache=False,
-            logits_to_keep=batch.width,
+        last = {} if head is not None else {"logits_to_keep": batch.width}
+        features = run(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **last
+        )[:, -batch.width :]
+    real = batch.mask.bool()
+    targets = batch.targets[real]
+    temperatures = batch.temperatures.unsqueeze(1).expand_as(batch.targets)[real]
+    if head is not None:
+        logprobs, entropy = head_logprobs(features[real], head.weight, targets, temperatures, with_entropy)
+    else:
+        logprobs, entropy = token_logprobs_and_entropy(
+            features[real].unsqueeze(1), targets.unsqueeze(1), temperatures, with_entropy
         )
-        logits_chunks.append(out.logits)
-    logprobs, entropy, start = [], [], 0
-    for logits in logits_chunks:
-        targets = batch.targets[:, start : start + logits.shape[1]]
-        chunk_logprobs, chunk_entropy = token_logprobs_and_entropy(logits, targets, batch.temperatures, with_entropy)
-        logprobs.append(chunk_logprobs)
-        entropy.append(chunk_entropy)
-        start += logits.shape[1]
-    return torch.cat(logprobs, dim=1), torch.cat(entropy, dim=1) if with_entropy else None
+    out = torch.zeros(batch.targets.shape, dtype=logprobs.dtype, device=logprobs.device)
+    out = out.index_put((real,), logprobs.flatten())
+    if entropy is None:
+        return out, None
+    return out, torch.zeros_like(out).index_put_((real,), entropy.flatten())
 
 
 def lr_multiplier(step: int, config: GRPOConfig) -> float:

@@ -1,0 +1,200 @@
+"""The engine's CPU kernel choices, each timed against what transformers / torch do by default, in one run.
+
+    python bench/cpu_kernels.py .rlvr/models/base_policy/<version> --rows 8 --prompt 150 --completion 128
+
+The model is built from the checkpoint's config with random weights (timings depend on shapes only):
+
+* attention: transformers' ``"sdpa"`` against ``"rlvr_sdpa"`` (float32 kernel on upcast inputs),
+  bf16 model, one decode step over a ``prompt``-token cache and one training forward + backward;
+* decode logits, float32: ``h Wᵀ`` (what ``nn.Linear`` runs) against ``(W hᵀ)ᵀ`` for ``rows`` rows;
+* decode step: the model's forward on a ``DynamicCache`` (which concatenates every layer's cache
+  each step) against the rollout engine's (preallocated cache, the logits above), float32 and bf16;
+* output head: ``lm_head`` logits + autograd (``token_logprobs_and_entropy``) against
+  ``head_logprobs``, forward + backward over ``rows x completion`` tokens, float32 and bf16 autocast;
+* AdamW over the model's parameters: ``foreach`` (torch's default) against ``fused``.
+
+Prints a Markdown table: median milliseconds of ``--repeats`` runs after one warm-up, and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from typing import Callable
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from rlvr.attention import use_fast_attention
+from rlvr.grpo.head import head_logprobs
+from rlvr.grpo.loss import token_logprobs_and_entropy
+from rlvr.policy import plain_output_head
+from rlvr.rollout import _last_logits, preallocate
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return 1000 * statistics.median(times)
+
+
+def decode_step(model, rows: int, prompt: int, steps: int, engine: bool) -> Callable[[], float]:
+    """Seconds per decode step over ``steps`` steps after a ``prompt``-token prefill (not timed):
+    the model's own forward on a ``DynamicCache``, or the engine's (preallocated cache, ``_last_logits``)."""
+    head = plain_output_head(model) if engine else None
+    ids = torch.randint(0, model.config.vocab_size, (rows, prompt))
+    state = {}
+
+    def setup() -> None:
+        with torch.inference_mode():
+            cache = DynamicCache(config=model.config)
+            model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            if engine:
+                preallocate(cache, extra=steps)
+        state["cache"] = cache
+
+    def run() -> None:
+        setup()
+        cache, token = state["cache"], ids[:, -1:]
+        mask = torch.ones(rows, prompt, dtype=torch.long)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            for t in range(steps):
+                mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+                positions = torch.full((rows, 1), prompt + t)
+                inputs = dict(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache)
+                _last_logits(model, head, **inputs) if engine else model(**inputs, use_cache=True)
+        state["elapsed"] = time.perf_counter() - started
+
+    def timed() -> float:
+        run()
+        return state["elapsed"] / steps
+
+    return timed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", help="a Hugging Face checkpoint folder (only its config is read)")
+    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=150)
+    parser.add_argument("--completion", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    config = AutoConfig.from_pretrained(args.model)
+    config._attn_implementation = "sdpa"
+    base = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    rows, prompt, completion, repeats = args.rows, args.prompt, args.completion, args.repeats
+    table = []
+
+    def compare(name: str, default: Callable[[], object], ours: Callable[[], object], per_call: bool = False) -> None:
+        if per_call:  # the callables return their own per-step seconds
+            a = 1000 * statistics.median(default() for _ in range(repeats))
+            b = 1000 * statistics.median(ours() for _ in range(repeats))
+        else:
+            a, b = median_ms(default, repeats), median_ms(ours, repeats)
+        table.append((name, a, b))
+        print(f"{name}: {a:.1f} ms -> {b:.1f} ms ({a / b:.2f}x)", flush=True)
+
+    # attention, bf16, the model's head layout
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = config.hidden_size // heads
+    bf16_sdpa = copy.deepcopy(base).to(torch.bfloat16)
+    bf16_fast = use_fast_attention(copy.deepcopy(bf16_sdpa))
+    attention = {
+        name: model.model.layers[0].self_attn for name, model in (("sdpa", bf16_sdpa), ("rlvr_sdpa", bf16_fast))
+    }
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def attention_call(name: str, queries: int, keys: int, train: bool) -> Callable[[], None]:
+        q = torch.randn(rows, heads, queries, head_dim, dtype=torch.bfloat16, requires_grad=train)
+        k = torch.randn(rows, kv_heads, keys, head_dim, dtype=torch.bfloat16, requires_grad=train)
+        v = torch.randn(rows, kv_heads, keys, head_dim, dtype=torch.bfloat16, requires_grad=train)
+        mask = torch.ones(rows, 1, queries, keys, dtype=torch.bool).tril(keys - queries)
+        fn = ALL_ATTENTION_FUNCTIONS[name]
+
+        def run() -> None:
+            with torch.set_grad_enabled(train):
+                out, _ = fn(attention[name], q, k, v, mask, scaling=head_dim**-0.5)
+                if train:
+                    out.float().sum().backward()
+
+        return run
+
+    for label, queries, keys, train in (
+        ("decode", 1, prompt + completion, False),
+        ("training fwd+bwd", completion, prompt + completion, True),
+    ):
+        compare(
+            f"attention, bf16, {label} ({rows} rows, {queries} x {keys})",
+            attention_call("sdpa", queries, keys, train),
+            attention_call("rlvr_sdpa", queries, keys, train),
+        )
+
+    head_weight = base.get_output_embeddings().weight.detach()
+    last_hidden = torch.randn(rows, config.hidden_size)
+    compare(
+        f"decode logits, float32 ({rows} rows x {config.vocab_size})",
+        lambda: last_hidden @ head_weight.T,
+        lambda: (head_weight @ last_hidden.T).T,
+    )
+
+    for dtype, models in (("float32", (base, base)), ("bf16", (bf16_sdpa, bf16_fast))):
+        compare(
+            f"decode step, {dtype} ({rows} rows, {prompt}-token prompt, {completion} steps)",
+            decode_step(models[0], rows, prompt, completion, engine=False),
+            decode_step(models[1], rows, prompt, completion, engine=True),
+            per_call=True,
+        )
+
+    tokens = rows * completion
+    hidden = torch.randn(tokens, config.hidden_size, requires_grad=True)
+    weight = base.get_output_embeddings().weight
+    targets = torch.randint(0, config.vocab_size, (tokens,))
+    temperatures = torch.ones(tokens)
+
+    def head_run(fn, autocast: bool) -> Callable[[], None]:
+        def run() -> None:
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                if fn is head_logprobs:
+                    logprobs, _ = head_logprobs(hidden, weight, targets, temperatures, with_entropy=True)
+                else:
+                    logits = torch.nn.functional.linear(hidden, weight).unsqueeze(1)
+                    logprobs, _ = token_logprobs_and_entropy(logits, targets.unsqueeze(1), temperatures)
+            logprobs.sum().backward()
+            hidden.grad = weight.grad = None
+
+        return run
+
+    for autocast in (False, True):
+        compare(
+            f"output head fwd+bwd, {'bf16 autocast' if autocast else 'float32'} ({tokens} tokens x {config.vocab_size})",
+            head_run(token_logprobs_and_entropy, autocast),
+            head_run(head_logprobs, autocast),
+        )
+
+    params = [p for p in base.parameters()]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    foreach = torch.optim.AdamW(params, lr=1e-6, foreach=True)
+    fused = torch.optim.AdamW(copy.deepcopy(params), lr=1e-6, fused=True)
+    for p in fused.param_groups[0]["params"]:
+        p.grad = torch.randn_like(p)
+    compare(f"AdamW step ({sum(p.numel() for p in params) / 1e6:.0f}M parameters)", foreach.step, fused.step)
+
+    print(f"\n{torch.get_num_threads()} threads\n")
+    print("| operation | default (ms) | rlvr-ops (ms) | speed-up |")
+    print("|---|---|---|---|")
+    for name, a, b in table:
+        print(f"| {name} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
