@@ -74,7 +74,8 @@ def run_trl(args, gradient_checkpointing: bool, bf16: bool = False) -> list[dict
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)  # as a TRL user loads it
+    # as a TRL user loads it: transformers' own attention ("sdpa"), not rlvr's low-precision CPU variant
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     tokenizer.padding_side = "left"
     rows = [{"prompt": build_messages(q), "answer": a} for q, a in QUESTIONS]
