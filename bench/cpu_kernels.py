@@ -4,11 +4,11 @@
 
 The model is built from the checkpoint's config with random weights (timings depend on shapes only):
 
-* attention: transformers' ``"sdpa"`` against ``"rlvr_sdpa"`` (float32 kernel on upcast inputs),
-  bf16 model, one decode step over a ``prompt``-token cache and one training forward + backward;
 * decode logits, float32: ``h Wᵀ`` (what ``nn.Linear`` runs) against ``(W hᵀ)ᵀ`` for ``rows`` rows;
 * decode step: the model's forward on a ``DynamicCache`` (which concatenates every layer's cache
-  each step) against the rollout engine's (preallocated cache, the logits above), float32 and bf16;
+  each step) against the rollout engine's (preallocated cache, the logits above; in bf16 also the
+  ``"rlvr_sdpa"`` attention), float32 and bf16; and, to isolate the attention, bf16 on the engine's
+  cache with transformers' ``"sdpa"`` against ``"rlvr_sdpa"``;
 * output head: ``lm_head`` logits + autograd (``token_logprobs_and_entropy``) against
   ``head_logprobs``, forward + backward over ``rows x completion`` tokens, float32 and bf16 autocast;
 * AdamW over the model's parameters: ``foreach`` (torch's default) against ``fused``.
@@ -103,41 +103,8 @@ def main() -> None:
         table.append((name, a, b))
         print(f"{name}: {a:.1f} ms -> {b:.1f} ms ({a / b:.2f}x)", flush=True)
 
-    # attention, bf16, the model's head layout
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = config.hidden_size // heads
     bf16_sdpa = copy.deepcopy(base).to(torch.bfloat16)
     bf16_fast = use_fast_attention(copy.deepcopy(bf16_sdpa))
-    attention = {
-        name: model.model.layers[0].self_attn for name, model in (("sdpa", bf16_sdpa), ("rlvr_sdpa", bf16_fast))
-    }
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    def attention_call(name: str, queries: int, keys: int, train: bool) -> Callable[[], None]:
-        q = torch.randn(rows, heads, queries, head_dim, dtype=torch.bfloat16, requires_grad=train)
-        k = torch.randn(rows, kv_heads, keys, head_dim, dtype=torch.bfloat16, requires_grad=train)
-        v = torch.randn(rows, kv_heads, keys, head_dim, dtype=torch.bfloat16, requires_grad=train)
-        mask = torch.ones(rows, 1, queries, keys, dtype=torch.bool).tril(keys - queries)
-        fn = ALL_ATTENTION_FUNCTIONS[name]
-
-        def run() -> None:
-            with torch.set_grad_enabled(train):
-                out, _ = fn(attention[name], q, k, v, mask, scaling=head_dim**-0.5)
-                if train:
-                    out.float().sum().backward()
-
-        return run
-
-    for label, queries, keys, train in (
-        ("decode", 1, prompt + completion, False),
-        ("training fwd+bwd", completion, prompt + completion, True),
-    ):
-        compare(
-            f"attention, bf16, {label} ({rows} rows, {queries} x {keys})",
-            attention_call("sdpa", queries, keys, train),
-            attention_call("rlvr_sdpa", queries, keys, train),
-        )
-
     head_weight = base.get_output_embeddings().weight.detach()
     last_hidden = torch.randn(rows, config.hidden_size)
     compare(
@@ -153,6 +120,12 @@ def main() -> None:
             decode_step(models[1], rows, prompt, completion, engine=True),
             per_call=True,
         )
+    compare(
+        f"decode step, bf16, engine cache: attention sdpa -> rlvr_sdpa ({rows} rows, {completion} steps)",
+        decode_step(bf16_sdpa, rows, prompt, completion, engine=True),
+        decode_step(bf16_fast, rows, prompt, completion, engine=True),
+        per_call=True,
+    )
 
     tokens = rows * completion
     hidden = torch.randn(tokens, config.hidden_size, requires_grad=True)

@@ -1,9 +1,9 @@
 """An attention implementation for low-precision models on CPU, registered with transformers.
 
-PyTorch's bfloat16 / float16 ``scaled_dot_product_attention`` kernels on CPU are slower than its
-float32 one, both for decoding (one query row) and for training (forward and backward);
-``bench/cpu_kernels.py`` times them. ``"rlvr_sdpa"`` runs the float32 kernel on upcast
-inputs there (also the more accurate softmax) and is plain ``"sdpa"`` everywhere else.
+PyTorch's bfloat16 / float16 ``scaled_dot_product_attention`` on CPU is slow on the rollout
+engine's preallocated cache (keys and values are strided views of a larger buffer);
+``"rlvr_sdpa"`` runs the float32 kernel on upcast inputs there (also the more accurate softmax)
+and is plain ``"sdpa"`` everywhere else. ``bench/cpu_kernels.py`` times a decode step both ways.
 """
 
 from __future__ import annotations
