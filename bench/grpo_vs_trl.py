@@ -5,7 +5,7 @@ Same model, prompts, group size, completion budget, temperature, learning rate, 
 warm-up and is not counted. Throughput = completion tokens generated per second of step time
 (generation + reward + update). Results are printed as a Markdown table and JSON.
 
-    python bench/grpo_vs_trl.py .rlvr/models/base_policy/<version> --prompts 2 --group 4 --tokens 128 --steps 4 --bf16
+    python bench/grpo_vs_trl.py .rlvr/models/base_policy/<version> --prompts 2 --group 4 --tokens 128 --steps 5 --bf16
 """
 
 from __future__ import annotations
