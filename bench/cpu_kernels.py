@@ -30,8 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from rlvr.attention import use_fast_attention
 from rlvr.grpo.head import head_logprobs
 from rlvr.grpo.loss import token_logprobs_and_entropy
-from rlvr.policy import plain_output_head
-from rlvr.rollout import _last_logits, preallocate
+from rlvr.rollout import last_position_logits, preallocate
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -46,8 +45,9 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 def decode_step(model, rows: int, prompt: int, steps: int, engine: bool) -> Callable[[], float]:
     """Seconds per decode step over ``steps`` steps after a ``prompt``-token prefill (not timed):
-    the model's own forward on a ``DynamicCache``, or the engine's (preallocated cache, ``_last_logits``)."""
-    head = plain_output_head(model) if engine else None
+    the model's own forward on a ``DynamicCache``, or the engine's (preallocated cache,
+    ``last_position_logits``)."""
+    next_logits = last_position_logits(model)
     ids = torch.randint(0, model.config.vocab_size, (rows, prompt))
     state = {}
 
@@ -69,7 +69,7 @@ def decode_step(model, rows: int, prompt: int, steps: int, engine: bool) -> Call
                 mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
                 positions = torch.full((rows, 1), prompt + t)
                 inputs = dict(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache)
-                _last_logits(model, head, **inputs) if engine else model(**inputs, use_cache=True)
+                next_logits(**inputs) if engine else model(**inputs, use_cache=True)
         state["elapsed"] = time.perf_counter() - started
 
     def timed() -> float:

@@ -41,7 +41,8 @@ AttentionMaskInterface.register(NAME, sdpa_mask)  # the masks SDPA takes (unregi
 
 
 def use_fast_attention(model: Any) -> Any:
-    """Switch a transformers model that uses ``"sdpa"`` to ``"rlvr_sdpa"`` (others are left alone)."""
+    """Switch a transformers model that uses ``"sdpa"`` to ``"rlvr_sdpa"`` (others are left alone);
+    the rollout engine does this to the model it decodes with."""
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(NAME)

@@ -126,10 +126,8 @@ def load_policy(path: str | Path, device: Any = "cpu", dtype: Any = None) -> tup
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    from rlvr.attention import use_fast_attention
-
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32).to(device)
-    return use_fast_attention(model), tokenizer
+    return model, tokenizer
 
 
 # architectures whose logits are exactly lm_head(last hidden state): no soft-capping or scaling

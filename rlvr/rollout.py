@@ -6,7 +6,8 @@ The loop is written out (no HF ``generate``) so that GRPO gets exactly what it n
   position only) and its KV cache repeated for its G samples;
 * decoding steps one token at a time with a per-row temperature (0 = greedy) and top-p, writing
   keys and values into a cache preallocated for the whole token budget (no concatenation per
-  step); finished rows are dropped from the batch (cache rows and per-row state are
+  step; bf16/fp16 models are switched to ``rlvr.attention``'s float32 SDPA, which is fast on
+  that cache's strided views); finished rows are dropped from the batch (cache rows and per-row state are
   index-selected), so they stop costing compute;
 * a row stops at an end token (``"eos"``), right after a completed ``#### <number>`` line
   (``"answer"``), or at the token budget (``"length"``);
@@ -20,13 +21,14 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from rlvr.answers import is_well_formed
+from rlvr.attention import use_fast_attention
 from rlvr.policy import plain_output_head
 
 FINISH_REASONS = ("eos", "answer", "length")
@@ -224,10 +226,11 @@ def _decode_loop(
         attention_mask[i, width - len(ids) :] = 1
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp_(min=0)
+    use_fast_attention(model)  # bf16 SDPA on CPU is slow on the preallocated cache's strided views
+    next_logits = last_position_logits(model)
     cache = DynamicCache(config=model.config)
-    head = plain_output_head(model)
-    logits = _last_logits(
-        model, head, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache
+    logits = next_logits(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache
     )
     if group > 1:
         cache.batch_repeat_interleave(group)
@@ -268,9 +271,7 @@ def _decode_loop(
             rows, tokens, row_temps = rows[keep], tokens[keep], row_temps[keep]
             attention_mask, next_position = attention_mask[keep], next_position[keep]
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(rows), 1))], dim=1)
-        logits = _last_logits(
-            model,
-            head,
+        logits = next_logits(
             input_ids=tokens.unsqueeze(1),
             attention_mask=attention_mask,
             position_ids=next_position.unsqueeze(1),
@@ -299,16 +300,18 @@ def _decode_loop(
     )
 
 
-def _last_logits(model: Any, head: Any, **inputs: Any) -> torch.Tensor:
-    """Logits at the last position of each row, [rows, vocabulary].
+def last_position_logits(model: Any) -> Callable[..., torch.Tensor]:
+    """A function of the model's inputs giving the logits at the last position of each row,
+    [rows, vocabulary] (decided once per decode loop, not per step).
 
     In float32 with a plain output layer they are computed as (W hᵀ)ᵀ: MKL runs that orientation
     about twice as fast as h Wᵀ for a few rows against a large vocabulary (``bench/cpu_kernels.py``).
     """
+    head = plain_output_head(model)
     if head is None or head.weight.dtype != torch.float32:
-        return model(**inputs, use_cache=True, logits_to_keep=1).logits[:, -1]
-    hidden = model.get_decoder()(**inputs, use_cache=True).last_hidden_state[:, -1]
-    return (head.weight @ hidden.T).T
+        return lambda **inputs: model(**inputs, use_cache=True, logits_to_keep=1).logits[:, -1]
+    decoder, weight = model.get_decoder(), head.weight
+    return lambda **inputs: (weight @ decoder(**inputs, use_cache=True).last_hidden_state[:, -1].T).T
 
 
 class PreallocatedLayer(DynamicLayer):

@@ -135,8 +135,10 @@ def grpo_training(
 
     with duckdb.get_connection() as conn:
         finish = dict(conn.execute("SELECT finish_reason, count(*) FROM rollouts WHERE run_id = ? GROUP BY 1", [run_id]).fetchall())
-        means = dict(conn.execute("SELECT reward_name, avg(value) FROM rewards WHERE run_id = ? GROUP BY 1", [run_id]).fetchall())
-        reward_rows = conn.execute("SELECT count(*) FROM rewards WHERE run_id = ?", [run_id]).fetchone()[0]
+        per_reward = conn.execute(
+            "SELECT reward_name, avg(value), count(*) FROM rewards WHERE run_id = ? GROUP BY 1", [run_id]
+        ).fetchall()
+    means, reward_rows = {name: mean for name, mean, _ in per_reward}, sum(rows for *_, rows in per_reward)
     last = history[-1] if history else {}
     yield MaterializeResult(asset_key="rollouts", metadata={
         "dagster/row_count": sum(finish.values()), "run_id": run_id, "table": f"{duckdb.database}:rollouts",

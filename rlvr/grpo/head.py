@@ -56,7 +56,7 @@ class HeadLogprobs(torch.autograd.Function):
             log_norm[rows] = torch.logsumexp(z, dim=-1)
             logprobs[rows] = z.gather(1, targets[rows].unsqueeze(1)).squeeze(1) - log_norm[rows]
             if with_entropy:  # H = logsumexp(z) - Σ softmax(z) z
-                p = torch.exp(z - log_norm[rows].unsqueeze(1))
+                p = torch.sub(z, log_norm[rows].unsqueeze(1)).exp_()
                 entropy[rows] = log_norm[rows] - torch.linalg.vecdot(p, z)
         ctx.save_for_backward(h, w, logits, targets, inverse_temperatures, log_norm)
         ctx.dtypes = (hidden.dtype, weight.dtype)
@@ -70,7 +70,7 @@ class HeadLogprobs(torch.autograd.Function):
             z = logits[rows].float().mul_(inverse_temperatures[rows].unsqueeze(1))
             g = grad_logprobs[rows].float()
             # d logprob / dz = onehot(target) - softmax(z); times the upstream gradient and 1 / T
-            dz = torch.exp(z.sub_(log_norm[rows].unsqueeze(1))).mul_(-g.unsqueeze(1))
+            dz = z.sub_(log_norm[rows].unsqueeze(1)).exp_().mul_(-g.unsqueeze(1))
             dz.scatter_add_(1, targets[rows].unsqueeze(1), g.unsqueeze(1))
             logits[rows] = dz.mul_(inverse_temperatures[rows].unsqueeze(1))
         grad_hidden = (logits @ w).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
