@@ -4,11 +4,15 @@
 
 The model is built from the checkpoint's config with random weights (timings depend on shapes only):
 
-* decode logits, float32: ``h Wᵀ`` (what ``nn.Linear`` runs) against ``(W hᵀ)ᵀ`` for ``rows`` rows;
+* decode linears: every ``nn.Linear`` of the model once on ``rows`` rows (one decode step's
+  matrix products, output layer included), as ``nn.Linear`` runs them against oneDNN on weights
+  packed once (``rlvr.packed_linear``), float32 and bf16;
 * decode step: the model's forward on a ``DynamicCache`` (which concatenates every layer's cache
-  each step) against the rollout engine's (preallocated cache, the logits above; in bf16 also the
+  each step) against the rollout engine's (preallocated cache, packed linears; in bf16 also the
   ``"rlvr_sdpa"`` attention), float32 and bf16; and, to isolate the attention, bf16 on the engine's
   cache with transformers' ``"sdpa"`` against ``"rlvr_sdpa"``;
+* update forward + backward under bf16 autocast (``rows`` completions of ``completion`` tokens
+  after a shared ``prompt``-token prompt): attention ``"sdpa"`` against ``"rlvr_sdpa"``;
 * output head: ``lm_head`` logits + autograd (``token_logprobs_and_entropy``) against
   ``head_logprobs``, forward + backward over ``rows x completion`` tokens, float32 and bf16 autocast;
 * AdamW over the model's parameters: ``foreach`` (torch's default) against ``fused``.
@@ -19,6 +23,7 @@ Prints a Markdown table: median milliseconds of ``--repeats`` runs after one war
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import statistics
 import time
@@ -30,6 +35,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from rlvr.attention import use_fast_attention
 from rlvr.grpo.head import head_logprobs
 from rlvr.grpo.loss import token_logprobs_and_entropy
+from rlvr.grpo.trainer import CompletionScorer, PackedRows
+from rlvr.packed_linear import packed_linears
 from rlvr.rollout import last_position_logits, preallocate
 
 
@@ -45,38 +52,67 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 def decode_step(model, rows: int, prompt: int, steps: int, engine: bool) -> Callable[[], float]:
     """Seconds per decode step over ``steps`` steps after a ``prompt``-token prefill (not timed):
-    the model's own forward on a ``DynamicCache``, or the engine's (preallocated cache,
-    ``last_position_logits``)."""
-    next_logits = last_position_logits(model)
+    the model's own forward on a ``DynamicCache``, or the engine's (preallocated cache, packed
+    linears)."""
     ids = torch.randint(0, model.config.vocab_size, (rows, prompt))
-    state = {}
 
-    def setup() -> None:
-        with torch.inference_mode():
+    def timed() -> float:
+        packing = packed_linears(model, rows) if engine else contextlib.nullcontext()
+        with torch.inference_mode(), packing:
             cache = DynamicCache(config=model.config)
             model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             if engine:
                 preallocate(cache, extra=steps)
-        state["cache"] = cache
-
-    def run() -> None:
-        setup()
-        cache, token = state["cache"], ids[:, -1:]
-        mask = torch.ones(rows, prompt, dtype=torch.long)
-        started = time.perf_counter()
-        with torch.inference_mode():
+            token, mask = ids[:, -1:], torch.ones(rows, prompt, dtype=torch.long)
+            started = time.perf_counter()
             for t in range(steps):
                 mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
                 positions = torch.full((rows, 1), prompt + t)
                 inputs = dict(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache)
-                next_logits(**inputs) if engine else model(**inputs, use_cache=True)
-        state["elapsed"] = time.perf_counter() - started
-
-    def timed() -> float:
-        run()
-        return state["elapsed"] / steps
+                last_position_logits(model, **inputs) if engine else model(**inputs, use_cache=True)
+            return (time.perf_counter() - started) / steps
 
     return timed
+
+
+def decode_linears(model, rows: int, packed: bool) -> Callable[[], float]:
+    """Seconds for every ``nn.Linear`` of ``model`` once on ``rows`` rows (one decode step's
+    matrix products); packing the weights is not timed."""
+    dtype = next(model.parameters()).dtype
+    layers = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    inputs = [torch.randn(rows, 1, m.in_features, dtype=dtype) for m in layers]
+
+    def timed() -> float:
+        packing = packed_linears(model, rows) if packed else contextlib.nullcontext()
+        with torch.inference_mode(), packing:
+            started = time.perf_counter()
+            for layer, x in zip(layers, inputs):
+                layer(x)
+            return time.perf_counter() - started
+
+    return timed
+
+
+def update_step(model, rows: int, prompt: int, completion: int) -> Callable[[], None]:
+    """The GRPO update's forward + backward (``CompletionScorer``, shared prompt) under bf16 autocast."""
+    vocab = model.config.vocab_size
+    batch = PackedRows(
+        prompt_ids=torch.randint(0, vocab, (1, prompt)),
+        prompt_mask=torch.ones(1, prompt, dtype=torch.long),
+        prompt_index=torch.zeros(rows, dtype=torch.long),
+        targets=torch.randint(0, vocab, (rows, completion)),
+        mask=torch.ones(rows, completion),
+        temperatures=torch.ones(rows),
+    )
+    scorer = CompletionScorer(model)
+
+    def run() -> None:
+        with torch.autocast("cpu", torch.bfloat16):
+            logprobs, _ = scorer(batch)
+        logprobs.sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    return run
 
 
 def main() -> None:
@@ -105,13 +141,13 @@ def main() -> None:
 
     bf16_sdpa = copy.deepcopy(base).to(torch.bfloat16)
     bf16_fast = use_fast_attention(copy.deepcopy(bf16_sdpa))
-    head_weight = base.get_output_embeddings().weight.detach()
-    last_hidden = torch.randn(rows, config.hidden_size)
-    compare(
-        f"decode logits, float32 ({rows} rows x {config.vocab_size})",
-        lambda: last_hidden @ head_weight.T,
-        lambda: (head_weight @ last_hidden.T).T,
-    )
+    for dtype, model in (("float32", base), ("bf16", bf16_sdpa)):
+        compare(
+            f"decode linears, {dtype} (every nn.Linear once, {rows} rows)",
+            decode_linears(model, rows, packed=False),
+            decode_linears(model, rows, packed=True),
+            per_call=True,
+        )
 
     for dtype, models in (("float32", (base, base)), ("bf16", (bf16_sdpa, bf16_fast))):
         compare(
@@ -125,6 +161,12 @@ def main() -> None:
         decode_step(bf16_sdpa, rows, prompt, completion, engine=True),
         decode_step(bf16_fast, rows, prompt, completion, engine=True),
         per_call=True,
+    )
+
+    compare(
+        f"update fwd+bwd, bf16 autocast: attention sdpa -> rlvr_sdpa ({rows} x {completion} tokens after {prompt})",
+        update_step(copy.deepcopy(base).train(), rows, prompt, completion),
+        update_step(use_fast_attention(copy.deepcopy(base)).train(), rows, prompt, completion),
     )
 
     tokens = rows * completion

@@ -1,9 +1,10 @@
 """An attention implementation for low-precision models on CPU, registered with transformers.
 
-PyTorch's bfloat16 / float16 ``scaled_dot_product_attention`` on CPU is slow on the rollout
-engine's preallocated cache (keys and values are strided views of a larger buffer);
-``"rlvr_sdpa"`` runs the float32 kernel on upcast inputs there (also the more accurate softmax)
-and is plain ``"sdpa"`` everywhere else. ``bench/cpu_kernels.py`` times a decode step both ways.
+PyTorch's bfloat16 / float16 ``scaled_dot_product_attention`` on CPU is slow: on the rollout
+engine's preallocated cache (keys and values are strided views of a larger buffer) and in the
+backward of a bf16-autocast update. ``"rlvr_sdpa"`` runs the float32 kernel on upcast inputs on
+CPU in low precision or under low-precision autocast (also the more accurate softmax) and is plain
+``"sdpa"`` everywhere else. ``bench/cpu_kernels.py`` times a decode step and an update both ways.
 """
 
 from __future__ import annotations
@@ -27,13 +28,16 @@ def upcast_sdpa_forward(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' SDPA attention, computed in float32 for low-precision inputs on CPU."""
-    if query.device.type != "cpu" or query.dtype not in _LOW_PRECISION:
+    """transformers' SDPA attention, computed in float32 on CPU for low-precision inputs or under
+    low-precision autocast (which would otherwise cast the float32 kernel's inputs back down)."""
+    autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") in _LOW_PRECISION
+    if query.device.type != "cpu" or not (autocast or query.dtype in _LOW_PRECISION):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.float()
-    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
-    return out.to(query.dtype), weights
+    with torch.autocast("cpu", enabled=False):  # under autocast SDPA would run in bf16 again
+        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+    return out.to(torch.get_autocast_dtype("cpu") if autocast else query.dtype), weights
 
 
 AttentionInterface.register(NAME, upcast_sdpa_forward)
@@ -42,7 +46,7 @@ AttentionMaskInterface.register(NAME, sdpa_mask)  # the masks SDPA takes (unregi
 
 def use_fast_attention(model: Any) -> Any:
     """Switch a transformers model that uses ``"sdpa"`` to ``"rlvr_sdpa"`` (others are left alone);
-    the rollout engine does this to the model it decodes with."""
+    the rollout engine does this to the model it decodes with, the GRPO trainer to the policy."""
     config = getattr(model, "config", None)
     if getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(NAME)

@@ -7,7 +7,8 @@ The loop is written out (no HF ``generate``) so that GRPO gets exactly what it n
 * decoding steps one token at a time with a per-row temperature (0 = greedy) and top-p, writing
   keys and values into a cache preallocated for the whole token budget (no concatenation per
   step; bf16/fp16 models are switched to ``rlvr.attention``'s float32 SDPA, which is fast on
-  that cache's strided views); finished rows are dropped from the batch (cache rows and per-row state are
+  that cache's strided views); on CPU the linear layers run on weights packed once per rollout
+  (``rlvr.packed_linear``); finished rows are dropped from the batch (cache rows and per-row state are
   index-selected), so they stop costing compute;
 * a row stops at an end token (``"eos"``), right after a completed ``#### <number>`` line
   (``"answer"``), or at the token budget (``"length"``);
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from transformers import DynamicCache
@@ -29,7 +30,7 @@ from transformers.cache_utils import DynamicLayer
 
 from rlvr.answers import is_well_formed
 from rlvr.attention import use_fast_attention
-from rlvr.policy import plain_output_head
+from rlvr.packed_linear import packed_linears
 
 FINISH_REASONS = ("eos", "answer", "length")
 _TAIL_TOKENS = 48  # tokens decoded to check for a just-completed '#### <number>' line
@@ -195,7 +196,7 @@ def _decode_chunk(
     config: SamplingConfig,
     generator: torch.Generator,
 ) -> Rollouts:
-    with torch.inference_mode():
+    with torch.inference_mode(), packed_linears(model, rows=len(prompt_ids) * num_samples):
         rollouts = _decode_loop(model, tokenizer, prompt_ids, num_samples, config, generator)
     for name in ("completion_ids", "completion_mask", "logprobs", "temperatures", "group_index", "sample_index"):
         setattr(rollouts, name, getattr(rollouts, name).clone())  # inference tensors -> ordinary tensors
@@ -227,9 +228,9 @@ def _decode_loop(
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp_(min=0)
     use_fast_attention(model)  # bf16 SDPA on CPU is slow on the preallocated cache's strided views
-    next_logits = last_position_logits(model)
     cache = DynamicCache(config=model.config)
-    logits = next_logits(
+    logits = last_position_logits(
+        model,
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache
     )
     if group > 1:
@@ -271,7 +272,8 @@ def _decode_loop(
             rows, tokens, row_temps = rows[keep], tokens[keep], row_temps[keep]
             attention_mask, next_position = attention_mask[keep], next_position[keep]
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(rows), 1))], dim=1)
-        logits = next_logits(
+        logits = last_position_logits(
+            model,
             input_ids=tokens.unsqueeze(1),
             attention_mask=attention_mask,
             position_ids=next_position.unsqueeze(1),
@@ -300,18 +302,9 @@ def _decode_loop(
     )
 
 
-def last_position_logits(model: Any) -> Callable[..., torch.Tensor]:
-    """A function of the model's inputs giving the logits at the last position of each row,
-    [rows, vocabulary] (decided once per decode loop, not per step).
-
-    In float32 with a plain output layer they are computed as (W hᵀ)ᵀ: MKL runs that orientation
-    about twice as fast as h Wᵀ for a few rows against a large vocabulary (``bench/cpu_kernels.py``).
-    """
-    head = plain_output_head(model)
-    if head is None or head.weight.dtype != torch.float32:
-        return lambda **inputs: model(**inputs, use_cache=True, logits_to_keep=1).logits[:, -1]
-    decoder, weight = model.get_decoder(), head.weight
-    return lambda **inputs: (weight @ decoder(**inputs, use_cache=True).last_hidden_state[:, -1].T).T
+def last_position_logits(model: Any, **inputs: Any) -> torch.Tensor:
+    """The logits at the last position of each row, [rows, vocabulary] (the cache is updated)."""
+    return model(**inputs, use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
 class PreallocatedLayer(DynamicLayer):

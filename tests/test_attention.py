@@ -61,3 +61,28 @@ def test_training_gradients_flow_through_it(dtype):
     model(**padded_batch(vocab)).logits.float().sum().backward()
     grad = model.model.layers[0].self_attn.q_proj.weight.grad
     assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def test_under_bf16_autocast_the_kernel_runs_in_float32(monkeypatch):
+    """Autocast would cast SDPA's inputs back to bf16 (a slow backward on CPU): rlvr_sdpa turns it off."""
+    import rlvr.attention as attention
+
+    vocab = len(char_tokenizer())
+    reference, fast = tiny_llama(vocab, seed=4), use_fast_attention(tiny_llama(vocab, seed=4))
+    seen = []
+    kernel = attention.sdpa_attention_forward
+
+    def spy(module, query, key, value, *args, **kwargs):
+        seen.append((query.dtype, key.dtype, value.dtype, torch.is_autocast_enabled("cpu")))
+        return kernel(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "sdpa_attention_forward", spy)
+    batch = padded_batch(vocab)
+    with torch.autocast("cpu", torch.bfloat16):
+        got = fast(**batch).logits
+        expected = reference(**batch).logits
+    assert seen and set(seen) == {(torch.float32, torch.float32, torch.float32, False)}
+    real = batch["attention_mask"].bool()
+    torch.testing.assert_close(got.float()[real], expected.float()[real], rtol=0.05, atol=0.05)
+    got.float().sum().backward()
+    assert fast.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0

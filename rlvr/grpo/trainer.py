@@ -33,6 +33,7 @@ import torch
 
 from transformers import DynamicCache
 
+from rlvr.attention import use_fast_attention
 from rlvr.policy import plain_output_head
 from rlvr.rollout import Rollouts, generate_rollouts
 
@@ -84,7 +85,7 @@ class GRPOTrainer:
         self.dist = init_distributed(device=None if _launched_distributed() else next(model.parameters()).device)
         if config.prompts_per_step < self.dist.world_size:
             raise ValueError(f"prompts_per_step ({config.prompts_per_step}) < world size ({self.dist.world_size})")
-        model = model.to(self.dist.device)
+        model = use_fast_attention(model.to(self.dist.device))  # bf16 autocast attention in float32 on CPU
         self.ref_model = _reference_model(model, ref_model, config, self.dist.device)  # before adapters / sharding
         if config.lora is not None:
             model = _apply_lora(model, config.lora)

@@ -1,0 +1,54 @@
+"""Linear layers run through oneDNN with their weights packed once, for decoding on CPU.
+
+A decode step multiplies a few rows by every weight matrix of the model; ``nn.Linear`` hands that
+to a GEMM that re-packs the weight matrix on every call. Packing each weight once per rollout into
+oneDNN's blocked layout and calling oneDNN's linear directly is 2-3x faster for those shapes in
+float32 and about 1.3x in bfloat16 (``bench/cpu_kernels.py``). The cost: a packed copy of the
+linear weights for the duration of the rollout, and one pass over the weights to make it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import partial
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+
+def packing_dtypes() -> tuple[torch.dtype, ...]:
+    """Weight dtypes oneDNN packs on this machine (none when PyTorch was built without it)."""
+    if not torch.backends.mkldnn.is_available():
+        return ()
+    return (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+
+
+def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None, inputs: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(inputs, packed, bias, "none", [], "")
+
+
+@contextmanager
+def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
+    """Within the block (entered without gradients), every plain ``nn.Linear`` of ``model``
+    with a CPU weight of a packable dtype runs on a copy of its weight packed for ``rows`` input
+    rows (a hint: any number of rows works). Yields how many layers were packed; the layers are
+    restored on exit, also after an error."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("packed_linears computes no gradients: enter it under torch.no_grad() or torch.inference_mode()")
+    dtypes = packing_dtypes()
+    patched: list[nn.Linear] = []
+    try:
+        for module in model.modules():
+            weight = getattr(module, "weight", None)
+            if type(module) is not nn.Linear or weight.device.type != "cpu" or weight.dtype not in dtypes:
+                continue
+            bias = None if module.bias is None else module.bias.detach()
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max(1, rows))
+            module.forward = partial(_packed_forward, packed, bias)  # type: ignore[method-assign]
+            patched.append(module)
+        yield len(patched)
+    finally:
+        for module in patched:  # pop: a concurrent rollout on the same model may have restored it already
+            vars(module).pop("forward", None)
+
