@@ -11,8 +11,9 @@ The model is built from the checkpoint's config with random weights (timings dep
   each step) against the rollout engine's (preallocated cache, packed linears; in bf16 also the
   ``"rlvr_sdpa"`` attention), float32 and bf16; and, to isolate the attention, bf16 on the engine's
   cache with transformers' ``"sdpa"`` against ``"rlvr_sdpa"``;
-* update forward + backward under bf16 autocast (``rows`` completions of ``completion`` tokens
-  after a shared ``prompt``-token prompt): attention ``"sdpa"`` against ``"rlvr_sdpa"``;
+* update forward + backward under bf16 autocast (``rows`` completions of up to ``completion``
+  tokens after two ``prompt``-token prompts, padded as the trainer pads them): attention
+  ``"sdpa"`` against ``"rlvr_sdpa"``;
 * output head: ``lm_head`` logits + autograd (``token_logprobs_and_entropy``) against
   ``head_logprobs``, forward + backward over ``rows x completion`` tokens, float32 and bf16 autocast;
 * AdamW over the model's parameters: ``foreach`` (torch's default) against ``fused``.
@@ -94,14 +95,19 @@ def decode_linears(model, rows: int, packed: bool) -> Callable[[], float]:
 
 
 def update_step(model, rows: int, prompt: int, completion: int) -> Callable[[], None]:
-    """The GRPO update's forward + backward (``CompletionScorer``, shared prompt) under bf16 autocast."""
+    """The GRPO update's forward + backward (``CompletionScorer``) under bf16 autocast, as the
+    trainer batches it: two prompts (one left-padded by a tenth) each shared by half the rows,
+    completions of lengths spread evenly from half of ``completion`` to all of it (right-padded)."""
     vocab = model.config.vocab_size
+    prompt_mask = torch.ones(2, prompt, dtype=torch.long)
+    prompt_mask[1, : prompt // 10] = 0
+    lengths = torch.linspace(completion // 2, completion, rows).long()
     batch = PackedRows(
-        prompt_ids=torch.randint(0, vocab, (1, prompt)),
-        prompt_mask=torch.ones(1, prompt, dtype=torch.long),
-        prompt_index=torch.zeros(rows, dtype=torch.long),
+        prompt_ids=torch.randint(0, vocab, (2, prompt)),
+        prompt_mask=prompt_mask,
+        prompt_index=torch.arange(rows) * 2 // rows,
         targets=torch.randint(0, vocab, (rows, completion)),
-        mask=torch.ones(rows, completion),
+        mask=(torch.arange(completion) < lengths.unsqueeze(1)).float(),
         temperatures=torch.ones(rows),
     )
     scorer = CompletionScorer(model)
@@ -164,7 +170,7 @@ def main() -> None:
     )
 
     compare(
-        f"update fwd+bwd, bf16 autocast: attention sdpa -> rlvr_sdpa ({rows} x {completion} tokens after {prompt})",
+        f"update fwd+bwd, bf16 autocast: attention sdpa -> rlvr_sdpa ({rows} x <= {completion} tokens after {prompt})",
         update_step(copy.deepcopy(base).train(), rows, prompt, completion),
         update_step(use_fast_attention(copy.deepcopy(base)).train(), rows, prompt, completion),
     )
