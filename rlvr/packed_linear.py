@@ -2,8 +2,8 @@
 
 A decode step multiplies a few rows by every weight matrix of the model; ``nn.Linear`` hands that
 to a GEMM that re-packs the weight matrix on every call. Packing each weight once per rollout into
-oneDNN's blocked layout and calling oneDNN's linear directly is 2-3x faster for those shapes in
-float32 and about 1.3x in bfloat16 (``bench/cpu_kernels.py``). The cost: a packed copy of the
+oneDNN's blocked layout and calling oneDNN's linear directly is about 2x faster for those shapes
+in float32 and 1.5x in bfloat16 (``bench/cpu_kernels.py``). The cost: a packed copy of the
 linear weights for the duration of the rollout, and one pass over the weights to make it.
 """
 
