@@ -6,7 +6,8 @@ The model is built from the checkpoint's config with random weights (timings dep
 
 * decode linears: every ``nn.Linear`` of the model once on ``rows`` rows (one decode step's
   matrix products, output layer included), as ``nn.Linear`` runs them against oneDNN on weights
-  packed once (``rlvr.packed_linear``), float32 and bf16;
+  packed once (``rlvr.packed_linear``), float32 and bf16; the packing, paid once per rollout, is
+  printed below the table;
 * decode step: the model's forward on a ``DynamicCache`` (which concatenates every layer's cache
   each step) against the rollout engine's (preallocated cache, packed linears; in bf16 also the
   ``"rlvr_sdpa"`` attention), float32 and bf16; and, to isolate the attention, bf16 on the engine's
@@ -94,6 +95,12 @@ def decode_linears(model, rows: int, packed: bool) -> Callable[[], float]:
     return timed
 
 
+def pack_once(model, rows: int) -> None:
+    """Pack (and release) the weights of every linear layer, as a rollout does once."""
+    with torch.inference_mode(), packed_linears(model, rows):
+        pass
+
+
 def update_step(model, rows: int, prompt: int, completion: int) -> Callable[[], None]:
     """The GRPO update's forward + backward (``CompletionScorer``) under bf16 autocast, as the
     trainer batches it: two prompts (one left-padded by a tenth) each shared by half the rows,
@@ -147,6 +154,7 @@ def main() -> None:
 
     bf16_sdpa = copy.deepcopy(base).to(torch.bfloat16)
     bf16_fast = use_fast_attention(copy.deepcopy(bf16_sdpa))
+    packing = []  # what a rollout pays once, before its first step
     for dtype, model in (("float32", base), ("bf16", bf16_sdpa)):
         compare(
             f"decode linears, {dtype} (every nn.Linear once, {rows} rows)",
@@ -154,6 +162,7 @@ def main() -> None:
             decode_linears(model, rows, packed=True),
             per_call=True,
         )
+        packing.append((dtype, median_ms(lambda: pack_once(model, rows), repeats)))
 
     for dtype, models in (("float32", (base, base)), ("bf16", (bf16_sdpa, bf16_fast))):
         compare(
@@ -210,7 +219,8 @@ def main() -> None:
         p.grad = torch.randn_like(p)
     compare(f"AdamW step ({sum(p.numel() for p in params) / 1e6:.0f}M parameters)", foreach.step, fused.step)
 
-    print(f"\n{torch.get_num_threads()} threads\n")
+    print(f"\n{torch.get_num_threads()} threads")
+    print("packing the linear weights, once per rollout: " + ", ".join(f"{d} {ms:.0f} ms" for d, ms in packing) + "\n")
     print("| operation | default (ms) | rlvr-ops (ms) | speed-up |")
     print("|---|---|---|---|")
     for name, a, b in table:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -40,11 +40,10 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
     patched: list[nn.Linear] = []
     try:
         for module in model.modules():
-            weight = getattr(module, "weight", None)
-            if type(module) is not nn.Linear or weight.device.type != "cpu" or weight.dtype not in dtypes:
+            if type(module) is not nn.Linear or module.weight.device.type != "cpu" or module.weight.dtype not in dtypes:
                 continue
             bias = None if module.bias is None else module.bias.detach()
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), max(1, rows))
+            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), max(1, rows))
             module.forward = partial(_packed_forward, packed, bias)  # type: ignore[method-assign]
             patched.append(module)
         yield len(patched)

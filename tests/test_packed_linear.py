@@ -76,9 +76,14 @@ def test_greedy_rollouts_are_the_same_with_and_without_packing(monkeypatch):
     model = tiny_llama(len(tokenizer), seed=4)
     prompts = ["12+3=", "7*8 = ?", "a"]
     config = SamplingConfig(max_new_tokens=12, temperatures=[0.0], stop_at_final_answer=False)
+    calls = []
+    packed_forward = packed_linear._packed_forward
+    monkeypatch.setattr(packed_linear, "_packed_forward", lambda *a: calls.append(1) or packed_forward(*a))
     packed = generate_rollouts(model, tokenizer, prompts, 2, config)
+    assert len(calls) == 15 * 12  # every linear layer, prefill + 11 decode steps, ran packed
     monkeypatch.setattr(packed_linear, "packing_dtypes", lambda: ())
     plain = generate_rollouts(model, tokenizer, prompts, 2, config)
+    assert len(calls) == 15 * 12  # ... and none with packing off
     assert torch.equal(packed.completion_ids, plain.completion_ids)
     torch.testing.assert_close(packed.logprobs, plain.logprobs, rtol=1e-4, atol=1e-5)
 
