@@ -17,7 +17,9 @@ The model is built from the checkpoint's config with random weights (timings dep
   ``"sdpa"`` against ``"rlvr_sdpa"``;
 * output head: ``lm_head`` logits + autograd (``token_logprobs_and_entropy``) against
   ``head_logprobs``, forward + backward over ``rows x completion`` tokens, float32 and bf16 autocast;
-* AdamW over the model's parameters: ``foreach`` (torch's default) against ``fused``.
+* AdamW over the model's parameters: ``foreach`` (torch's default) against ``fused``;
+* a whole update (forward + backward + fused AdamW), float32 and bf16 autocast, on glibc's default
+  malloc against ``rlvr.heap.keep_freed_memory`` (run last: that setting is process-wide).
 
 Prints a Markdown table: median milliseconds of ``--repeats`` runs after one warm-up, and the ratio.
 """
@@ -38,6 +40,7 @@ from rlvr.attention import use_fast_attention
 from rlvr.grpo.head import head_logprobs
 from rlvr.grpo.loss import token_logprobs_and_entropy
 from rlvr.grpo.trainer import CompletionScorer, PackedRows
+from rlvr.heap import keep_freed_memory
 from rlvr.packed_linear import packed_linears
 from rlvr.rollout import last_position_logits, preallocate
 
@@ -101,10 +104,13 @@ def pack_once(model, rows: int) -> None:
         pass
 
 
-def update_step(model, rows: int, prompt: int, completion: int) -> Callable[[], None]:
-    """The GRPO update's forward + backward (``CompletionScorer``) under bf16 autocast, as the
-    trainer batches it: two prompts (one left-padded by a tenth) each shared by half the rows,
-    completions of lengths spread evenly from half of ``completion`` to all of it (right-padded)."""
+def update_step(
+    model, rows: int, prompt: int, completion: int, autocast: bool = True, optimizer: torch.optim.Optimizer | None = None
+) -> Callable[[], None]:
+    """The GRPO update's forward + backward (``CompletionScorer``), under bf16 autocast or not, as
+    the trainer batches it: two prompts (one left-padded by a tenth) each shared by half the rows,
+    completions of lengths spread evenly from half of ``completion`` to all of it (right-padded);
+    then ``optimizer``'s step, if given."""
     vocab = model.config.vocab_size
     prompt_mask = torch.ones(2, prompt, dtype=torch.long)
     prompt_mask[1, : prompt // 10] = 0
@@ -120,9 +126,11 @@ def update_step(model, rows: int, prompt: int, completion: int) -> Callable[[], 
     scorer = CompletionScorer(model)
 
     def run() -> None:
-        with torch.autocast("cpu", torch.bfloat16):
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
             logprobs, _ = scorer(batch)
         logprobs.sum().backward()
+        if optimizer is not None:
+            optimizer.step()
         model.zero_grad(set_to_none=True)
 
     return run
@@ -218,6 +226,20 @@ def main() -> None:
     for p in fused.param_groups[0]["params"]:
         p.grad = torch.randn_like(p)
     compare(f"AdamW step ({sum(p.numel() for p in params) / 1e6:.0f}M parameters)", foreach.step, fused.step)
+
+    # Last: keep_freed_memory is process-wide and cannot be undone. The same updates (with a fused
+    # AdamW step, as the trainer runs them) on glibc's default malloc, then with freed memory kept.
+    updates = []
+    for autocast in (False, True):
+        model = use_fast_attention(copy.deepcopy(base)).train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-9, fused=True)
+        updates.append((autocast, update_step(model, rows, prompt, completion, autocast, optimizer)))
+    default_ms = [median_ms(run, repeats) for _, run in updates]
+    assert keep_freed_memory(), "glibc's malloc only"
+    for (autocast, run), before in zip(updates, default_ms):
+        run()  # the heap grows to the update's size once
+        name = f"update fwd+bwd+AdamW, {'bf16 autocast' if autocast else 'float32'}: glibc malloc -> keep_freed_memory"
+        table.append((name, before, median_ms(run, repeats)))
 
     print(f"\n{torch.get_num_threads()} threads")
     print("packing the linear weights, once per rollout: " + ", ".join(f"{d} {ms:.0f} ms" for d, ms in packing) + "\n")

@@ -64,6 +64,8 @@ class GRPOConfig:
     # optimizer); rollouts come from a bf16 copy of the policy, refreshed after every update.
     compute_dtype: str = "float32"
     fsdp: bool = False  # shard with FSDP2 under torchrun on GPUs (DDP otherwise)
+    # CPU training on glibc: keep freed memory in the heap for the next step (rlvr.heap)
+    keep_freed_memory: bool = True
     # bookkeeping
     checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end
     keep_checkpoints: int | None = 2  # newest checkpoints kept on disk (None = all)

@@ -1,12 +1,13 @@
 """Token log-probs and entropies from the last hidden states, with the softmax work done in chunks.
 
-The update needs log π(o_t) = z[o_t] - logsumexp(z), z = (h Wᵀ) / T, for each completion token,
+The update needs log π(o_t) = z[o_t] - logsumexp(z), z = (h / T) Wᵀ, for each completion token,
 and the entropy of π for logging. Through ``lm_head`` and autograd that is a chain of passes over
 [tokens, vocabulary] float32 tensors (49,152 columns for SmolLM2), each allocated whole: the cast,
-the temperature, logsumexp, softmax, and their gradients. :class:`HeadLogprobs` computes the
-logits with one matmul in the compute dtype and keeps them; everything in float32 runs a chunk of
-rows at a time, so its temporaries stay small; the backward overwrites the kept logits with
-dz = g (onehot(o_t) - softmax(z)) / T chunk by chunk and ends with two matmuls.
+the temperature, logsumexp, softmax, and their gradients. :class:`HeadLogprobs` scales the hidden
+states by 1 / T (not the logits) and computes the logits with one matmul in the compute dtype and
+keeps them; everything in float32 runs a chunk of rows at a time, so its temporaries stay small;
+the backward overwrites the kept logits with dz = g (onehot(o_t) - softmax(z)) chunk by chunk and
+ends with two matmuls.
 ``bench/cpu_kernels.py`` times it against the autograd chain.
 """
 
@@ -46,13 +47,14 @@ class HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, inverse_temperatures, dtype, with_entropy):
-        h, w = hidden.to(dtype), weight.to(dtype)
+        # z = (h / T) Wᵀ: the temperature scales the [N, H] input, not the [N, V] logits
+        h, w = (hidden * inverse_temperatures.unsqueeze(1).to(hidden.dtype)).to(dtype), weight.to(dtype)
         logits = h @ w.T  # [N, V] in the compute dtype; float32 only a chunk at a time
         logprobs = hidden.new_empty(hidden.shape[0], dtype=torch.float32)
         log_norm = torch.empty_like(logprobs)
         entropy = torch.zeros_like(logprobs)
         for rows in _chunks(hidden.shape[0], weight.shape[0]):
-            z = logits[rows].float() * inverse_temperatures[rows].unsqueeze(1)  # a copy: logits are kept
+            z = logits[rows].float()  # read only: the logits are kept for the backward
             log_norm[rows] = torch.logsumexp(z, dim=-1)
             logprobs[rows] = z.gather(1, targets[rows].unsqueeze(1)).squeeze(1) - log_norm[rows]
             if with_entropy:  # H = logsumexp(z) - Σ softmax(z) z
@@ -67,14 +69,17 @@ class HeadLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logprobs, _grad_entropy):  # once: it reuses the kept logits' memory
         h, w, logits, targets, inverse_temperatures, log_norm = ctx.saved_tensors
         for rows in _chunks(h.shape[0], w.shape[0]):  # logits -> dz in place, chunk by chunk
-            z = logits[rows].float().mul_(inverse_temperatures[rows].unsqueeze(1))
             g = grad_logprobs[rows].float()
-            # d logprob / dz = onehot(target) - softmax(z); times the upstream gradient and 1 / T
-            dz = z.sub_(log_norm[rows].unsqueeze(1)).exp_().mul_(-g.unsqueeze(1))
+            # d logprob / dz = onehot(target) - softmax(z), times the upstream gradient
+            dz = logits[rows].float().sub_(log_norm[rows].unsqueeze(1)).exp_().mul_(-g.unsqueeze(1))
             dz.scatter_add_(1, targets[rows].unsqueeze(1), g.unsqueeze(1))
-            logits[rows] = dz.mul_(inverse_temperatures[rows].unsqueeze(1))
-        grad_hidden = (logits @ w).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
-        grad_weight = (logits.T @ h).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
+            if logits.dtype != torch.float32:  # else dz already is that chunk of the logits
+                logits[rows] = dz
+        grad_hidden = grad_weight = None
+        if ctx.needs_input_grad[0]:  # through h / T
+            grad_hidden = ((logits @ w).float() * inverse_temperatures.unsqueeze(1)).to(ctx.dtypes[0])
+        if ctx.needs_input_grad[1]:
+            grad_weight = (logits.T @ h).to(ctx.dtypes[1])
         return grad_hidden, grad_weight, None, None, None, None
 
 

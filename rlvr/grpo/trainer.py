@@ -34,6 +34,7 @@ import torch
 from transformers import DynamicCache
 
 from rlvr.attention import use_fast_attention
+from rlvr.heap import keep_freed_memory
 from rlvr.policy import plain_output_head
 from rlvr.rollout import Rollouts, generate_rollouts
 
@@ -85,6 +86,8 @@ class GRPOTrainer:
         self.dist = init_distributed(device=None if _launched_distributed() else next(model.parameters()).device)
         if config.prompts_per_step < self.dist.world_size:
             raise ValueError(f"prompts_per_step ({config.prompts_per_step}) < world size ({self.dist.world_size})")
+        if config.keep_freed_memory and self.dist.device.type == "cpu":
+            keep_freed_memory()  # the update's large temporaries would otherwise be page-faulted in every step
         model = use_fast_attention(model.to(self.dist.device))  # bf16 autocast attention in float32 on CPU
         self.ref_model = _reference_model(model, ref_model, config, self.dist.device)  # before adapters / sharding
         if config.lora is not None:
