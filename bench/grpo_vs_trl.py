@@ -3,8 +3,9 @@
 Same model, prompts, group size, completion budget, temperature, learning rate, loss aggregation
 (TRL's default "dapo" = token-mean) and beta = 0. Each trainer runs ``--steps`` steps; the first is
 warm-up and is not counted. Throughput = completion tokens generated per second of step time
-(generation + reward + update). Results are printed as a Markdown table and JSON. TRL runs
-first, on glibc's default malloc: our trainer's ``keep_freed_memory`` is process-wide.
+(generation + reward + update). Results are printed as a Markdown table and JSON. Each row runs
+in a fresh process, so that nothing one trainer sets process-wide (threads, our trainer's
+``keep_freed_memory``) reaches another.
 
 TRL's own defaults are bf16 mixed precision (``bf16`` defaults to True unless ``fp16``) with
 gradient checkpointing; TRL is also run in float32 and without checkpointing, and each of our
@@ -18,6 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -127,6 +130,25 @@ def summarize(name: str, steps: list[dict]) -> dict:
             "mean_tokens_per_step": round(statistics.mean(s["tokens"] for s in counted), 1), "steps_counted": len(counted)}
 
 
+# (name, precision, runner): TRL's bf16=None is its default (bf16 mixed precision unless fp16)
+ROWS = [
+    ("TRL GRPOTrainer (defaults: bf16 mixed precision, gradient checkpointing on)", "bf16",
+     lambda args: run_trl(args, gradient_checkpointing=True, bf16=None)),
+    ("TRL GRPOTrainer (bf16, gradient checkpointing off)", "bf16",
+     lambda args: run_trl(args, gradient_checkpointing=False, bf16=True)),
+    ("TRL GRPOTrainer (fp32: bf16=False, gradient checkpointing on)", "fp32",
+     lambda args: run_trl(args, gradient_checkpointing=True, bf16=False)),
+    ("TRL GRPOTrainer (fp32: bf16=False, gradient checkpointing off)", "fp32",
+     lambda args: run_trl(args, gradient_checkpointing=False, bf16=False)),
+    ("rlvr-ops (default: fp32, stop after the #### line)", "fp32",
+     lambda args: run_rlvr(args, stop_at_final_answer=True)),
+    ("rlvr-ops (fp32, stop at final answer off)", "fp32",
+     lambda args: run_rlvr(args, stop_at_final_answer=False)),
+    ("rlvr-ops (compute_dtype=bfloat16: bf16 rollouts, bf16 autocast update)", "bf16",
+     lambda args: run_rlvr(args, stop_at_final_answer=True, compute_dtype="bfloat16")),
+]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="a Hugging Face checkpoint folder (e.g. the base_policy in the model store)")
@@ -135,32 +157,32 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--row", type=int, help=argparse.SUPPRESS)  # run one row here (the parent's child)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    trl = [  # (name, precision, gradient checkpointing, bf16 flag: None is TRL's default)
-        ("TRL GRPOTrainer (defaults: bf16 mixed precision, gradient checkpointing on)", "bf16", True, None),
-        ("TRL GRPOTrainer (bf16, gradient checkpointing off)", "bf16", False, True),
-        ("TRL GRPOTrainer (fp32: bf16=False, gradient checkpointing on)", "fp32", True, False),
-        ("TRL GRPOTrainer (fp32: bf16=False, gradient checkpointing off)", "fp32", False, False),
-    ]
-    ours = [  # (name, precision, stop at the final answer, compute_dtype)
-        ("rlvr-ops (default: fp32, stop after the #### line)", "fp32", True, "float32"),
-        ("rlvr-ops (fp32, stop at final answer off)", "fp32", False, "float32"),
-        ("rlvr-ops (compute_dtype=bfloat16: bf16 rollouts, bf16 autocast update)", "bf16", True, "bfloat16"),
-    ]
-    results = [summarize(name, run_trl(args, gc, bf16)) | {"precision": p} for name, p, gc, bf16 in trl]
-    results += [summarize(name, run_rlvr(args, stop, dtype)) | {"precision": p} for name, p, stop, dtype in ours]
-    baseline = results[0]["tokens_per_s"]
-    fastest_trl = {p: max(r["tokens_per_s"] for r in results[: len(trl)] if r["precision"] == p) for p in ("fp32", "bf16")}
+    if args.row is not None:
+        torch.manual_seed(0)
+        name, precision, run = ROWS[args.row]
+        print("RESULT " + json.dumps(summarize(name, run(args)) | {"precision": precision}), flush=True)
+        return
+    results = []
+    for row in range(len(ROWS)):  # each in a fresh process: no state (allocator, threads) carries over
+        child = subprocess.run([sys.executable, *sys.argv, "--row", str(row)], capture_output=True, text=True)
+        lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
+        if child.returncode != 0 or not lines:
+            sys.exit(f"row {row} failed:\n{child.stderr[-3000:]}")
+        results.append(json.loads(lines[-1].removeprefix("RESULT ")))
+        print(json.dumps(results[-1]), flush=True)
+    trl = [r for r in results if r["trainer"].startswith("TRL")]
+    baseline = trl[0]["tokens_per_s"]
+    fastest_trl = {p: max(r["tokens_per_s"] for r in trl if r["precision"] == p) for p in ("fp32", "bf16")}
     print(f"\n{args.prompts} prompts x {args.group} completions x {args.tokens} tokens, beta 0, {torch.get_num_threads()} threads\n")
     print("| trainer | median step (s) | completion tokens / step | tokens / s | vs TRL defaults | vs fastest TRL, same precision |")
     print("|---|---|---|---|---|---|")
-    for i, r in enumerate(results):
-        same = f"{r['tokens_per_s'] / fastest_trl[r['precision']]:.2f}x" if i >= len(trl) else ""
+    for r in results:
+        same = "" if r in trl else f"{r['tokens_per_s'] / fastest_trl[r['precision']]:.2f}x"
         print(f"| {r['trainer']} | {r['median_step_s']} | {r['mean_tokens_per_step']} | {r['tokens_per_s']} | "
               f"{r['tokens_per_s'] / baseline:.2f}x | {same} |")
     print(json.dumps(results))
-
 
 if __name__ == "__main__":
     main()
