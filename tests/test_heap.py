@@ -36,3 +36,17 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again():
     assert took
     assert default_faults >= pages // 2, "glibc's default should map a 64 MiB block afresh each time"
     assert kept_faults < pages // 20, f"{kept_faults} page faults after keep_freed_memory()"
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_trainer_keeps_freed_memory_on_cpu_unless_configured_not_to(monkeypatch, keep):
+    import rlvr.grpo.trainer as trainer_module
+    from rlvr.grpo import GRPOConfig, GRPOTrainer
+    from tiny_policy import char_tokenizer, copy_digit_reward, tiny_llama
+
+    calls = []
+    monkeypatch.setattr(trainer_module, "keep_freed_memory", lambda: calls.append(1) or True)
+    tokenizer = char_tokenizer()
+    config = GRPOConfig(group_size=2, prompts_per_step=1, keep_freed_memory=keep)
+    GRPOTrainer(tiny_llama(len(tokenizer)), tokenizer, config, copy_digit_reward)
+    assert len(calls) == int(keep)
