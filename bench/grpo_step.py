@@ -1,13 +1,15 @@
 """Time GRPO steps on a real policy: ``python bench/grpo_step.py <checkpoint> --prompts 2 --group 4 --tokens 128``.
 
 Uses a minimal correctness reward (strict ``#### <number>`` match) so that it depends on the
-core only. Prints each step's timing breakdown and throughput.
+core only. Prints each step's timing breakdown, throughput, and the kernel time and page faults
+it cost (``--no-keep-freed-memory`` leaves glibc's malloc at its defaults, see ``rlvr/heap.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 
 import torch
@@ -35,6 +37,7 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--no-keep-freed-memory", action="store_true", help="leave glibc's malloc at its defaults")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -51,18 +54,23 @@ def main() -> None:
         total_steps=args.steps,
         micro_batch_size=args.micro_batch,
         compute_dtype=args.compute_dtype,
+        keep_freed_memory=not args.no_keep_freed_memory,
         skip_zero_variance=False,  # time the full update even when every reward is equal
     )
     trainer = GRPOTrainer(model, tokenizer, config, correctness)
     for _ in range(args.steps):
         started, cpu_started = time.perf_counter(), time.process_time()
+        before = resource.getrusage(resource.RUSAGE_SELF)
         batch = [problems[(trainer.step_count * args.prompts + i) % len(problems)] for i in range(args.prompts)]
         metrics, _ = trainer.step(batch)
         keys = ("gen_time_s", "update_time_s", "step_time_s", "tokens_per_s", "completion_len_mean", "reward_mean")
         keys += ("ratio_mean", "clip_frac", "entropy")
+        after = resource.getrusage(resource.RUSAGE_SELF)
         report = {k: round(metrics[k], 4 if k in ("ratio_mean", "clip_frac") else 2) for k in keys} | {
             "wall_s": round(time.perf_counter() - started, 2),
             "cpu_s": round(time.process_time() - cpu_started, 2),
+            "system_cpu_s": round(after.ru_stime - before.ru_stime, 2),  # the kernel's share: page faults
+            "page_faults": after.ru_minflt - before.ru_minflt,
         }
         print(json.dumps(report), flush=True)
 
