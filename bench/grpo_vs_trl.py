@@ -184,5 +184,6 @@ def main() -> None:
               f"{r['tokens_per_s'] / baseline:.2f}x | {same} |")
     print(json.dumps(results))
 
+
 if __name__ == "__main__":
     main()
