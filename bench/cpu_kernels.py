@@ -7,11 +7,12 @@ The model is built from the checkpoint's config with random weights (timings dep
 * decode linears: every ``nn.Linear`` of the model once on ``rows`` rows (one decode step's
   matrix products, output layer included), as ``nn.Linear`` runs them against oneDNN on weights
   packed once (``rlvr.packed_linear``), float32 and bf16; the packing, paid once per rollout, is
-  printed below the table;
+  printed below the table, with the fused decoder's (its fused weights packed);
 * decode step: the model's forward on a ``DynamicCache`` (which concatenates every layer's cache
-  each step) against the rollout engine's (preallocated cache, packed linears; in bf16 also the
-  ``"rlvr_sdpa"`` attention), float32 and bf16; and, to isolate the attention, bf16 on the engine's
-  cache with transformers' ``"sdpa"`` against ``"rlvr_sdpa"``;
+  each step) against the rollout engine's (preallocated cache, ``rlvr.fused_decode``), float32
+  and bf16; then, on the engine's cache, the engine's path for models the fused decoder does not
+  take (the model's forward on packed linears) against the fused decoder; and, on that path in
+  bf16, transformers' ``"sdpa"`` attention against ``"rlvr_sdpa"``;
 * update forward + backward under bf16 autocast (``rows`` completions of up to ``completion``
   tokens after two ``prompt``-token prompts, padded as the trainer pads them): attention
   ``"sdpa"`` against ``"rlvr_sdpa"``;
@@ -37,6 +38,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from rlvr.attention import use_fast_attention
+from rlvr.fused_decode import fused_decoder
 from rlvr.grpo.head import head_logprobs
 from rlvr.grpo.loss import token_logprobs_and_entropy
 from rlvr.grpo.trainer import CompletionScorer, PackedRows
@@ -55,26 +57,32 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def decode_step(model, rows: int, prompt: int, steps: int, engine: bool) -> Callable[[], float]:
-    """Seconds per decode step over ``steps`` steps after a ``prompt``-token prefill (not timed):
-    the model's own forward on a ``DynamicCache``, or the engine's (preallocated cache, packed
-    linears)."""
+def decode_step(model, rows: int, prompt: int, steps: int, mode: str) -> Callable[[], float]:
+    """Seconds per decode step over ``steps`` steps after a ``prompt``-token prefill (not timed).
+    ``mode``: "default" (the model's own forward on a ``DynamicCache``), "packed" (the engine's
+    preallocated cache, the model's forward on packed linears: the engine for models the fused
+    decoder does not take) or "fused" (preallocated cache, ``rlvr.fused_decode``: the engine for
+    Llama-family models)."""
     ids = torch.randint(0, model.config.vocab_size, (rows, prompt))
 
     def timed() -> float:
-        packing = packed_linears(model, rows) if engine else contextlib.nullcontext()
+        packing = packed_linears(model, rows) if mode == "packed" else contextlib.nullcontext()
         with torch.inference_mode(), packing:
+            fused = fused_decoder(model, rows) if mode == "fused" else None
             cache = DynamicCache(config=model.config)
             model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            if engine:
+            if mode != "default":
                 preallocate(cache, extra=steps)
             token, mask = ids[:, -1:], torch.ones(rows, prompt, dtype=torch.long)
             started = time.perf_counter()
             for t in range(steps):
                 mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
                 positions = torch.full((rows, 1), prompt + t)
+                if fused is not None:
+                    fused(token[:, 0], positions[:, 0], mask, cache)
+                    continue
                 inputs = dict(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache)
-                last_position_logits(model, **inputs) if engine else model(**inputs, use_cache=True)
+                last_position_logits(model, **inputs) if mode == "packed" else model(**inputs, use_cache=True)
             return (time.perf_counter() - started) / steps
 
     return timed
@@ -102,6 +110,12 @@ def pack_once(model, rows: int) -> None:
     """Pack (and release) the weights of every linear layer, as a rollout does once."""
     with torch.inference_mode(), packed_linears(model, rows):
         pass
+
+
+def pack_fused(model, rows: int) -> None:
+    """Build (and release) the fused decoder's packed weights, as a rollout of a Llama-family model does once."""
+    with torch.inference_mode():
+        assert fused_decoder(model, rows) is not None, "the fused decoder takes Llama-family models only"
 
 
 def update_step(
@@ -162,7 +176,7 @@ def main() -> None:
 
     bf16_sdpa = copy.deepcopy(base).to(torch.bfloat16)
     bf16_fast = use_fast_attention(copy.deepcopy(bf16_sdpa))
-    packing = []  # what a rollout pays once, before its first step
+    packing, fused_packing = [], []  # what a rollout pays once, before its first step
     for dtype, model in (("float32", base), ("bf16", bf16_sdpa)):
         compare(
             f"decode linears, {dtype} (every nn.Linear once, {rows} rows)",
@@ -172,17 +186,26 @@ def main() -> None:
         )
         packing.append((dtype, median_ms(lambda: pack_once(model, rows), repeats)))
 
+        fused_packing.append((dtype, median_ms(lambda: pack_fused(model, rows), repeats)))
+
     for dtype, models in (("float32", (base, base)), ("bf16", (bf16_sdpa, bf16_fast))):
         compare(
             f"decode step, {dtype} ({rows} rows, {prompt}-token prompt, {completion} steps)",
-            decode_step(models[0], rows, prompt, completion, engine=False),
-            decode_step(models[1], rows, prompt, completion, engine=True),
+            decode_step(models[0], rows, prompt, completion, "default"),
+            decode_step(models[1], rows, prompt, completion, "fused"),
+            per_call=True,
+        )
+    for dtype, model in (("float32", base), ("bf16", bf16_fast)):
+        compare(
+            f"decode step, {dtype}, engine cache: model forward on packed linears -> fused decoder",
+            decode_step(model, rows, prompt, completion, "packed"),
+            decode_step(model, rows, prompt, completion, "fused"),
             per_call=True,
         )
     compare(
-        f"decode step, bf16, engine cache: attention sdpa -> rlvr_sdpa ({rows} rows, {completion} steps)",
-        decode_step(bf16_sdpa, rows, prompt, completion, engine=True),
-        decode_step(bf16_fast, rows, prompt, completion, engine=True),
+        f"decode step, bf16, engine cache, packed linears: attention sdpa -> rlvr_sdpa ({rows} rows, {completion} steps)",
+        decode_step(bf16_sdpa, rows, prompt, completion, "packed"),
+        decode_step(bf16_fast, rows, prompt, completion, "packed"),
         per_call=True,
     )
 
@@ -242,7 +265,8 @@ def main() -> None:
         table.append((name, before, median_ms(run, repeats)))
 
     print(f"\n{torch.get_num_threads()} threads")
-    print("packing the linear weights, once per rollout: " + ", ".join(f"{d} {ms:.0f} ms" for d, ms in packing) + "\n")
+    print("packing the linear weights, once per rollout: " + ", ".join(f"{d} {ms:.0f} ms" for d, ms in packing))
+    print("building the fused decoder (fused, packed weights), once per rollout: " + ", ".join(f"{d} {ms:.0f} ms" for d, ms in fused_packing) + "\n")
     print("| operation | default (ms) | rlvr-ops (ms) | speed-up |")
     print("|---|---|---|---|")
     for name, a, b in table:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from functools import partial
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -26,6 +26,18 @@ def packing_dtypes() -> tuple[torch.dtype, ...]:
 
 def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None, inputs: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(inputs, packed, bias, "none", [], "")
+
+
+def fused_linear(layers: list[nn.Linear], rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One linear map computing all of ``layers`` on the same input (their outputs concatenated),
+    on a weight packed once for ``rows`` rows where oneDNN packs its dtype. Call without gradients."""
+    weight = torch.cat([layer.weight.detach() for layer in layers])
+    bias = None
+    if any(layer.bias is not None for layer in layers):
+        bias = torch.cat([layer.bias.detach() if layer.bias is not None else weight.new_zeros(layer.out_features) for layer in layers])
+    if weight.device.type == "cpu" and weight.dtype in packing_dtypes():
+        return partial(_packed_forward, torch.ops.mkldnn._reorder_linear_weight(weight, max(1, rows)), bias)
+    return partial(nn.functional.linear, weight=weight, bias=bias)
 
 
 @contextmanager

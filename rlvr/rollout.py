@@ -6,10 +6,11 @@ The loop is written out (no HF ``generate``) so that GRPO gets exactly what it n
   position only) and its KV cache repeated for its G samples;
 * decoding steps one token at a time with a per-row temperature (0 = greedy) and top-p, writing
   keys and values into a cache preallocated for the whole token budget (no concatenation per
-  step; bf16/fp16 models are switched to ``rlvr.attention``'s float32 SDPA, which is fast on
-  that cache's strided views); on CPU the linear layers run on weights packed once per rollout
-  (``rlvr.packed_linear``); finished rows are dropped from the batch (cache rows and per-row state are
-  index-selected), so they stop costing compute;
+  step); on CPU, Llama-family models step through ``rlvr.fused_decode`` (fused, packed weights,
+  a few large operations per layer), other models through their own forward with every linear
+  layer on a weight packed once per rollout (``rlvr.packed_linear``) and, in bf16/fp16,
+  ``rlvr.attention``'s float32 SDPA; finished rows are dropped from the batch (cache rows and
+  per-row state are index-selected), so they stop costing compute;
 * a row stops at an end token (``"eos"``), right after a completed ``#### <number>`` line
   (``"answer"``), or at the token budget (``"length"``);
 * each sampled token's log-prob is recorded under the temperature-scaled softmax before top-p
@@ -20,9 +21,11 @@ Sampling draws from one ``torch.Generator`` seeded from the config: same seed, s
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from functools import partial
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers import DynamicCache
@@ -30,6 +33,7 @@ from transformers.cache_utils import DynamicLayer
 
 from rlvr.answers import is_well_formed
 from rlvr.attention import use_fast_attention
+from rlvr.fused_decode import fused_decoder
 from rlvr.packed_linear import packed_linears
 
 FINISH_REASONS = ("eos", "answer", "length")
@@ -196,8 +200,12 @@ def _decode_chunk(
     config: SamplingConfig,
     generator: torch.Generator,
 ) -> Rollouts:
-    with torch.inference_mode(), packed_linears(model, rows=len(prompt_ids) * num_samples):
-        rollouts = _decode_loop(model, tokenizer, prompt_ids, num_samples, config, generator)
+    rows = len(prompt_ids) * num_samples
+    with torch.inference_mode():
+        fused = fused_decoder(model, rows)
+        with packed_linears(model, rows) if fused is None else contextlib.nullcontext():
+            decode_step = fused or partial(_model_decode_step, model)
+            rollouts = _decode_loop(model, tokenizer, prompt_ids, num_samples, config, generator, decode_step)
     for name in ("completion_ids", "completion_mask", "logprobs", "temperatures", "group_index", "sample_index"):
         setattr(rollouts, name, getattr(rollouts, name).clone())  # inference tensors -> ordinary tensors
     return rollouts
@@ -210,6 +218,7 @@ def _decode_loop(
     num_samples: int,
     config: SamplingConfig,
     generator: torch.Generator,
+    decode_step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache], torch.Tensor],
 ) -> Rollouts:
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -272,13 +281,7 @@ def _decode_loop(
             rows, tokens, row_temps = rows[keep], tokens[keep], row_temps[keep]
             attention_mask, next_position = attention_mask[keep], next_position[keep]
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(rows), 1))], dim=1)
-        logits = last_position_logits(
-            model,
-            input_ids=tokens.unsqueeze(1),
-            attention_mask=attention_mask,
-            position_ids=next_position.unsqueeze(1),
-            past_key_values=cache,
-        )
+        logits = decode_step(tokens, next_position, attention_mask, cache)
         next_position = next_position + 1
 
     width = int(lengths.max())
@@ -305,6 +308,19 @@ def _decode_loop(
 def last_position_logits(model: Any, **inputs: Any) -> torch.Tensor:
     """The logits at the last position of each row, [rows, vocabulary] (the cache is updated)."""
     return model(**inputs, use_cache=True, logits_to_keep=1).logits[:, -1]
+
+
+def _model_decode_step(
+    model: Any, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache
+) -> torch.Tensor:
+    """One decode step through the model's own forward (for models :func:`fused_decoder` does not take)."""
+    return last_position_logits(
+        model,
+        input_ids=tokens.unsqueeze(1),
+        attention_mask=attention_mask,
+        position_ids=positions.unsqueeze(1),
+        past_key_values=cache,
+    )
 
 
 class PreallocatedLayer(DynamicLayer):

@@ -1,0 +1,114 @@
+"""One-token decode steps for Llama-family models, written out with fused weights.
+
+A decode step feeds one new token per row through the model. transformers' forward does that with
+module calls, mask builders and cache bookkeeping around ~20 small operations per layer; on a
+2-core CPU those cost as much as a third of the step. :class:`FusedDecoder` computes the same
+function for that case only (same weights, same formulas: RMSNorm, rotary embedding, grouped-query
+attention over the cache, SiLU-gated MLP) with fewer, larger operations: the query, key and value
+projections as one matrix product, gate and up as one, each on a weight packed once for the
+rollout (``rlvr.packed_linear``), the rotary embedding applied to queries and keys at once, one
+key mask per step for all layers. Attention runs in float32 (upcast from bf16 / fp16, as
+``rlvr.attention`` does). ``bench/cpu_kernels.py`` times it against the model's own forward.
+
+Models of type ``llama`` and ``qwen2`` (biases included) on CPU, with plain linear layers and full
+attention in every layer, qualify; :func:`fused_decoder` returns None for any other model (adapters,
+quantized layers, sliding windows, other architectures), which then decodes through its own forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import DynamicCache
+
+from rlvr.packed_linear import fused_linear
+
+_SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM")
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def fused_decoder(model: Any, rows: int) -> FusedDecoder | None:
+    """A :class:`FusedDecoder` for ``model`` (weights packed for ``rows`` rows), or None when the
+    model does not qualify (see the module docstring). Call without gradients."""
+    config = getattr(model, "config", None)
+    if type(model).__name__ not in _SUPPORTED or getattr(config, "model_type", None) not in ("llama", "qwen2"):
+        return None
+    if getattr(config, "hidden_act", None) not in ("silu", "swish"):
+        return None
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return None
+    if model.lm_head.weight.device.type != "cpu":  # written and measured for CPU decoding
+        return None
+    decoder = model.model
+    linears = [model.lm_head]
+    for layer in decoder.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        linears += [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj]
+        linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    if any(type(linear) is not nn.Linear for linear in linears):
+        return None
+    return FusedDecoder(model, rows)
+
+
+class FusedDecoder:
+    """``decoder(tokens, positions, attention_mask, cache)`` -> the next-token logits [rows, vocab],
+    for one new token per row; the cache gets that token's keys and values, as the model's own
+    forward would add them."""
+
+    def __init__(self, model: Any, rows: int):
+        config, decoder = model.config, model.model
+        self.embed, self.rotary, self.final_norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.intermediate = config.intermediate_size
+        self.layers = []
+        for layer in decoder.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            self.layers.append(
+                (
+                    layer.input_layernorm,
+                    fused_linear([attention.q_proj, attention.k_proj, attention.v_proj], rows),
+                    fused_linear([attention.o_proj], rows),
+                    attention.scaling,
+                    layer.post_attention_layernorm,
+                    fused_linear([mlp.gate_proj, mlp.up_proj], rows),
+                    fused_linear([mlp.down_proj], rows),
+                )
+            )
+        self.head = fused_linear([model.lm_head], rows)
+
+    def __call__(
+        self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache
+    ) -> torch.Tensor:
+        """``tokens`` and ``positions`` [rows]; ``attention_mask`` [rows, cached + 1] (0 on padding)."""
+        rows, heads, kv_heads, head_dim = len(tokens), self.num_heads, self.num_kv_heads, self.head_dim
+        hidden = self.embed(tokens)  # [rows, hidden]
+        cos, sin = self.rotary(hidden, positions.unsqueeze(1))  # [rows, 1, head_dim], broadcast over heads
+        key_mask = None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
+        half, qk_width = head_dim // 2, (heads + kv_heads) * head_dim
+        for index, (norm1, qkv_proj, o_proj, scaling, norm2, gate_up_proj, down_proj) in enumerate(self.layers):
+            qkv = qkv_proj(_rms_norm(hidden, norm1))
+            qk = qkv[:, :qk_width].view(rows, heads + kv_heads, head_dim)
+            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # rotate_half
+            values = qkv[:, qk_width:].view(rows, kv_heads, 1, head_dim)
+            keys, values = cache.layers[index].update(qk[:, heads:].unsqueeze(2), values)
+            queries = qk[:, :heads].unsqueeze(2)
+            if hidden.dtype in _LOW_PRECISION:
+                queries, keys, values = queries.float(), keys.float(), values.float()
+            attended = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=key_mask, scale=scaling, enable_gqa=True
+            )
+            hidden = hidden + o_proj(attended.to(hidden.dtype).view(rows, heads * head_dim))
+            gate_up = gate_up_proj(_rms_norm(hidden, norm2))
+            hidden = hidden + down_proj(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])
+        return self.head(_rms_norm(hidden, self.final_norm))
+
+
+def _rms_norm(hidden: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """The model's RMSNorm: normalized in float32, cast back, then scaled by the weight."""
+    if hidden.dtype == torch.float32:
+        return F.rms_norm(hidden, hidden.shape[-1:], norm.weight, norm.variance_epsilon)
+    return F.rms_norm(hidden.float(), hidden.shape[-1:], None, norm.variance_epsilon).to(hidden.dtype) * norm.weight

@@ -1,0 +1,115 @@
+"""Fused decode steps: the same logits as the model's own forward, in rollouts too; other models fall back."""
+
+import pytest
+import torch
+from torch import nn
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+import rlvr.rollout as rollout
+from rlvr.fused_decode import FusedDecoder, fused_decoder
+from rlvr.rollout import SamplingConfig, generate_rollouts, last_position_logits, preallocate
+from tiny_policy import char_tokenizer, tiny_llama
+
+
+def tiny_qwen2(vocab_size: int, seed: int = 0, **overrides) -> Qwen2ForCausalLM:
+    """A 2-layer Qwen2 (biases on the query, key and value projections), tied embeddings."""
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+        tie_word_embeddings=True, attn_implementation="sdpa", **overrides,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # nonzero biases, so that a dropped bias would show
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    return model.eval()
+
+
+def decode_both_ways(model, steps: int = 6) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Prefill three left-padded prompts, then decode the same tokens with the model's forward and
+    with the fused decoder, each on its own preallocated cache; the middle row leaves after two steps."""
+    vocab = model.config.vocab_size
+    torch.manual_seed(1)
+    ids = torch.randint(3, vocab, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    mask[2, :1] = 0
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    tokens = torch.randint(3, vocab, (3, steps))
+    results = []
+    with torch.inference_mode():
+        decoder = fused_decoder(model, rows=3)
+        assert isinstance(decoder, FusedDecoder)
+        for fused in (False, True):
+            cache = DynamicCache(config=model.config)
+            last_position_logits(model, input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+            preallocate(cache, extra=steps)
+            attention_mask, position, rows, out = mask, positions[:, -1] + 1, torch.arange(3), []
+            for t in range(steps):
+                if t == 2:
+                    keep = torch.tensor([0, 2])
+                    cache.batch_select_indices(keep)
+                    attention_mask, position, rows = attention_mask[keep], position[keep], rows[keep]
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(rows), 1)], dim=1)
+                step_tokens = tokens[rows, t]
+                if fused:
+                    logits = decoder(step_tokens, position, attention_mask, cache)
+                else:
+                    logits = last_position_logits(
+                        model, input_ids=step_tokens[:, None], attention_mask=attention_mask,
+                        position_ids=position[:, None], past_key_values=cache,
+                    )
+                out.append(logits.float())
+                position = position + 1
+            results.append(out)
+    return results[0], results[1]
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
+def test_float32_logits_equal_the_models_forward(build):
+    model = build(60, seed=3)
+    expected, got = decode_both_ways(model)
+    for a, b in zip(expected, got):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+
+
+def test_bfloat16_log_probs_stay_close_to_the_models_forward():
+    model = tiny_llama(60, seed=5).to(torch.bfloat16)
+    expected, got = decode_both_ways(model)
+    for a, b in zip(expected, got):
+        # bf16 rounding (different kernels, different operation order), not a different function
+        torch.testing.assert_close(b.log_softmax(-1), a.log_softmax(-1), rtol=0, atol=0.05)
+
+
+def test_rollouts_use_it_and_match_the_models_forward(monkeypatch):
+    tokenizer = char_tokenizer()
+    model = tiny_qwen2(len(tokenizer), seed=2)
+    prompts = ["12+3=", "7*8 = ?", "a"]
+    config = SamplingConfig(max_new_tokens=12, temperatures=[0.0, 1.0], stop_at_final_answer=False, seed=4)
+    built = []
+    monkeypatch.setattr(rollout, "fused_decoder", lambda model, rows: built.append(fused_decoder(model, rows)) or built[-1])
+    fused = generate_rollouts(model, tokenizer, prompts, 2, config)
+    assert len(built) == 1 and isinstance(built[0], FusedDecoder)
+    monkeypatch.setattr(rollout, "fused_decoder", lambda model, rows: None)
+    plain = generate_rollouts(model, tokenizer, prompts, 2, config)
+    assert torch.equal(fused.completion_ids, plain.completion_ids)
+    torch.testing.assert_close(fused.logprobs, plain.logprobs, rtol=1e-4, atol=1e-4)
+
+
+def test_models_it_does_not_cover_decode_through_their_own_forward():
+    with torch.inference_mode():
+        assert fused_decoder(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)), 4) is None
+        sliding = tiny_qwen2(50, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+        assert fused_decoder(sliding, 4) is None
+        gelu = tiny_qwen2(50, hidden_act="gelu")
+        assert fused_decoder(gelu, 4) is None
+
+        class Adapter(nn.Linear):  # e.g. a LoRA or quantized layer with its own forward
+            pass
+
+        model = tiny_llama(50)
+        old = model.model.layers[1].mlp.up_proj
+        model.model.layers[1].mlp.up_proj = Adapter(old.in_features, old.out_features, bias=False)
+        assert fused_decoder(model, 4) is None
