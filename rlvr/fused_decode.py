@@ -30,17 +30,20 @@ _SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+def llama_family(model: Any) -> bool:
+    """A transformers Llama or Qwen2 causal LM with SiLU MLPs and full attention in every layer."""
+    config = getattr(model, "config", None)
+    if type(model).__name__ not in _SUPPORTED or getattr(config, "model_type", None) not in ("llama", "qwen2"):
+        return False
+    if getattr(config, "hidden_act", None) not in ("silu", "swish"):
+        return False
+    return all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ())
+
+
 def fused_decoder(model: Any, rows: int) -> FusedDecoder | None:
     """A :class:`FusedDecoder` for ``model`` (weights packed for ``rows`` rows), or None when the
     model does not qualify (see the module docstring). Call without gradients."""
-    config = getattr(model, "config", None)
-    if type(model).__name__ not in _SUPPORTED or getattr(config, "model_type", None) not in ("llama", "qwen2"):
-        return None
-    if getattr(config, "hidden_act", None) not in ("silu", "swish"):
-        return None
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
-        return None
-    if model.lm_head.weight.device.type != "cpu":  # written and measured for CPU decoding
+    if not llama_family(model) or model.lm_head.weight.device.type != "cpu":  # written and measured for CPU
         return None
     decoder = model.model
     linears = [model.lm_head]

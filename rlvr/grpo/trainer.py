@@ -51,6 +51,7 @@ from .distributed import (
     wrap_model,
 )
 from .head import head_logprobs
+from .unpadded import supports_unpadded, unpadded_completion_features
 from .loss import (
     POLICY_LOSSES,
     aggregate_loss,
@@ -99,9 +100,8 @@ class GRPOTrainer:
         mixed = compute_dtype != next(model.parameters()).dtype
         # the update's forwards run through this (DDP / FSDP when distributed; DDP syncs rank 0's weights)
         share_prompts = config.share_prompt_forward and not config.gradient_checkpointing
-        self.model = wrap_model(
-            CompletionScorer(model, share_prompts), self.dist, fsdp=config.fsdp, param_dtype=compute_dtype if mixed else None
-        )
+        scorer = CompletionScorer(model, share_prompts, unpadded=not config.fsdp)  # FSDP gathers weights per layer call
+        self.model = wrap_model(scorer, self.dist, fsdp=config.fsdp, param_dtype=compute_dtype if mixed else None)
         autocast = mixed and not config.fsdp
         self._autocast = partial(torch.autocast, self.dist.device.type, compute_dtype, enabled=autocast)
         # generation runs on a low-precision copy in mixed precision (FSDP casts on its own)
@@ -497,28 +497,37 @@ class CompletionScorer(torch.nn.Module):
     """The update's forward as one module, which DDP / FSDP wrap: :func:`completion_logprobs` of
     ``policy`` (so that DDP sees one forward, prompt pass included, per backward)."""
 
-    def __init__(self, policy: Any, share_prompts: bool = True):
+    def __init__(self, policy: Any, share_prompts: bool = True, unpadded: bool = True):
         super().__init__()
-        self.policy, self.share_prompts = policy, share_prompts
+        self.policy, self.share_prompts, self.unpadded = policy, share_prompts, unpadded
 
     def forward(self, batch: PackedRows, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return completion_logprobs(self.policy, batch, self.share_prompts, with_entropy)
+        return completion_logprobs(self.policy, batch, self.share_prompts, with_entropy, self.unpadded)
 
 
 def completion_logprobs(
-    model: Any, batch: PackedRows, share_prompts: bool = True, with_entropy: bool = False
+    model: Any, batch: PackedRows, share_prompts: bool = True, with_entropy: bool = False, unpadded: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(o_t | q, o_<t) for every completion token of ``batch`` ([rows, width], 0 on padding),
     and the entropy of π at each position when asked (no gradient).
 
     With ``share_prompts`` each distinct prompt goes through the model once and its KV cache
     (gradient attached) is reused by all of its completions: [prompts, P] + [rows, width - 1]
-    tokens instead of [rows, P + width - 1]. Without it, one forward over [prompt | completion]
-    per row (needed with gradient checkpointing, which drops the cache). Only real completion
-    tokens reach the output layer; for architectures with a plain ``lm_head`` that is
+    tokens instead of [rows, P + width - 1]; with ``unpadded`` too, for the models
+    :func:`~rlvr.grpo.unpadded.supports_unpadded` takes, the completions' per-token work skips
+    their padding. Without ``share_prompts``, one forward over [prompt | completion] per row (needed
+    with gradient checkpointing, which drops the cache). Only real completion tokens reach the
+    output layer; for architectures with a plain ``lm_head`` that is
     :func:`~rlvr.grpo.head.head_logprobs` on the decoder's hidden states, else the model's logits.
     """
     head = plain_output_head(model)
+    real = batch.mask.bool()
+    targets = batch.targets[real]
+    temperatures = batch.temperatures.unsqueeze(1).expand_as(batch.targets)[real]
+    if share_prompts and unpadded and head is not None and supports_unpadded(model):
+        features = unpadded_completion_features(model, batch)
+        logprobs, entropy = head_logprobs(features, head.weight, targets, temperatures, with_entropy)
+        return _scatter_rows(logprobs, entropy, real)
     if head is not None:
         decoder = model.get_decoder()
         run = lambda **kwargs: decoder(**kwargs).last_hidden_state  # noqa: E731
@@ -560,16 +569,20 @@ def completion_logprobs(
         features = run(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **last
         )[:, -batch.width :]
-    real = batch.mask.bool()
-    targets = batch.targets[real]
-    temperatures = batch.temperatures.unsqueeze(1).expand_as(batch.targets)[real]
     if head is not None:
         logprobs, entropy = head_logprobs(features[real], head.weight, targets, temperatures, with_entropy)
     else:
         logprobs, entropy = token_logprobs_and_entropy(
             features[real].unsqueeze(1), targets.unsqueeze(1), temperatures, with_entropy
         )
-    out = torch.zeros(batch.targets.shape, dtype=logprobs.dtype, device=logprobs.device)
+    return _scatter_rows(logprobs, entropy, real)
+
+
+def _scatter_rows(
+    logprobs: torch.Tensor, entropy: torch.Tensor | None, real: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token values of the real positions back into [rows, width], 0 on padding."""
+    out = torch.zeros(real.shape, dtype=logprobs.dtype, device=logprobs.device)
     out = out.index_put((real,), logprobs.flatten())
     if entropy is None:
         return out, None
