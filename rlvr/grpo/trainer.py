@@ -524,10 +524,6 @@ def completion_logprobs(
     real = batch.mask.bool()
     targets = batch.targets[real]
     temperatures = batch.temperatures.unsqueeze(1).expand_as(batch.targets)[real]
-    if share_prompts and unpadded and head is not None and supports_unpadded(model):
-        features = unpadded_completion_features(model, batch)
-        logprobs, entropy = head_logprobs(features, head.weight, targets, temperatures, with_entropy)
-        return _scatter_rows(logprobs, entropy, real)
     if head is not None:
         decoder = model.get_decoder()
         run = lambda **kwargs: decoder(**kwargs).last_hidden_state  # noqa: E731
@@ -545,6 +541,10 @@ def completion_logprobs(
             use_cache=True,
             **last,
         )
+        if unpadded and head is not None and supports_unpadded(model):
+            features = unpadded_completion_features(model, batch, first[:, -1], cache)
+            logprobs, entropy = head_logprobs(features, head.weight, targets, temperatures, with_entropy)
+            return _scatter_rows(logprobs, entropy, real)
         outputs = [first[:, -1:][batch.prompt_index]]  # predicts the first completion token
         if batch.width > 1:
             cache.batch_select_indices(batch.prompt_index)

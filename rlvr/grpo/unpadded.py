@@ -6,10 +6,10 @@ early (in the GRPO benchmark about a fifth of the positions are padding). Here t
 (norms, projections, MLP) runs on the real tokens only, packed [tokens, hidden]; only attention,
 which must see each row's positions in order, scatters queries, keys and values into the padded
 layout and gathers its output back (as verl's remove-padding does with variable-length flash
-attention, which CPUs lack). Each distinct prompt still goes through the model once, its keys and
-values (gradient attached) shared by its completions. The modules and formulas are the model's
-own (its norms, projections, rotary embedding, ``rlvr.attention``'s SDPA), so values and
-gradients equal the padded forward's up to rounding; a test checks both.
+attention, which CPUs lack). Each distinct prompt still goes through the model once (the caller's
+prompt pass), its keys and values (gradient attached) shared by its completions. The modules and
+formulas are the model's own (its norms, projections, rotary embedding, ``rlvr.attention``'s
+SDPA), so values and gradients equal the padded forward's up to rounding; a test checks both.
 """
 
 from __future__ import annotations
@@ -29,22 +29,17 @@ def supports_unpadded(model: Any) -> bool:
     return llama_family(model)
 
 
-def unpadded_completion_features(model: Any, batch: Any) -> torch.Tensor:
+def unpadded_completion_features(
+    model: Any, batch: Any, prompt_states: torch.Tensor, prompt_cache: DynamicCache
+) -> torch.Tensor:
     """The decoder's final hidden states at the real completion positions of ``batch`` (a
     :class:`~rlvr.grpo.trainer.PackedRows`), [real tokens, hidden] in row-major order: position t of
-    a row is the state that predicts its completion token t."""
+    a row is the state that predicts its completion token t. ``prompt_states`` [prompts, hidden]
+    are the final states at each prompt's last position and ``prompt_cache`` its keys and values,
+    from the prompt pass (gradient attached)."""
     decoder = model.get_decoder()
     rows, width = batch.targets.shape
-    cache = DynamicCache(config=model.config)
-    prompt_positions = (batch.prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
-    prompt_states = decoder(
-        input_ids=batch.prompt_ids,
-        attention_mask=batch.prompt_mask,
-        position_ids=prompt_positions,
-        past_key_values=cache,
-        use_cache=True,
-    ).last_hidden_state
-    first = prompt_states[:, -1][batch.prompt_index]  # predicts each row's first completion token
+    first = prompt_states[batch.prompt_index]  # predicts each row's first completion token
     if width == 1:
         return first
     span = width - 1  # completion inputs: token t feeds the prediction of token t + 1
@@ -72,7 +67,7 @@ def unpadded_completion_features(model: Any, batch: Any) -> torch.Tensor:
         keys = attention.k_proj(normed).view(len(index), -1, head_dim)
         values = attention.v_proj(normed).view(len(index), -1, head_dim)
         queries, keys = apply_rotary_pos_emb(queries, keys, cos, sin, unsqueeze_dim=1)
-        prompt_keys, prompt_values = cache.layers[layer_index].keys, cache.layers[layer_index].values
+        prompt_keys, prompt_values = prompt_cache.layers[layer_index].keys, prompt_cache.layers[layer_index].values
         keys = torch.cat([prompt_keys[batch.prompt_index], padded(keys).to(prompt_keys.dtype)], dim=2)
         values = torch.cat([prompt_values[batch.prompt_index], padded(values).to(prompt_values.dtype)], dim=2)
         attended, _ = upcast_sdpa_forward(
