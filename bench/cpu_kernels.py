@@ -15,7 +15,8 @@ The model is built from the checkpoint's config with random weights (timings dep
   bf16, transformers' ``"sdpa"`` attention against ``"rlvr_sdpa"``;
 * update forward + backward under bf16 autocast (``rows`` completions of up to ``completion``
   tokens after two ``prompt``-token prompts, padded as the trainer pads them): attention
-  ``"sdpa"`` against ``"rlvr_sdpa"``;
+  ``"sdpa"`` against ``"rlvr_sdpa"``; then, float32 and bf16 autocast, the completions' padding
+  run through every layer against skipped (``rlvr.grpo.unpadded``);
 * output head: ``lm_head`` logits + autograd (``token_logprobs_and_entropy``) against
   ``head_logprobs``, forward + backward over ``rows x completion`` tokens, float32 and bf16 autocast;
 * AdamW over the model's parameters: ``foreach`` (torch's default) against ``fused``;
@@ -119,12 +120,19 @@ def pack_fused(model, rows: int) -> None:
 
 
 def update_step(
-    model, rows: int, prompt: int, completion: int, autocast: bool = True, optimizer: torch.optim.Optimizer | None = None
+    model,
+    rows: int,
+    prompt: int,
+    completion: int,
+    autocast: bool = True,
+    optimizer: torch.optim.Optimizer | None = None,
+    unpadded: bool = True,
 ) -> Callable[[], None]:
     """The GRPO update's forward + backward (``CompletionScorer``), under bf16 autocast or not, as
     the trainer batches it: two prompts (one left-padded by a tenth) each shared by half the rows,
     completions of lengths spread evenly from half of ``completion`` to all of it (right-padded);
-    then ``optimizer``'s step, if given."""
+    then ``optimizer``'s step, if given. ``unpadded``: the completions' per-token work skips their
+    padding (``rlvr.grpo.unpadded``, as the trainer runs Llama-family models)."""
     vocab = model.config.vocab_size
     prompt_mask = torch.ones(2, prompt, dtype=torch.long)
     prompt_mask[1, : prompt // 10] = 0
@@ -137,7 +145,7 @@ def update_step(
         mask=(torch.arange(completion) < lengths.unsqueeze(1)).float(),
         temperatures=torch.ones(rows),
     )
-    scorer = CompletionScorer(model)
+    scorer = CompletionScorer(model, unpadded=unpadded)
 
     def run() -> None:
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
@@ -214,6 +222,15 @@ def main() -> None:
         update_step(copy.deepcopy(base).train(), rows, prompt, completion),
         update_step(use_fast_attention(copy.deepcopy(base)).train(), rows, prompt, completion),
     )
+
+    for autocast in (False, True):
+        model = use_fast_attention(copy.deepcopy(base)).train()
+        compare(
+            f"update fwd+bwd, {'bf16 autocast' if autocast else 'float32'}: completions padded -> unpadded "
+            f"({rows} x {completion // 2}..{completion} tokens after {prompt})",
+            update_step(model, rows, prompt, completion, autocast, unpadded=False),
+            update_step(model, rows, prompt, completion, autocast, unpadded=True),
+        )
 
     tokens = rows * completion
     hidden = torch.randn(tokens, config.hidden_size, requires_grad=True)
