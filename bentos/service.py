@@ -231,7 +231,7 @@ class RlvrPolicy:
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
             self.model, self.tokenizer = load_policy(path, device, torch.bfloat16 if device == "cuda" else None)
-            self.model.eval()
+            self.model.eval().requires_grad_(False)  # frozen: every pass reuses one packed copy of its weights
             job = RolloutJob(question=WARM_UP_QUESTION, num_samples=1, temperatures=[0.0], max_new_tokens=4)
             self._generate([job], observe=False)
             self._ready.set()

@@ -17,6 +17,7 @@ quantized layers, sliding windows, other architectures), which then decodes thro
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -42,9 +43,25 @@ def llama_family(model: Any) -> bool:
 
 def fused_decoder(model: Any, rows: int) -> FusedDecoder | None:
     """A :class:`FusedDecoder` for ``model`` (weights packed for ``rows`` rows), or None when the
-    model does not qualify (see the module docstring). Call without gradients."""
+    model does not qualify (see the module docstring). Call without gradients.
+
+    A frozen model (no parameter requires grad: a served or evaluated policy) keeps its decoder
+    while none of its weights is modified (tensor version counters), so repeated rollouts skip the
+    packing; a trainable one gets a fresh decoder each time, as its weights change between rollouts
+    and a kept copy would double its weights' memory through the update."""
     if not llama_family(model) or model.lm_head.weight.device.type != "cpu":  # written and measured for CPU
         return None
+    parameters = list(model.parameters())
+    if any(p.requires_grad for p in parameters):
+        return _build(model, rows)
+    state = [(p, p._version) for p in parameters]  # the tensors themselves: a swapped-in module is a change
+    kept = _FROZEN.get(model)
+    if kept is None or len(kept[0]) != len(state) or any(a is not b or u != v for (a, u), (b, v) in zip(kept[0], state)):
+        kept = _FROZEN[model] = (state, _build(model, rows))
+    return kept[1]
+
+
+def _build(model: Any, rows: int) -> FusedDecoder | None:
     decoder = model.model
     linears = [model.lm_head]
     for layer in decoder.layers:
@@ -54,6 +71,9 @@ def fused_decoder(model: Any, rows: int) -> FusedDecoder | None:
     if any(type(linear) is not nn.Linear for linear in linears):
         return None
     return FusedDecoder(model, rows)
+
+
+_FROZEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # frozen model -> ((parameter, version)s, decoder)
 
 
 class FusedDecoder:

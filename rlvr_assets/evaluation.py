@@ -90,6 +90,7 @@ def evaluate_or_reuse(
         return stored.to_dict(orient="records"), key, True
 
     model, tokenizer = load_policy(policy_path, compute.torch_device(), compute.torch_dtype())
+    model.requires_grad_(False)  # frozen: rollout chunks reuse one packed copy of its weights
     started, last = time.perf_counter(), [0.0]
 
     def progress(done: int, total: int) -> None:

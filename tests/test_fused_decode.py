@@ -113,3 +113,27 @@ def test_models_it_does_not_cover_decode_through_their_own_forward():
         old = model.model.layers[1].mlp.up_proj
         model.model.layers[1].mlp.up_proj = Adapter(old.in_features, old.out_features, bias=False)
         assert fused_decoder(model, 4) is None
+
+
+def test_a_frozen_model_keeps_its_decoder_until_a_weight_changes():
+    tokenizer = char_tokenizer()
+    model = tiny_llama(len(tokenizer), seed=6).requires_grad_(False)
+    config = SamplingConfig(max_new_tokens=6, temperatures=[0.0], stop_at_final_answer=False)
+    built = []
+    original = FusedDecoder.__init__
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(FusedDecoder, "__init__", lambda self, *a: built.append(1) or original(self, *a))
+        first = generate_rollouts(model, tokenizer, ["12+3="], 2, config)
+        assert generate_rollouts(model, tokenizer, ["12+3="], 2, config).texts == first.texts
+        assert len(built) == 1  # the second rollout reused the packed weights
+        with torch.no_grad():
+            model.lm_head.weight.mul_(-1)  # in place: its version counter moves
+        flipped = generate_rollouts(model, tokenizer, ["12+3="], 2, config)
+        assert len(built) == 2 and not torch.equal(flipped.completion_ids, first.completion_ids)
+        model.model.layers[0].mlp.up_proj = nn.Linear(64, 128, bias=False).requires_grad_(False)  # a swapped module
+        generate_rollouts(model, tokenizer, ["12+3="], 2, config)
+        assert len(built) == 3
+        model.requires_grad_(True)  # trainable: a fresh decoder every rollout
+        generate_rollouts(model, tokenizer, ["12+3="], 2, config)
+        generate_rollouts(model, tokenizer, ["12+3="], 2, config)
+        assert len(built) == 5
