@@ -57,7 +57,9 @@ def fused_decoder(model: Any, rows: int) -> FusedDecoder | None:
     state = [(p, p._version) for p in parameters]  # the tensors themselves: a swapped-in module is a change
     kept = _FROZEN.get(model)
     if kept is None or len(kept[0]) != len(state) or any(a is not b or u != v for (a, u), (b, v) in zip(kept[0], state)):
-        kept = _FROZEN[model] = (state, _build(model, rows))
+        # packed for at least 8 rows: it serves later rollouts of any size, and a float32 weight
+        # packed for 1 row (a service's warm-up) runs markedly slower on 4 or more
+        kept = _FROZEN[model] = (state, _build(model, max(rows, 8)))
     return kept[1]
 
 
