@@ -3,6 +3,9 @@
 Uses a minimal correctness reward (strict ``#### <number>`` match) so that it depends on the
 core only. Prints each step's timing breakdown, throughput, and the kernel time and page faults
 it cost (``--no-keep-freed-memory`` leaves glibc's malloc at its defaults, see ``rlvr/heap.py``).
+Runs on CUDA when there is a GPU (``--device``), reporting the peak GPU memory too; ``--from-config``
+builds the model with random weights from a folder holding only the config and tokenizer files,
+for machines the checkpoint cannot be copied to.
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import resource
 import time
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlvr.grpo import GRPOConfig, GRPOTrainer
-from rlvr.policy import load_policy
+from rlvr.policy import load_policy, load_tokenizer
 from rlvr.prompts import render_prompt
 from rlvr.rollout import SamplingConfig
 
@@ -38,10 +42,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--no-keep-freed-memory", action="store_true", help="leave glibc's malloc at its defaults")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--from-config", action="store_true",
+        help="random weights built from the folder's config (it needs only config and tokenizer files): "
+        "timings depend on shapes only, completions are noise and run to the token budget",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = load_policy(args.model)
+    if args.from_config:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model), dtype=torch.float32)
+        model, tokenizer = model.to(args.device), load_tokenizer(args.model)
+    else:
+        model, tokenizer = load_policy(args.model, args.device)
     problems = [
         {"prompt": render_prompt(tokenizer, q), "answer_value": a, "problem_id": f"bench-{i}"}
         for i, (q, a) in enumerate(QUESTIONS)
@@ -71,6 +86,8 @@ def main() -> None:
             "system_cpu_s": round(after.ru_stime - before.ru_stime, 2),  # the kernel's share: page faults
             "page_faults": after.ru_minflt - before.ru_minflt,
         }
+        if args.device.startswith("cuda"):
+            report["max_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         print(json.dumps(report), flush=True)
 
 

@@ -120,14 +120,21 @@ def export_checkpoint(model: Any, tokenizer: Any, out_dir: str | Path) -> None:
 def load_policy(path: str | Path, device: Any = "cpu", dtype: Any = None) -> tuple[Any, Any]:
     """Load a saved HF checkpoint for inference or training: (model on ``device``, left-padding tokenizer)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32).to(device)
+    return model, load_tokenizer(path)
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The checkpoint's tokenizer, padding on the left (batched prompts end where generation starts)."""
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype or torch.float32).to(device)
-    return model, tokenizer
+    return tokenizer
 
 
 # architectures whose logits are exactly lm_head(last hidden state): no soft-capping or scaling
