@@ -17,7 +17,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "rlvr_sdpa"
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
+LOW_PRECISION = (torch.bfloat16, torch.float16)  # dtypes whose attention runs in float32 on CPU
 
 
 def upcast_sdpa_forward(
@@ -30,8 +30,8 @@ def upcast_sdpa_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' SDPA attention, computed in float32 on CPU for low-precision inputs or under
     low-precision autocast (which would otherwise cast the float32 kernel's inputs back down)."""
-    autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") in _LOW_PRECISION
-    if query.device.type != "cpu" or not (autocast or query.dtype in _LOW_PRECISION):
+    autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") in LOW_PRECISION
+    if query.device.type != "cpu" or not (autocast or query.dtype in LOW_PRECISION):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.float()

@@ -25,20 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
+from rlvr.attention import LOW_PRECISION
 from rlvr.packed_linear import fused_linear
+from rlvr.policy import llama_family
 
-_SUPPORTED = ("LlamaForCausalLM", "Qwen2ForCausalLM")
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
-def llama_family(model: Any) -> bool:
-    """A transformers Llama or Qwen2 causal LM with SiLU MLPs and full attention in every layer."""
-    config = getattr(model, "config", None)
-    if type(model).__name__ not in _SUPPORTED or getattr(config, "model_type", None) not in ("llama", "qwen2"):
-        return False
-    if getattr(config, "hidden_act", None) not in ("silu", "swish"):
-        return False
-    return all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ())
 
 
 def fused_decoder(model: Any, rows: int) -> FusedDecoder | None:
@@ -121,7 +111,9 @@ class FusedDecoder:
             values = qkv[:, qk_width:].view(rows, kv_heads, 1, head_dim)
             keys, values = cache.layers[index].update(qk[:, heads:].unsqueeze(2), values)
             queries = qk[:, :heads].unsqueeze(2)
-            if hidden.dtype in _LOW_PRECISION:
+            # float32 for bf16 / fp16 as in rlvr.attention, but SDPA called directly with enable_gqa:
+            # transformers' SDPA wrapper regroups the heads for one query and was slower here
+            if hidden.dtype in LOW_PRECISION:
                 queries, keys, values = queries.float(), keys.float(), values.float()
             attended = F.scaled_dot_product_attention(
                 queries, keys, values, attn_mask=key_mask, scale=scaling, enable_gqa=True

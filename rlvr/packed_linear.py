@@ -31,13 +31,18 @@ def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None, inputs: tor
 def fused_linear(layers: list[nn.Linear], rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """One linear map computing all of ``layers`` on the same input (their outputs concatenated),
     on a weight packed once for ``rows`` rows where oneDNN packs its dtype. Call without gradients."""
-    weight = torch.cat([layer.weight.detach() for layer in layers])
+    weight = _concatenated([layer.weight.detach() for layer in layers])
     bias = None
     if any(layer.bias is not None for layer in layers):
-        bias = torch.cat([layer.bias.detach() if layer.bias is not None else weight.new_zeros(layer.out_features) for layer in layers])
+        zeros = weight.new_zeros
+        bias = _concatenated([zeros(l.out_features) if l.bias is None else l.bias.detach() for l in layers])
     if weight.device.type == "cpu" and weight.dtype in packing_dtypes():
         return partial(_packed_forward, torch.ops.mkldnn._reorder_linear_weight(weight, max(1, rows)), bias)
     return partial(nn.functional.linear, weight=weight, bias=bias)
+
+
+def _concatenated(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)  # one layer: no copy before packing
 
 
 @contextmanager
@@ -54,9 +59,7 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
         for module in model.modules():
             if type(module) is not nn.Linear or module.weight.device.type != "cpu" or module.weight.dtype not in dtypes:
                 continue
-            bias = None if module.bias is None else module.bias.detach()
-            packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), max(1, rows))
-            module.forward = partial(_packed_forward, packed, bias)  # type: ignore[method-assign]
+            module.forward = fused_linear([module], rows)  # type: ignore[method-assign]
             patched.append(module)
         yield len(patched)
     finally:

@@ -3,28 +3,12 @@
 import pytest
 import torch
 from torch import nn
-from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 import rlvr.rollout as rollout
 from rlvr.fused_decode import FusedDecoder, fused_decoder
 from rlvr.rollout import SamplingConfig, generate_rollouts, last_position_logits, preallocate
-from tiny_policy import char_tokenizer, tiny_llama
-
-
-def tiny_qwen2(vocab_size: int, seed: int = 0, **overrides) -> Qwen2ForCausalLM:
-    """A 2-layer Qwen2 (biases on the query, key and value projections), tied embeddings."""
-    config = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=96, max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=None,
-        tie_word_embeddings=True, attn_implementation="sdpa", **overrides,
-    )
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    with torch.no_grad():  # nonzero biases, so that a dropped bias would show
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
-    return model.eval()
+from tiny_policy import char_tokenizer, tiny_llama, tiny_qwen2
 
 
 def decode_both_ways(model, steps: int = 6) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

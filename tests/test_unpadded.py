@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from rlvr.grpo.trainer import PackedRows, completion_logprobs
-from rlvr.grpo.unpadded import supports_unpadded
-from test_fused_decode import tiny_qwen2
-from tiny_policy import tiny_llama
+from rlvr.policy import llama_family
+from tiny_policy import tiny_llama, tiny_qwen2
 
 
 def uneven_batch(vocab: int, width: int = 9) -> PackedRows:
@@ -29,7 +28,7 @@ def uneven_batch(vocab: int, width: int = 9) -> PackedRows:
 @pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
 def test_values_and_gradients_equal_the_padded_forward(build, autocast):
     model = build(60, seed=2).train()
-    assert supports_unpadded(model)
+    assert llama_family(model)
     batch = uneven_batch(60)
     weights = torch.linspace(-1, 1, batch.targets.numel()).view_as(batch.targets)
     results = []

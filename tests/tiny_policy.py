@@ -1,10 +1,10 @@
-"""Tiny policies for mechanics tests: a character-level tokenizer and a 2-layer Llama built from a config."""
+"""Tiny policies for mechanics tests: a character-level tokenizer and 2-layer Llama / Qwen2 models built from a config."""
 
 from __future__ import annotations
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 SPECIALS = ["<pad>", "<eos>", "<unk>"]  # ids 0, 1, 2
 CHARS = "0123456789abcdefghijklmnopqrstuvwxyz #=+-*/:?.,\n"
@@ -42,6 +42,22 @@ def tiny_llama(vocab_size: int, seed: int = 0, hidden_size: int = 64, num_layers
     model = LlamaForCausalLM(config)
     model.generation_config.pad_token_id = 0
     model.generation_config.eos_token_id = 1
+    return model.eval()
+
+
+def tiny_qwen2(vocab_size: int, seed: int = 0, **overrides) -> Qwen2ForCausalLM:
+    """A 2-layer Qwen2 (biases on the query, key and value projections), tied embeddings."""
+    config = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=96, max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=None,
+        tie_word_embeddings=True, attn_implementation="sdpa", **overrides,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # nonzero biases, so that a dropped bias would show
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
     return model.eval()
 
 

@@ -35,7 +35,7 @@ from transformers import DynamicCache
 
 from rlvr.attention import use_fast_attention
 from rlvr.heap import keep_freed_memory
-from rlvr.policy import plain_output_head
+from rlvr.policy import llama_family, plain_output_head
 from rlvr.rollout import Rollouts, generate_rollouts
 
 from . import checkpoint as ckpt
@@ -51,7 +51,7 @@ from .distributed import (
     wrap_model,
 )
 from .head import head_logprobs
-from .unpadded import supports_unpadded, unpadded_completion_features
+from .unpadded import unpadded_completion_features
 from .loss import (
     POLICY_LOSSES,
     aggregate_loss,
@@ -514,8 +514,8 @@ def completion_logprobs(
     With ``share_prompts`` each distinct prompt goes through the model once and its KV cache
     (gradient attached) is reused by all of its completions: [prompts, P] + [rows, width - 1]
     tokens instead of [rows, P + width - 1]; with ``unpadded`` too, for the models
-    :func:`~rlvr.grpo.unpadded.supports_unpadded` takes, the completions' per-token work skips
-    their padding. Without ``share_prompts``, one forward over [prompt | completion] per row (needed
+    ``rlvr.policy.llama_family`` names (Llama, Qwen2), the completions' per-token work
+    skips their padding (:func:`~rlvr.grpo.unpadded.unpadded_completion_features`). Without ``share_prompts``, one forward over [prompt | completion] per row (needed
     with gradient checkpointing, which drops the cache). Only real completion tokens reach the
     output layer; for architectures with a plain ``lm_head`` that is
     :func:`~rlvr.grpo.head.head_logprobs` on the decoder's hidden states, else the model's logits.
@@ -541,7 +541,7 @@ def completion_logprobs(
             use_cache=True,
             **last,
         )
-        if unpadded and head is not None and supports_unpadded(model):
+        if unpadded and head is not None and llama_family(model):
             features = unpadded_completion_features(model, batch, first[:, -1], cache)
             logprobs, entropy = head_logprobs(features, head.weight, targets, temperatures, with_entropy)
             return _scatter_rows(logprobs, entropy, real)

@@ -2,8 +2,8 @@
 
 A micro-batch's completions are right-padded to the longest; with the model's own forward every
 padding position goes through every layer's matrix products, and with answer stops many rows end
-early (in the GRPO benchmark about a fifth of the positions are padding). Here the per-token work
-(norms, projections, MLP) runs on the real tokens only, packed [tokens, hidden]; only attention,
+early. Here the per-token work (norms, projections, MLP) runs on the real tokens only, packed
+[tokens, hidden]; only attention,
 which must see each row's positions in order, scatters queries, keys and values into the padded
 layout and gathers its output back (as verl's remove-padding does with variable-length flash
 attention, which CPUs lack). Each distinct prompt still goes through the model once (the caller's
@@ -21,12 +21,6 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from rlvr.attention import upcast_sdpa_forward
-from rlvr.fused_decode import llama_family
-
-
-def supports_unpadded(model: Any) -> bool:
-    """Whether :func:`unpadded_completion_features` takes ``model`` (Llama-family, see ``rlvr.fused_decode``)."""
-    return llama_family(model)
 
 
 def unpadded_completion_features(
