@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Mapping
 
 from bentos import MODEL_NAME, MODEL_VERSION_LABEL
+from rlvr.settings import Settings
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]  # the build context: rlvr/ and bentos/ go into the Bento
 BENTOFILE = Path(__file__).resolve().with_name("bentofile.yaml")
@@ -42,10 +43,8 @@ class BuiltBento:
 
 
 def bentoml_home(home: str | Path | None = None) -> Path:
-    """``home``, else ``$BENTOML_HOME``, else ``$RLVR_HOME/bentoml``, else ``./.rlvr/bentoml``; absolute."""
-    if home is None:
-        home = os.environ.get("BENTOML_HOME") or Path(os.environ.get("RLVR_HOME", ".rlvr")) / "bentoml"
-    return Path(home).expanduser().resolve()
+    """``home``, else ``Settings.bentoml_home`` (``$BENTOML_HOME``, else ``$RLVR_HOME/bentoml``); absolute."""
+    return Path(home).expanduser().resolve() if home is not None else Settings.from_env().bentoml_home
 
 
 def store_policy(
@@ -111,7 +110,7 @@ def build_bento(
     path = home / "bentos" / name / bento_version
     model_path = home / "models" / Path(*model_tag.split(":", 1))  # referenced by the Bento, shipped with it
     size = sum(f.stat().st_size for folder in (path, model_path) for f in folder.rglob("*") if f.is_file())
-    rlvr_home = Path(os.environ.get("RLVR_HOME", ".rlvr")).expanduser().resolve()  # traffic logs go under it
+    rlvr_home = Settings.from_env().home  # traffic logs go under it
     return BuiltBento(tag=tag, path=path, size_bytes=size,
                       serve_command=f"BENTOML_HOME={home} RLVR_HOME={rlvr_home} bentoml serve {tag} --port 3000")
 

@@ -18,8 +18,8 @@ dispatcher groups concurrent requests into one generation pass; jobs with equal 
 share one ``generate_rollouts`` call. ``RLVR_BATCHING=0`` sends each request's job straight to the
 model thread instead, one pass per request (the baseline of ``bench/serve_load.py``).
 
-Every answered request is appended to the JSONL traffic log in ``$RLVR_TRAFFIC_DIR`` (default
-``$RLVR_HOME/traffic``; absolute paths), which the drift monitoring reads with
+Every answered request is appended to the JSONL traffic log in ``Settings.traffic_dir``
+(``$RLVR_TRAFFIC_DIR``, else ``$RLVR_HOME/traffic``; absolute paths), which the drift monitoring reads with
 ``rlvr.traffic.read_traffic``.
 """
 
@@ -63,6 +63,7 @@ from rlvr.policy import load_policy
 from rlvr.prompts import render_prompt
 from rlvr.rewards import RewardPool
 from rlvr.rollout import SamplingConfig, generate_rollouts
+from rlvr.settings import Settings
 from rlvr.traffic import TrafficLog
 
 logger = logging.getLogger("bentoml.rlvr_policy")
@@ -127,22 +128,6 @@ class InternalJob(RolloutJob):
 
 def batching_enabled() -> bool:
     return os.environ.get("RLVR_BATCHING", "1").strip().lower() not in ("0", "false", "no", "off")
-
-
-def traffic_dir() -> Path:
-    """``$RLVR_TRAFFIC_DIR``, else ``$RLVR_HOME/traffic``, else ``~/.rlvr/traffic``.
-
-    Must be absolute: a served Bento runs in its own folder in the Bento store, so a relative path
-    would put the logs there.
-    """
-    if folder := os.environ.get("RLVR_TRAFFIC_DIR"):
-        path = Path(folder).expanduser()
-    else:
-        path = Path(os.environ.get("RLVR_HOME", "~/.rlvr")).expanduser() / "traffic"
-    if not path.is_absolute():
-        raise ValueError(f"the traffic folder must be an absolute path, got {str(path)!r}: "
-                         "set RLVR_TRAFFIC_DIR or RLVR_HOME to one")
-    return path
 
 
 class RequestGuard:
@@ -212,7 +197,7 @@ class RlvrPolicy:
         self.model_tag = str(stored.tag)
         self.model_version = stored.info.labels.get(MODEL_VERSION_LABEL) or str(stored.tag.version)
         self.batching = batching_enabled()
-        self.traffic = TrafficLog(traffic_dir(), max_bytes=TRAFFIC_MAX_BYTES)
+        self.traffic = TrafficLog(Settings.from_env(require_absolute=True).traffic_dir, max_bytes=TRAFFIC_MAX_BYTES)
         self.rewards = RewardPool(workers=2, timeout_s=REWARD_TIMEOUT_S)
         self.model = self.tokenizer = None
         self._seeds = itertools.count(int(os.environ.get("RLVR_SEED", "0")))

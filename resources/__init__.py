@@ -2,7 +2,7 @@
 
 from resources.compute import ComputeResource
 from resources.model_store import ModelStore
-from resources.settings import Settings
+from rlvr.settings import Settings
 from resources.tracking import MLflowResource
 from resources.warehouse import replace_rows, replace_tables
 

@@ -28,6 +28,7 @@ from conftest import save_tiny_llama
 from bentos.build import MODEL_VERSION_LABEL, bentoml_cli, bentoml_env, build_bento, store_policy
 from bentos.schemas import MAX_BODY_BYTES, MAX_PROMPT_CHARS
 from rlvr.answers import extract_final_answer
+from rlvr.settings import Settings
 from rlvr.evaluation import majority_vote
 from rlvr.traffic import read_traffic
 
@@ -177,14 +178,33 @@ def test_store_policy_rejects_a_folder_without_a_checkpoint(tmp_path):
 
 
 def test_traffic_folder_must_be_absolute(monkeypatch, tmp_path):
-    from bentos.service import traffic_dir
-
     monkeypatch.delenv("RLVR_TRAFFIC_DIR", raising=False)
     monkeypatch.setenv("RLVR_HOME", str(tmp_path))
-    assert traffic_dir() == tmp_path / "traffic"
+    assert Settings.from_env(require_absolute=True).traffic_dir == tmp_path / "traffic"
     monkeypatch.setenv("RLVR_TRAFFIC_DIR", "relative/traffic")  # would land inside the Bento's folder
-    with pytest.raises(ValueError, match="absolute"):
-        traffic_dir()
+    with pytest.raises(ValueError, match="RLVR_TRAFFIC_DIR must be an absolute path"):
+        Settings.from_env(require_absolute=True)
+    monkeypatch.delenv("RLVR_TRAFFIC_DIR")
+    monkeypatch.delenv("RLVR_HOME")
+    with pytest.raises(ValueError, match="set RLVR_HOME"):
+        Settings.from_env(require_absolute=True)
+
+
+def test_monitoring_reads_the_folder_the_service_writes(monkeypatch, tmp_path):
+    """One resolver: RLVR_TRAFFIC_DIR moves the service's logs and the monitoring's reads together."""
+    from dagster import RunRequest, build_sensor_context
+
+    from rlvr.traffic import FILE_PREFIX, FILE_SUFFIX
+    from rlvr_assets.monitoring import TrafficConfig
+    from sensors.traffic import traffic_sensor
+
+    monkeypatch.setenv("RLVR_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RLVR_TRAFFIC_DIR", str(tmp_path / "elsewhere"))
+    assert Settings.from_env(require_absolute=True).traffic_dir == tmp_path / "elsewhere"
+    assert Path(TrafficConfig().folder) == tmp_path / "elsewhere"
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / f"{FILE_PREFIX}x{FILE_SUFFIX}").write_text("{}\n")
+    assert isinstance(traffic_sensor(build_sensor_context()), RunRequest)
 
 
 # ---------------------------------------------------------------------------------------------
