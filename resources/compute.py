@@ -1,4 +1,7 @@
-"""Where tensors live: CUDA when present, else CPU, with a dtype policy (bf16 on GPU, fp32 on CPU)."""
+"""Where tensors live: CUDA when present, else CPU, with an inference dtype policy (bf16 on GPU, fp32 on CPU).
+
+Training always loads float32 master weights; its compute dtype is ``GRPOConfig.compute_dtype``.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ class ComputeResource(ConfigurableResource):
     """Picks the torch device and dtype for training and inference."""
 
     device: str = Field(default="auto", description="'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N'")
-    dtype: str = Field(default="auto", description="'auto' (bfloat16 on GPU, float32 on CPU), 'float32', 'bfloat16' or 'float16'")
+    dtype: str = Field(default="auto", description="inference dtype (evaluation, serving): 'auto' (bfloat16 on GPU, float32 on CPU), 'float32', 'bfloat16' or 'float16'; training keeps float32 weights")
 
     def torch_device(self):
         import torch

@@ -87,7 +87,7 @@ def grpo_training(
     start = start_policy(config.init_from, base, model_store, mlflow)
     rows = load_train_problems(duckdb, config.split, config.limit)
     data_hash = hashlib.sha256("".join(r["content_hash"] for r in rows).encode()).hexdigest()[:16]
-    model, tokenizer = load_policy(start.path, compute.torch_device(), compute.torch_dtype())
+    model, tokenizer = load_policy(start.path, compute.torch_device())  # float32 master weights (GRPOConfig.compute_dtype: mixed precision)
     problems = gsm8k_prompts(rows, tokenizer)
 
     records, run_id = [], context.run.root_run_id or context.run.run_id
