@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 import time
 from collections import Counter
@@ -62,6 +63,8 @@ from .loss import (
 )
 from .sampler import derive_seed, step_problems
 
+logger = logging.getLogger("rlvr.grpo")
+
 RewardFn = Callable[[list[str], list[dict]], tuple[list[float], dict[str, list[float]]]]
 OnStep = Callable[[int, dict, list[dict]], None]
 
@@ -89,7 +92,7 @@ class GRPOTrainer:
             raise ValueError(f"prompts_per_step ({config.prompts_per_step}) < world size ({self.dist.world_size})")
         if config.keep_freed_memory and self.dist.device.type == "cpu":
             keep_freed_memory()  # the update's large temporaries would otherwise be page-faulted in every step
-        model = use_fast_attention(model.to(self.dist.device))  # bf16 autocast attention in float32 on CPU
+        model = use_fast_attention(float32_master_weights(model).to(self.dist.device))  # bf16 autocast attention in float32 on CPU
         self.ref_model = _reference_model(model, ref_model, config, self.dist.device)  # before adapters / sharding
         if config.lora is not None:
             model = _apply_lora(model, config.lora)
@@ -97,7 +100,7 @@ class GRPOTrainer:
             _enable_activation_checkpointing(model)
         self.policy = model  # the module itself: generation, checkpoints
         compute_dtype = getattr(torch, config.compute_dtype)
-        mixed = compute_dtype != next(model.parameters()).dtype
+        mixed = compute_dtype != torch.float32  # weights and optimizer state are float32 (float32_master_weights)
         # the update's forwards run through this (DDP / FSDP when distributed; DDP syncs rank 0's weights)
         share_prompts = config.share_prompt_forward and not config.gradient_checkpointing
         scorer = CompletionScorer(model, share_prompts, unpadded=not config.fsdp)  # FSDP gathers weights per layer call
@@ -605,6 +608,20 @@ def _micro_batches(rollouts: Rollouts, rows: torch.Tensor, size: int) -> list[to
     if len(rows) == 0:
         return []
     return list(rows[torch.argsort(rollouts.group_index[rows], stable=True)].split(size))
+
+
+def float32_master_weights(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with float32 parameters, upcast (and said once in the log) when it was loaded in
+    bf16/fp16: AdamW on low-precision weights rounds away updates below their resolution (at lr 1e-6
+    most of them), so low precision belongs to the compute (``GRPOConfig.compute_dtype``), never to
+    the weights or the optimizer state."""
+    low = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()
+                  and p.dtype != torch.float32})
+    if not low:
+        return model
+    logger.warning("policy loaded in %s: upcast to float32 master weights for training "
+                   "(set GRPOConfig.compute_dtype for low-precision compute)", "/".join(low))
+    return model.float()
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
