@@ -12,7 +12,8 @@ The loop is written out (no HF ``generate``) so that GRPO gets exactly what it n
   ``rlvr.attention``'s float32 SDPA; finished rows are dropped from the batch (cache rows and
   per-row state are index-selected), so they stop costing compute;
 * a row stops at an end token (``"eos"``), right after a completed ``#### <number>`` line
-  (``"answer"``), or at the token budget (``"length"``);
+  (``"answer"``), at the token budget (``"length"``), or when ``config.should_stop`` names its
+  prompt (``"cancelled"``: a caller that no longer wants it);
 * each sampled token's log-prob is recorded under the temperature-scaled softmax before top-p
   truncation (temperature 1 for greedy rows): GRPO's "old" log-probs, with no extra forward pass.
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, Callable, Iterator
 
@@ -36,7 +37,7 @@ from rlvr.attention import use_fast_attention
 from rlvr.fused_decode import fused_decoder
 from rlvr.packed_linear import packed_linears
 
-FINISH_REASONS = ("eos", "answer", "length")
+FINISH_REASONS = ("eos", "answer", "length", "cancelled")
 _TAIL_TOKENS = 48  # tokens decoded to check for a just-completed '#### <number>' line
 
 
@@ -51,6 +52,7 @@ class SamplingConfig:
     seed: int = 0
     max_batch_rows: int | None = None  # rows per forward; prompts stream through in chunks
     stop_token_ids: list[int] | None = None  # default: eos, pad and <|im_end|> of the tokenizer
+    should_stop: Callable[[int], bool] | None = None  # per decode step, per live prompt index: True ends its rows
 
     def __post_init__(self) -> None:
         if isinstance(self.temperatures, (int, float)):
@@ -122,7 +124,10 @@ def stream_rollouts(
     prompts_per_chunk = max(1, (config.max_batch_rows or len(encoded) * num_samples) // num_samples)
     for start in range(0, len(encoded), prompts_per_chunk):
         chunk_ids = encoded[start : start + prompts_per_chunk]
-        chunk = _decode_chunk(model, tokenizer, chunk_ids, num_samples, config, generator)
+        chunk_config = config
+        if config.should_stop is not None:  # the chunk's prompt i is prompt start + i of the call
+            chunk_config = replace(config, should_stop=lambda i, start=start: config.should_stop(start + i))
+        chunk = _decode_chunk(model, tokenizer, chunk_ids, num_samples, chunk_config, generator)
         chunk.group_index += start
         yield chunk
 
@@ -269,6 +274,8 @@ def _decode_loop(
         else:
             for i in done.nonzero().flatten().tolist():
                 finish[int(rows[i])] = "eos"
+        if config.should_stop is not None:
+            done = _stop_cancelled(config.should_stop, rows, group, done, finish)
         if t == budget - 1:
             break
         if done.any():
@@ -408,6 +415,22 @@ def _mark_answers(
         if any(is_well_formed(line) for line in closed):
             finish[row] = "answer"
             done[i] = True
+    return done
+
+
+def _stop_cancelled(
+    should_stop: Callable[[int], bool], rows: torch.Tensor, group: int, done: torch.Tensor, finish: list[str]
+) -> torch.Tensor:
+    """``done`` plus the live rows of every prompt ``should_stop`` names (finish reason ``"cancelled"``)."""
+    prompts = (rows // group).tolist()
+    stopped = {p for p in set(prompts) if should_stop(p)}
+    if not stopped:
+        return done
+    done = done.clone()
+    for i, p in enumerate(prompts):
+        if p in stopped and not done[i]:
+            done[i] = True
+            finish[int(rows[i])] = "cancelled"
     return done
 
 
