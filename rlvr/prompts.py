@@ -25,7 +25,16 @@ def build_messages(question: str, system_prompt: str = SYSTEM_PROMPT) -> list[di
 
 
 def render_prompt(tokenizer: Any, question: str, system_prompt: str = SYSTEM_PROMPT) -> str:
-    """The prompt text a chat tokenizer feeds the model, ending where the assistant's turn begins."""
+    """The prompt text a chat tokenizer feeds the model, ending where the assistant's turn begins.
+
+    A question holding one of the tokenizer's special tokens (``<|im_start|>``, ``<|im_end|>``, ...)
+    is refused with ``ValueError``: the template pastes it verbatim, so it would open a turn of its own.
+    """
+    special = set(tokenizer.all_special_tokens)
+    special.update(t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special)
+    found = sorted(token for token in special if token and token in question)
+    if found:
+        raise ValueError(f"question contains the chat template's control tokens {', '.join(found)}")
     return tokenizer.apply_chat_template(
         build_messages(question, system_prompt), tokenize=False, add_generation_prompt=True
     )
