@@ -392,7 +392,7 @@ def test_pool_slow_reward_times_out_without_stalling_the_batch():
     start = time.monotonic()
     with RewardPool(workers=2, timeout_s=0.5) as pool:
         batch = pool.score_batch({**DEFAULT_GSM8K_REWARD, name: 1.0}, completions, [GSM8K] * 4)
-        assert pool.abandoned == 1
+        assert pool.killed == 1
     assert time.monotonic() - start < 3
     assert "timed out" in batch[1][name].details["error"]
     assert batch[1][name].value == 0.0 and batch[1]["format"].value == 0.0

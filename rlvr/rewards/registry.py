@@ -67,6 +67,22 @@ class Reward:
             "a reward must return a float in [0, 1] or a RewardResult"
         )
 
+    def score(self, completion: str, *, sample: int | str | None = None, **reference) -> RewardResult:
+        """This reward's result; a failure inside it scores 0 instead of raising.
+
+        The error (in ``details["error"]`` and logged once per reward) names the function and the
+        sample (``sample``, else the reference's ``problem_id``).
+        """
+        try:
+            return self(completion, **reference)
+        except (Exception, SystemExit) as err:  # noqa: BLE001 - a reward bug must not kill the run
+            where = sample if sample is not None else reference.get("problem_id", "?")
+            message = f"reward {self.name!r} ({self.qualname}) failed on sample {where}: {type(err).__name__}: {err}"
+            if self.name not in _WARNED:
+                _WARNED.add(self.name)
+                logger.warning("%s (further failures of this reward are not logged)", message)
+            return RewardResult(0.0, {"error": message})
+
 
 def register_reward(name: str | Callable | None = None, *, replace: bool = False):
     """Decorator registering ``fn(completion, **reference)`` under ``name`` (default: its own name).
@@ -110,21 +126,8 @@ def reward_names() -> list[str]:
 
 
 def score(name: str, completion: str, *, sample: int | str | None = None, **reference) -> RewardResult:
-    """Score one completion with the reward ``name``; a failure inside it scores 0 instead of raising.
-
-    The error (in ``details["error"]`` and logged once per reward) names the function and the
-    sample (``sample``, else the reference's ``problem_id``). Unknown names still raise RewardError.
-    """
-    reward = get_reward(name)
-    try:
-        return reward(completion, **reference)
-    except (Exception, SystemExit) as err:  # noqa: BLE001 - a reward bug must not kill the run
-        where = sample if sample is not None else reference.get("problem_id", "?")
-        message = f"reward {name!r} ({reward.qualname}) failed on sample {where}: {type(err).__name__}: {err}"
-        if name not in _WARNED:
-            _WARNED.add(name)
-            logger.warning("%s (further failures of this reward are not logged)", message)
-        return RewardResult(0.0, {"error": message})
+    """Score one completion with the reward ``name`` (:meth:`Reward.score`: failures score 0); unknown names raise RewardError."""
+    return get_reward(name).score(completion, sample=sample, **reference)
 
 
 def _definition(fn: Callable) -> tuple:
