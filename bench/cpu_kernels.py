@@ -6,10 +6,10 @@ The model is built from the checkpoint's config with random weights (timings dep
 
 * decode linears: every ``nn.Linear`` of the model once on ``rows`` rows (one decode step's
   matrix products, output layer included), as ``nn.Linear`` runs them against oneDNN on weights
-  packed once (``rlvr.packed_linear``), float32 and bf16; the packing, paid once per rollout, is
+  packed once (``rlvr.fastpaths.packed_linear``), float32 and bf16; the packing, paid once per rollout, is
   printed below the table, with the fused decoder's (its fused weights packed);
 * decode step: the model's forward on a ``DynamicCache`` (which concatenates every layer's cache
-  each step) against the rollout engine's (preallocated cache, ``rlvr.fused_decode``), float32
+  each step) against the rollout engine's (preallocated cache, ``rlvr.fastpaths.fused_decode``), float32
   and bf16; then, on the engine's cache, the engine's path for models the fused decoder does not
   take (the model's forward on packed linears) against the fused decoder; and, on that path in
   bf16, transformers' ``"sdpa"`` attention against ``"rlvr_sdpa"``;
@@ -21,7 +21,7 @@ The model is built from the checkpoint's config with random weights (timings dep
   ``head_logprobs``, forward + backward over ``rows x completion`` tokens, float32 and bf16 autocast;
 * AdamW over the model's parameters: ``foreach`` (torch's default) against ``fused``;
 * a whole update (forward + backward + fused AdamW), float32 and bf16 autocast, on glibc's default
-  malloc against ``rlvr.heap.keep_freed_memory`` (run last: that setting is process-wide).
+  malloc against ``rlvr.fastpaths.heap.keep_freed_memory`` (run last: that setting is process-wide).
 
 Prints a Markdown table: median milliseconds of ``--repeats`` runs after one warm-up, and the ratio.
 """
@@ -38,13 +38,14 @@ from typing import Callable
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from rlvr.attention import use_fast_attention
-from rlvr.fused_decode import fused_decoder
+from rlvr.fastpaths.attention import use_fast_attention
+from rlvr.fastpaths.fused_decode import fused_decoder
 from rlvr.grpo.head import head_logprobs
 from rlvr.grpo.loss import token_logprobs_and_entropy
-from rlvr.grpo.trainer import CompletionScorer, PackedRows
-from rlvr.heap import keep_freed_memory
-from rlvr.packed_linear import packed_linears
+from rlvr.fastpaths import FastPaths
+from rlvr.grpo.scoring import CompletionScorer, PackedRows
+from rlvr.fastpaths.heap import keep_freed_memory
+from rlvr.fastpaths.packed_linear import packed_linears
 from rlvr.rollout import last_position_logits, preallocate
 
 
@@ -62,7 +63,7 @@ def decode_step(model, rows: int, prompt: int, steps: int, mode: str) -> Callabl
     """Seconds per decode step over ``steps`` steps after a ``prompt``-token prefill (not timed).
     ``mode``: "default" (the model's own forward on a ``DynamicCache``), "packed" (the engine's
     preallocated cache, the model's forward on packed linears: the engine for models the fused
-    decoder does not take) or "fused" (preallocated cache, ``rlvr.fused_decode``: the engine for
+    decoder does not take) or "fused" (preallocated cache, ``rlvr.fastpaths.fused_decode``: the engine for
     Llama-family models)."""
     ids = torch.randint(0, model.config.vocab_size, (rows, prompt))
 
@@ -145,7 +146,7 @@ def update_step(
         mask=(torch.arange(completion) < lengths.unsqueeze(1)).float(),
         temperatures=torch.ones(rows),
     )
-    scorer = CompletionScorer(model, unpadded=unpadded)
+    scorer = CompletionScorer(model, fast=FastPaths(unpadded_update=unpadded))
 
     def run() -> None:
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast):

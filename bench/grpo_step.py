@@ -2,7 +2,7 @@
 
 Uses a minimal correctness reward (strict ``#### <number>`` match) so that it depends on the
 core only. Prints each step's timing breakdown, throughput, and the kernel time and page faults
-it cost (``--no-keep-freed-memory`` leaves glibc's malloc at its defaults, see ``rlvr/heap.py``).
+it cost (``--no-keep-freed-memory`` leaves glibc's malloc at its defaults, see ``rlvr/fastpaths/heap.py``).
 Runs on CUDA when there is a GPU (``--device``), reporting the peak GPU memory too; ``--from-config``
 builds the model with random weights from a folder holding only the config and tokenizer files,
 for machines the checkpoint cannot be copied to.
@@ -18,6 +18,7 @@ import time
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from rlvr.fastpaths import FastPaths
 from rlvr.grpo import GRPOConfig, GRPOTrainer
 from rlvr.policy import load_policy, load_tokenizer
 from rlvr.prompts import render_prompt
@@ -69,7 +70,7 @@ def main() -> None:
         total_steps=args.steps,
         micro_batch_size=args.micro_batch,
         compute_dtype=args.compute_dtype,
-        keep_freed_memory=not args.no_keep_freed_memory,
+        fast_paths=FastPaths(keep_freed_memory=not args.no_keep_freed_memory),
         skip_zero_variance=False,  # time the full update even when every reward is equal
     )
     trainer = GRPOTrainer(model, tokenizer, config, correctness)

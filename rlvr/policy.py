@@ -137,35 +137,6 @@ def load_tokenizer(path: str | Path) -> Any:
     return tokenizer
 
 
-# architectures whose logits are exactly lm_head(last hidden state): no soft-capping or scaling
-PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3"})
-
-
-def plain_output_head(model: Any) -> Any:
-    """The output layer (a bias-free ``nn.Linear``) when the model's logits are exactly
-    ``lm_head(decoder(...).last_hidden_state)``, else None; callers then use the model's logits."""
-    import torch
-
-    config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES or not hasattr(model, "get_decoder"):
-        return None
-    head = model.get_output_embeddings()
-    return head if type(head) is torch.nn.Linear and head.bias is None else None
-
-
-def llama_family(model: Any) -> bool:
-    """A transformers Llama or Qwen2 causal LM with SiLU MLPs and full attention in every layer: the
-    models ``rlvr.fused_decode`` decodes and ``rlvr.grpo.unpadded`` trains without padding."""
-    config = getattr(model, "config", None)
-    if type(model).__name__ not in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
-        return False
-    if getattr(config, "model_type", None) not in ("llama", "qwen2"):
-        return False
-    if getattr(config, "hidden_act", None) not in ("silu", "swish"):
-        return False
-    return all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ())
-
-
 def _hash_file(digest: Any, path: Path) -> None:
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

@@ -6,10 +6,10 @@ The loop is written out (no HF ``generate``) so that GRPO gets exactly what it n
   position only) and its KV cache repeated for its G samples;
 * decoding steps one token at a time with a per-row temperature (0 = greedy) and top-p, writing
   keys and values into a cache preallocated for the whole token budget (no concatenation per
-  step); on CPU, Llama-family models step through ``rlvr.fused_decode`` (fused, packed weights,
+  step); on CPU, Llama-family models step through ``rlvr.fastpaths.fused_decode`` (fused, packed weights,
   a few large operations per layer), other models through their own forward with every linear
-  layer on a weight packed once per rollout (``rlvr.packed_linear``) and, in bf16/fp16,
-  ``rlvr.attention``'s float32 SDPA; finished rows are dropped from the batch (cache rows and
+  layer on a weight packed once per rollout (``rlvr.fastpaths.packed_linear``) and, in bf16/fp16,
+  ``rlvr.fastpaths.attention``'s float32 SDPA; finished rows are dropped from the batch (cache rows and
   per-row state are index-selected), so they stop costing compute;
 * a row stops at an end token (``"eos"``), right after a completed ``#### <number>`` line
   (``"answer"``), at the token budget (``"length"``), or when ``config.should_stop`` names its
@@ -33,9 +33,11 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from rlvr.answers import is_well_formed
-from rlvr.attention import use_fast_attention
-from rlvr.fused_decode import fused_decoder
-from rlvr.packed_linear import packed_linears
+from rlvr.fastpaths import FastPaths
+from rlvr.fastpaths.attention import use_fast_attention
+from rlvr.fastpaths.eligibility import use_float32_attention, use_packed_linears
+from rlvr.fastpaths.fused_decode import fused_decoder
+from rlvr.fastpaths.packed_linear import packed_linears
 
 FINISH_REASONS = ("eos", "answer", "length", "cancelled")
 _TAIL_TOKENS = 48  # tokens decoded to check for a just-completed '#### <number>' line
@@ -53,8 +55,10 @@ class SamplingConfig:
     max_batch_rows: int | None = None  # rows per forward; prompts stream through in chunks
     stop_token_ids: list[int] | None = None  # default: eos, pad and <|im_end|> of the tokenizer
     should_stop: Callable[[int], bool] | None = None  # per decode step, per live prompt index: True ends its rows
+    fast_paths: FastPaths = field(default_factory=FastPaths)  # the engine's speed-ups (rlvr.fastpaths)
 
     def __post_init__(self) -> None:
+        self.fast_paths = FastPaths.coerce(self.fast_paths)
         if isinstance(self.temperatures, (int, float)):
             self.temperatures = [float(self.temperatures)]
         if not self.temperatures or any(t < 0 for t in self.temperatures):
@@ -207,8 +211,9 @@ def _decode_chunk(
 ) -> Rollouts:
     rows = len(prompt_ids) * num_samples
     with torch.inference_mode():
-        fused = fused_decoder(model, rows)
-        with packed_linears(model, rows) if fused is None else contextlib.nullcontext():
+        fused = fused_decoder(model, rows, config.fast_paths)
+        packed = fused is None and use_packed_linears(model, config.fast_paths)
+        with packed_linears(model, rows) if packed else contextlib.nullcontext():
             decode_step = fused or partial(_model_decode_step, model)
             rollouts = _decode_loop(model, tokenizer, prompt_ids, num_samples, config, generator, decode_step)
     for name in ("completion_ids", "completion_mask", "logprobs", "temperatures", "group_index", "sample_index"):
@@ -241,7 +246,8 @@ def _decode_loop(
         attention_mask[i, width - len(ids) :] = 1
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp_(min=0)
-    use_fast_attention(model)  # bf16 SDPA on CPU is slow on the preallocated cache's strided views
+    # bf16 SDPA on CPU is slow on the preallocated cache's strided views
+    use_fast_attention(model, use_float32_attention(model, config.fast_paths))
     cache = DynamicCache(config=model.config)
     logits = last_position_logits(
         model,

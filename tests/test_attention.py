@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from rlvr.attention import NAME, use_fast_attention
+from rlvr.fastpaths.attention import NAME, use_fast_attention
 from tiny_policy import char_tokenizer, tiny_llama
 
 
@@ -65,7 +65,7 @@ def test_training_gradients_flow_through_it(dtype):
 
 def test_under_bf16_autocast_the_kernel_runs_in_float32(monkeypatch):
     """Autocast would cast SDPA's inputs back to bf16 (a slow backward on CPU): rlvr_sdpa turns it off."""
-    import rlvr.attention as attention
+    import rlvr.fastpaths.attention as attention
 
     vocab = len(char_tokenizer())
     reference, fast = tiny_llama(vocab, seed=4), use_fast_attention(tiny_llama(vocab, seed=4))

@@ -1,12 +1,15 @@
 """Fused decode steps: the same logits as the model's own forward, in rollouts too; other models fall back."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 import rlvr.rollout as rollout
-from rlvr.fused_decode import FusedDecoder, fused_decoder
+from rlvr.fastpaths import FastPaths
+from rlvr.fastpaths.fused_decode import FusedDecoder, fused_decoder
 from rlvr.rollout import SamplingConfig, generate_rollouts, last_position_logits, preallocate
 from tiny_policy import char_tokenizer, tiny_llama, tiny_qwen2
 
@@ -73,11 +76,11 @@ def test_rollouts_use_it_and_match_the_models_forward(monkeypatch):
     prompts = ["12+3=", "7*8 = ?", "a"]
     config = SamplingConfig(max_new_tokens=12, temperatures=[0.0, 1.0], stop_at_final_answer=False, seed=4)
     built = []
-    monkeypatch.setattr(rollout, "fused_decoder", lambda model, rows: built.append(fused_decoder(model, rows)) or built[-1])
+    monkeypatch.setattr(rollout, "fused_decoder", lambda *args: built.append(fused_decoder(*args)) or built[-1])
     fused = generate_rollouts(model, tokenizer, prompts, 2, config)
     assert len(built) == 1 and isinstance(built[0], FusedDecoder)
-    monkeypatch.setattr(rollout, "fused_decoder", lambda model, rows: None)
-    plain = generate_rollouts(model, tokenizer, prompts, 2, config)
+    plain = generate_rollouts(model, tokenizer, prompts, 2, replace(config, fast_paths=FastPaths(fused_decode=False)))
+    assert len(built) == 2 and built[1] is None  # switched off by config
     assert torch.equal(fused.completion_ids, plain.completion_ids)
     torch.testing.assert_close(fused.logprobs, plain.logprobs, rtol=1e-4, atol=1e-4)
 

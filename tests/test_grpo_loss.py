@@ -146,7 +146,7 @@ def test_registry_and_config_validation():
 def test_training_logprobs_match_sampling_logprobs_with_and_without_prompt_sharing():
     """The update's log-probs equal the engine's (ratio 1 on-policy), whether each prompt is run
     once for its group (KV cache reused, gradient attached) or once per row; gradients agree too."""
-    from rlvr.grpo.trainer import completion_logprobs, pack_rows
+    from rlvr.grpo.scoring import completion_logprobs, pack_rows
     from rlvr.rollout import SamplingConfig, generate_rollouts
     from tiny_policy import char_tokenizer, tiny_llama
 
@@ -214,26 +214,27 @@ def test_head_logprobs_match_autograd_through_full_logits(monkeypatch, autocast)
     assert results[1][2].dtype == hidden.dtype and results[1][3].dtype == weight.dtype
 
 
-def test_completion_logprobs_through_the_head_equal_the_models_logits(monkeypatch):
+def test_completion_logprobs_through_the_head_equal_the_models_logits():
     """The hidden-state path (plain lm_head) and the logits path give the same values and gradients."""
-    import rlvr.grpo.trainer as trainer
-    import rlvr.policy as policy
+    import rlvr.grpo.scoring as scoring
+    from rlvr.fastpaths import FastPaths
+    from rlvr.fastpaths.eligibility import output_head
     from rlvr.rollout import SamplingConfig, generate_rollouts
     from tiny_policy import char_tokenizer, tiny_llama
 
     tokenizer = char_tokenizer()
     model = tiny_llama(len(tokenizer), seed=4)
-    assert policy.plain_output_head(model) is model.lm_head
+    assert output_head(model, FastPaths()) is model.lm_head
     rollouts = generate_rollouts(model, tokenizer, ["12+30=", "a longer prompt: 7="], 3, SamplingConfig(max_new_tokens=8, temperatures=[0.8, 1.0]))
-    batch = trainer.pack_rows(rollouts, torch.arange(6))
+    batch = scoring.pack_rows(rollouts, torch.arange(6))
     results = []
-    for plain_types in (policy.PLAIN_HEAD_MODEL_TYPES, frozenset()):
-        monkeypatch.setattr(policy, "PLAIN_HEAD_MODEL_TYPES", plain_types)
+    for chunked_head in (True, False):  # the unpadded update needs the head: off for both, to compare heads alone
         model.zero_grad()
-        logprobs, entropy = trainer.completion_logprobs(model, batch, with_entropy=True)
+        fast = FastPaths(chunked_head=chunked_head, unpadded_update=False)
+        logprobs, entropy = scoring.completion_logprobs(model, batch, with_entropy=True, fast=fast)
         (logprobs * torch.linspace(-1, 1, logprobs.numel()).view_as(logprobs)).sum().backward()
         results.append((logprobs.detach(), entropy, [p.grad.clone() for p in model.parameters()]))
-    assert policy.plain_output_head(model) is None  # the fallback ran second
+    assert output_head(model, FastPaths(chunked_head=False)) is None  # the logits path ran second
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-6)
     for a, b in zip(results[0][2], results[1][2]):

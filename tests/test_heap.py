@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(
 # process-wide and lasting. glibc's heap takes a few rounds to settle, hence the last 10 only.
 _PROBE = """
 import resource, torch
-from rlvr.heap import keep_freed_memory
+from rlvr.fastpaths.heap import keep_freed_memory
 
 def faults_of_one_round():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -40,6 +40,7 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again():
 
 @pytest.mark.parametrize("keep", [True, False])
 def test_trainer_keeps_freed_memory_on_cpu_unless_configured_not_to(monkeypatch, keep):
+    from rlvr.fastpaths import FastPaths
     import rlvr.grpo.trainer as trainer_module
     from rlvr.grpo import GRPOConfig, GRPOTrainer
     from tiny_policy import char_tokenizer, copy_digit_reward, tiny_llama
@@ -47,6 +48,6 @@ def test_trainer_keeps_freed_memory_on_cpu_unless_configured_not_to(monkeypatch,
     calls = []
     monkeypatch.setattr(trainer_module, "keep_freed_memory", lambda: calls.append(1) or True)
     tokenizer = char_tokenizer()
-    config = GRPOConfig(group_size=2, prompts_per_step=1, keep_freed_memory=keep)
+    config = GRPOConfig(group_size=2, prompts_per_step=1, fast_paths=FastPaths(keep_freed_memory=keep))
     GRPOTrainer(tiny_llama(len(tokenizer)), tokenizer, config, copy_digit_reward)
     assert len(calls) == int(keep)

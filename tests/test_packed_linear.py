@@ -1,12 +1,14 @@
 """Linear layers on packed oneDNN weights: the same outputs as nn.Linear, restored afterwards."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
 
-import rlvr.packed_linear as packed_linear
-import rlvr.rollout as rollout
-from rlvr.packed_linear import packed_linears, packing_dtypes
+import rlvr.fastpaths.packed_linear as packed_linear
+from rlvr.fastpaths import FastPaths
+from rlvr.fastpaths.packed_linear import packed_linears, packing_dtypes
 from rlvr.rollout import SamplingConfig, generate_rollouts
 from tiny_policy import char_tokenizer, tiny_llama
 
@@ -77,14 +79,13 @@ def test_greedy_rollouts_are_the_same_with_and_without_packing(monkeypatch):
     model = tiny_llama(len(tokenizer), seed=4)
     prompts = ["12+3=", "7*8 = ?", "a"]
     config = SamplingConfig(max_new_tokens=12, temperatures=[0.0], stop_at_final_answer=False)
-    monkeypatch.setattr(rollout, "fused_decoder", lambda model, rows: None)  # decode through the model's forward
+    config = replace(config, fast_paths=FastPaths(fused_decode=False))  # decode through the model's forward
     calls = []
     packed_forward = packed_linear._packed_forward
     monkeypatch.setattr(packed_linear, "_packed_forward", lambda *a: calls.append(1) or packed_forward(*a))
     packed = generate_rollouts(model, tokenizer, prompts, 2, config)
     assert len(calls) == 15 * 12  # every linear layer, prefill + 11 decode steps, ran packed
-    monkeypatch.setattr(packed_linear, "packing_dtypes", lambda: ())
-    plain = generate_rollouts(model, tokenizer, prompts, 2, config)
+    plain = generate_rollouts(model, tokenizer, prompts, 2, replace(config, fast_paths=FastPaths(fused_decode=False, packed_linears=False)))
     assert len(calls) == 15 * 12  # ... and none with packing off
     assert torch.equal(packed.completion_ids, plain.completion_ids)
     torch.testing.assert_close(packed.logprobs, plain.logprobs, rtol=1e-4, atol=1e-5)

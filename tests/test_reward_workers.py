@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 import time
 
-import pytest
 import torch
 
 from rlvr.grpo import GRPOConfig, GRPOTrainer

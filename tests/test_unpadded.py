@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from rlvr.grpo.trainer import PackedRows, completion_logprobs
-from rlvr.policy import llama_family
+from rlvr.fastpaths import FastPaths
+from rlvr.grpo.scoring import PackedRows, completion_logprobs
+from rlvr.fastpaths.eligibility import llama_family
 from tiny_policy import tiny_llama, tiny_qwen2
 
 
@@ -35,7 +36,7 @@ def test_values_and_gradients_equal_the_padded_forward(build, autocast):
     for unpadded in (True, False):
         model.zero_grad()
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-            logprobs, entropy = completion_logprobs(model, batch, with_entropy=True, unpadded=unpadded)
+            logprobs, entropy = completion_logprobs(model, batch, with_entropy=True, fast=FastPaths(unpadded_update=unpadded))
         (logprobs * weights).sum().backward()
         results.append((logprobs.detach(), entropy, [p.grad.clone() for p in model.parameters()]))
     tolerance = dict(rtol=3e-2, atol=3e-2) if autocast else dict(rtol=1e-4, atol=1e-5)
@@ -52,7 +53,7 @@ def test_padding_never_reaches_the_projections():
     seen = []
     model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: seen.append(args[0].shape))
     for unpadded in (True, False):
-        completion_logprobs(model, batch, unpadded=unpadded)
+        completion_logprobs(model, batch, fast=FastPaths(unpadded_update=unpadded))
     inputs = int(batch.mask.sum()) - len(batch.targets)  # each row's last token predicts nothing
     prompt_pass = (2, 6, 64)
     assert seen == [prompt_pass, (inputs, 64), prompt_pass, (5, batch.width - 1, 64)]
@@ -61,6 +62,6 @@ def test_padding_never_reaches_the_projections():
 def test_one_token_completions():
     model = tiny_llama(60, seed=1)
     batch = uneven_batch(60, width=1)
-    got, _ = completion_logprobs(model, batch, unpadded=True)
-    expected, _ = completion_logprobs(model, batch, unpadded=False)
+    got, _ = completion_logprobs(model, batch, fast=FastPaths(unpadded_update=True))
+    expected, _ = completion_logprobs(model, batch, fast=FastPaths(unpadded_update=False))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

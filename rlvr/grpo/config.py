@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from rlvr.fastpaths import FastPaths
 from rlvr.rollout import SamplingConfig
 
 from .loss import AGGREGATIONS, POLICY_LOSSES
@@ -64,8 +65,7 @@ class GRPOConfig:
     # optimizer); rollouts come from a bf16 copy of the policy, refreshed after every update.
     compute_dtype: str = "float32"
     fsdp: bool = False  # shard with FSDP2 under torchrun on GPUs (DDP otherwise)
-    # CPU training on glibc: keep freed memory in the heap for the next step (rlvr.heap)
-    keep_freed_memory: bool = True
+    fast_paths: FastPaths = field(default_factory=FastPaths)  # speed-ups of rollouts and update (rlvr.fastpaths)
     # bookkeeping
     checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end
     keep_checkpoints: int | None = 2  # newest checkpoints kept on disk (None = all)
@@ -74,6 +74,15 @@ class GRPOConfig:
     def __post_init__(self) -> None:
         if isinstance(self.sampling, dict):
             self.sampling = SamplingConfig(**self.sampling)
+        self.fast_paths = FastPaths.coerce(self.fast_paths)
+        if self.sampling.fast_paths != self.fast_paths:  # one setting: the run's governs its rollouts too
+            if self.sampling.fast_paths != FastPaths():
+                raise ValueError("set fast_paths on the GRPOConfig (it governs the rollouts too), not on its sampling")
+            self.sampling = replace(self.sampling, fast_paths=self.fast_paths)
+        if any(t == 0 for t in self.sampling.temperatures):
+            raise ValueError(f"sampling.temperatures {self.sampling.temperatures} holds 0: a greedy row is not a sample "
+                             "of the policy, so its group's advantages and importance ratios would be wrong; "
+                             "use temperatures > 0 for training (evaluation and serving keep greedy)")
         if isinstance(self.lora, dict):
             self.lora = LoRAConfig(**self.lora)
         self.betas = tuple(self.betas)

@@ -25,18 +25,16 @@ import logging
 import math
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from transformers import DynamicCache
-
-from rlvr.attention import use_fast_attention
-from rlvr.heap import keep_freed_memory
-from rlvr.policy import llama_family, plain_output_head
+from rlvr.fastpaths.attention import use_fast_attention
+from rlvr.fastpaths.eligibility import use_float32_attention, use_keep_freed_memory
+from rlvr.fastpaths.heap import keep_freed_memory
 from rlvr.rollout import Rollouts, generate_rollouts
 
 from . import checkpoint as ckpt
@@ -51,17 +49,9 @@ from .distributed import (
     shard_for_rank,
     wrap_model,
 )
-from .head import head_logprobs
-from .unpadded import unpadded_completion_features
-from .loss import (
-    POLICY_LOSSES,
-    aggregate_loss,
-    group_advantages,
-    kl_k3,
-    token_logprobs_and_entropy,
-    zero_variance_groups,
-)
+from .loss import POLICY_LOSSES, aggregate_loss, group_advantages, kl_k3, zero_variance_groups
 from .sampler import derive_seed, step_problems
+from .scoring import CompletionScorer, completion_logprobs, pack_rows
 
 logger = logging.getLogger("rlvr.grpo")
 
@@ -90,9 +80,11 @@ class GRPOTrainer:
         self.dist = init_distributed(device=None if _launched_distributed() else next(model.parameters()).device)
         if config.prompts_per_step < self.dist.world_size:
             raise ValueError(f"prompts_per_step ({config.prompts_per_step}) < world size ({self.dist.world_size})")
-        if config.keep_freed_memory and self.dist.device.type == "cpu":
+        fast = config.fast_paths
+        if use_keep_freed_memory(self.dist.device, fast):
             keep_freed_memory()  # the update's large temporaries would otherwise be page-faulted in every step
-        model = use_fast_attention(float32_master_weights(model).to(self.dist.device))  # bf16 autocast attention in float32 on CPU
+        model = float32_master_weights(model).to(self.dist.device)
+        model = use_fast_attention(model, use_float32_attention(model, fast))  # bf16 autocast attention in float32 on CPU
         self.ref_model = _reference_model(model, ref_model, config, self.dist.device)  # before adapters / sharding
         if config.lora is not None:
             model = _apply_lora(model, config.lora)
@@ -103,7 +95,7 @@ class GRPOTrainer:
         mixed = compute_dtype != torch.float32  # weights and optimizer state are float32 (float32_master_weights)
         # the update's forwards run through this (DDP / FSDP when distributed; DDP syncs rank 0's weights)
         share_prompts = config.share_prompt_forward and not config.gradient_checkpointing
-        scorer = CompletionScorer(model, share_prompts, unpadded=not config.fsdp)  # FSDP gathers weights per layer call
+        scorer = CompletionScorer(model, share_prompts, fast, sharded=config.fsdp)
         self.model = wrap_model(scorer, self.dist, fsdp=config.fsdp, param_dtype=compute_dtype if mixed else None)
         autocast = mixed and not config.fsdp
         self._autocast = partial(torch.autocast, self.dist.device.type, compute_dtype, enabled=autocast)
@@ -312,7 +304,7 @@ class GRPOTrainer:
             for micro in _micro_batches(rollouts, rows, self.config.micro_batch_size):
                 batch = pack_rows(rollouts, micro, self.dist.device)
                 with self._autocast():
-                    logprobs, _ = completion_logprobs(reference, batch, self._share_prompts)
+                    logprobs, _ = completion_logprobs(reference, batch, self._share_prompts, fast=self.config.fast_paths)
                 out[micro, : batch.width] = (logprobs * batch.mask).cpu()
         return out
 
@@ -455,141 +447,6 @@ class GRPOTrainer:
                 }
             )
         return records
-
-
-@dataclass
-class PackedRows:
-    """Rollout rows ready for a teacher-forced forward: their distinct prompts (left-padded) and
-    their completions (right-padded to the longest, ``width``)."""
-
-    prompt_ids: torch.Tensor  # [prompts, P]
-    prompt_mask: torch.Tensor  # [prompts, P]
-    prompt_index: torch.Tensor  # [rows] which prompt each row continues
-    targets: torch.Tensor  # [rows, width] completion tokens
-    mask: torch.Tensor  # [rows, width] float, 1 on real completion tokens
-    temperatures: torch.Tensor  # [rows]
-
-    @property
-    def width(self) -> int:
-        return self.targets.shape[1]
-
-
-def pack_rows(rollouts: Rollouts, rows: torch.Tensor, device: torch.device | str = "cpu") -> PackedRows:
-    """Pack ``rows`` of ``rollouts``, padded only as much as they need; rows of one group share a prompt."""
-    groups, prompt_index = torch.unique(rollouts.group_index[rows], return_inverse=True)
-    first_row = {int(g): int(r) for g, r in zip(rollouts.group_index[rows].tolist(), rows.tolist())}
-    prompts = [rollouts.prompt_ids[first_row[int(g)]] for g in groups]
-    prompt_width = max(len(p) for p in prompts)
-    prompt_ids = torch.full((len(prompts), prompt_width), rollouts.pad_token_id, dtype=torch.long)
-    prompt_mask = torch.zeros_like(prompt_ids)
-    for j, prompt in enumerate(prompts):
-        prompt_ids[j, prompt_width - len(prompt) :] = torch.tensor(prompt)
-        prompt_mask[j, prompt_width - len(prompt) :] = 1
-    width = int(rollouts.completion_lengths[rows].max())
-    return PackedRows(
-        prompt_ids=prompt_ids.to(device),
-        prompt_mask=prompt_mask.to(device),
-        prompt_index=prompt_index.to(device),
-        targets=rollouts.completion_ids[rows, :width].to(device),
-        mask=rollouts.completion_mask[rows, :width].to(device=device, dtype=torch.float32),
-        temperatures=rollouts.temperatures[rows].to(device),
-    )
-
-
-class CompletionScorer(torch.nn.Module):
-    """The update's forward as one module, which DDP / FSDP wrap: :func:`completion_logprobs` of
-    ``policy`` (so that DDP sees one forward, prompt pass included, per backward)."""
-
-    def __init__(self, policy: Any, share_prompts: bool = True, unpadded: bool = True):
-        super().__init__()
-        self.policy, self.share_prompts, self.unpadded = policy, share_prompts, unpadded
-
-    def forward(self, batch: PackedRows, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return completion_logprobs(self.policy, batch, self.share_prompts, with_entropy, self.unpadded)
-
-
-def completion_logprobs(
-    model: Any, batch: PackedRows, share_prompts: bool = True, with_entropy: bool = False, unpadded: bool = True
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(o_t | q, o_<t) for every completion token of ``batch`` ([rows, width], 0 on padding),
-    and the entropy of π at each position when asked (no gradient).
-
-    With ``share_prompts`` each distinct prompt goes through the model once and its KV cache
-    (gradient attached) is reused by all of its completions: [prompts, P] + [rows, width - 1]
-    tokens instead of [rows, P + width - 1]; with ``unpadded`` too, for the models
-    ``rlvr.policy.llama_family`` names (Llama, Qwen2), the completions' per-token work
-    skips their padding (:func:`~rlvr.grpo.unpadded.unpadded_completion_features`). Without ``share_prompts``, one forward over [prompt | completion] per row (needed
-    with gradient checkpointing, which drops the cache). Only real completion tokens reach the
-    output layer; for architectures with a plain ``lm_head`` that is
-    :func:`~rlvr.grpo.head.head_logprobs` on the decoder's hidden states, else the model's logits.
-    """
-    head = plain_output_head(model)
-    real = batch.mask.bool()
-    targets = batch.targets[real]
-    temperatures = batch.temperatures.unsqueeze(1).expand_as(batch.targets)[real]
-    if head is not None:
-        decoder = model.get_decoder()
-        run = lambda **kwargs: decoder(**kwargs).last_hidden_state  # noqa: E731
-    else:
-        run = lambda **kwargs: model(**kwargs).logits  # noqa: E731
-    if share_prompts:
-        cache = DynamicCache(config=model.config)
-        positions = (batch.prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
-        last = {} if head is not None else {"logits_to_keep": 1}
-        first = run(
-            input_ids=batch.prompt_ids,
-            attention_mask=batch.prompt_mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            **last,
-        )
-        if unpadded and head is not None and llama_family(model):
-            features = unpadded_completion_features(model, batch, first[:, -1], cache)
-            logprobs, entropy = head_logprobs(features, head.weight, targets, temperatures, with_entropy)
-            return _scatter_rows(logprobs, entropy, real)
-        outputs = [first[:, -1:][batch.prompt_index]]  # predicts the first completion token
-        if batch.width > 1:
-            cache.batch_select_indices(batch.prompt_index)
-            attention_mask = torch.cat([batch.prompt_mask[batch.prompt_index], batch.mask[:, :-1].long()], dim=1)
-            offsets = torch.arange(batch.width - 1, device=positions.device)
-            positions = batch.prompt_mask.sum(dim=1)[batch.prompt_index].unsqueeze(1) + offsets
-            outputs.append(
-                run(
-                    input_ids=batch.targets[:, :-1],
-                    attention_mask=attention_mask,
-                    position_ids=positions,
-                    past_key_values=cache,
-                    use_cache=True,
-                )
-            )
-        features = torch.cat(outputs, dim=1)
-    else:
-        input_ids = torch.cat([batch.prompt_ids[batch.prompt_index], batch.targets[:, :-1]], dim=1)
-        attention_mask = torch.cat([batch.prompt_mask[batch.prompt_index], batch.mask[:, :-1].long()], dim=1)
-        positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        last = {} if head is not None else {"logits_to_keep": batch.width}
-        features = run(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **last
-        )[:, -batch.width :]
-    if head is not None:
-        logprobs, entropy = head_logprobs(features[real], head.weight, targets, temperatures, with_entropy)
-    else:
-        logprobs, entropy = token_logprobs_and_entropy(
-            features[real].unsqueeze(1), targets.unsqueeze(1), temperatures, with_entropy
-        )
-    return _scatter_rows(logprobs, entropy, real)
-
-
-def _scatter_rows(
-    logprobs: torch.Tensor, entropy: torch.Tensor | None, real: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token values of the real positions back into [rows, width], 0 on padding."""
-    out = torch.zeros(real.shape, dtype=logprobs.dtype, device=logprobs.device)
-    out = out.index_put((real,), logprobs.flatten())
-    if entropy is None:
-        return out, None
-    return out, torch.zeros_like(out).index_put_((real,), entropy.flatten())
 
 
 def lr_multiplier(step: int, config: GRPOConfig) -> float:

@@ -8,7 +8,7 @@ which must see each row's positions in order, scatters queries, keys and values 
 layout and gathers its output back (as verl's remove-padding does with variable-length flash
 attention, which CPUs lack). Each distinct prompt still goes through the model once (the caller's
 prompt pass), its keys and values (gradient attached) shared by its completions. The modules and
-formulas are the model's own (its norms, projections, rotary embedding, ``rlvr.attention``'s
+formulas are the model's own (its norms, projections, rotary embedding, ``rlvr.fastpaths.attention``'s
 SDPA), so values and gradients equal the padded forward's up to rounding; a test checks both.
 """
 
@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from rlvr.attention import upcast_sdpa_forward
+from rlvr.fastpaths.attention import upcast_sdpa_forward
 
 
 def unpadded_completion_features(

@@ -6,9 +6,9 @@ module calls, mask builders and cache bookkeeping around ~20 small operations pe
 function for that case only (same weights, same formulas: RMSNorm, rotary embedding, grouped-query
 attention over the cache, SiLU-gated MLP) with fewer, larger operations: the query, key and value
 projections as one matrix product, gate and up as one, each on a weight packed once for the
-rollout (``rlvr.packed_linear``), the rotary embedding applied to queries and keys at once, one
+rollout (``rlvr.fastpaths.packed_linear``), the rotary embedding applied to queries and keys at once, one
 key mask per step for all layers. Attention runs in float32 (upcast from bf16 / fp16, as
-``rlvr.attention`` does). ``bench/cpu_kernels.py`` times it against the model's own forward.
+``rlvr.fastpaths.attention`` does). ``bench/cpu_kernels.py`` times it against the model's own forward.
 
 Models of type ``llama`` and ``qwen2`` (biases included) on CPU, with plain linear layers and full
 attention in every layer, qualify; :func:`fused_decoder` returns None for any other model (adapters,
@@ -25,21 +25,23 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from rlvr.attention import LOW_PRECISION
-from rlvr.packed_linear import fused_linear
-from rlvr.policy import llama_family
+from rlvr.fastpaths.attention import LOW_PRECISION
+from rlvr.fastpaths.packed_linear import fused_linear
+from rlvr.fastpaths import FastPaths
+from rlvr.fastpaths.eligibility import use_fused_decode
 
 
 
-def fused_decoder(model: Any, rows: int) -> FusedDecoder | None:
+def fused_decoder(model: Any, rows: int, fast: FastPaths = FastPaths()) -> FusedDecoder | None:
     """A :class:`FusedDecoder` for ``model`` (weights packed for ``rows`` rows), or None when the
-    model does not qualify (see the module docstring). Call without gradients.
+    model does not qualify (``eligibility.use_fused_decode``, then a layer that is not a plain linear).
+    Call without gradients.
 
     A frozen model (no parameter requires grad: a served or evaluated policy) keeps its decoder
     while none of its weights is modified (tensor version counters), so repeated rollouts skip the
     packing; a trainable one gets a fresh decoder each time, as its weights change between rollouts
     and a kept copy would double its weights' memory through the update."""
-    if not llama_family(model) or model.lm_head.weight.device.type != "cpu":  # written and measured for CPU
+    if not use_fused_decode(model, fast):
         return None
     parameters = list(model.parameters())
     if any(p.requires_grad for p in parameters):
@@ -111,7 +113,7 @@ class FusedDecoder:
             values = qkv[:, qk_width:].view(rows, kv_heads, 1, head_dim)
             keys, values = cache.layers[index].update(qk[:, heads:].unsqueeze(2), values)
             queries = qk[:, :heads].unsqueeze(2)
-            # float32 for bf16 / fp16 as in rlvr.attention, but SDPA called directly with enable_gqa:
+            # float32 for bf16 / fp16 as in rlvr.fastpaths.attention, but SDPA called directly with enable_gqa:
             # transformers' SDPA wrapper regroups the heads for one query and was slower here
             if hidden.dtype in LOW_PRECISION:
                 queries, keys, values = queries.float(), keys.float(), values.float()

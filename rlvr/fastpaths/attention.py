@@ -44,10 +44,12 @@ AttentionInterface.register(NAME, upcast_sdpa_forward)
 AttentionMaskInterface.register(NAME, sdpa_mask)  # the masks SDPA takes (unregistered names get none)
 
 
-def use_fast_attention(model: Any) -> Any:
-    """Switch a transformers model that uses ``"sdpa"`` to ``"rlvr_sdpa"`` (others are left alone);
-    the rollout engine does this to the model it decodes with, the GRPO trainer to the policy."""
-    config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(model, "set_attn_implementation"):
-        model.set_attn_implementation(NAME)
+def use_fast_attention(model: Any, enabled: bool = True) -> Any:
+    """Switch a transformers model that uses ``"sdpa"`` to ``"rlvr_sdpa"`` (back to ``"sdpa"`` when not
+    ``enabled``; models on other implementations are left alone). The rollout engine does this to the
+    model it decodes with, the GRPO trainer to the policy, as ``rlvr.fastpaths.eligibility`` decides."""
+    current = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    wanted = NAME if enabled else "sdpa"
+    if current in ("sdpa", NAME) and current != wanted and hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(wanted)
     return model

@@ -1,0 +1,38 @@
+"""The engine's speed-ups, each behind one switch of :class:`FastPaths`.
+
+Every speed-up computes what the plain path computes (tests hold each against it) and applies only
+where :mod:`rlvr.fastpaths.eligibility` says so, the one place with those rules. The plain path is
+always there: turn a switch off in the sampling or training config (``fast_paths``) to use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    """One field per speed-up, all on by default (each still applies only where eligible)."""
+
+    fused_decode: bool = True  # CPU decode steps of Llama-family models with fused, packed weights (fused_decode)
+    packed_linears: bool = True  # other models' CPU decode on oneDNN-packed weights (packed_linear)
+    float32_attention: bool = True  # bf16/fp16 attention on CPU computed in float32 (attention)
+    unpadded_update: bool = True  # the update's per-token work skips completion padding (rlvr.grpo.unpadded)
+    chunked_head: bool = True  # the output layer on real tokens only, in chunks (rlvr.grpo.head)
+    keep_freed_memory: bool = True  # CPU training keeps freed memory in glibc's heap (heap)
+
+    @classmethod
+    def coerce(cls, value: "FastPaths | dict | None") -> "FastPaths":
+        """A FastPaths from itself, None (defaults) or a dict of switches (run config); unknown names raise."""
+        if value is None or isinstance(value, cls):
+            return value or cls()
+        if not isinstance(value, dict):
+            raise TypeError(f"fast_paths must be a FastPaths or a dict of switches, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown fast_paths switch(es) {unknown}; known: {sorted(known)}")
+        return cls(**value)
+
+
+__all__ = ["FastPaths"]

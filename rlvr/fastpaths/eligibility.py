@@ -1,0 +1,76 @@
+"""Where each speed-up of :class:`~rlvr.fastpaths.FastPaths` applies: the rules, in one place.
+
+A speed-up runs only when its switch is on and the model qualifies; the rollout engine and the
+GRPO trainer ask here and take the plain path otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlvr.fastpaths import FastPaths
+from rlvr.fastpaths.packed_linear import packing_dtypes
+
+# architectures whose logits are exactly lm_head(last hidden state): no soft-capping or scaling
+PLAIN_HEAD_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo2", "phi3"})
+
+
+def plain_output_head(model: Any) -> Any:
+    """The output layer (a bias-free ``nn.Linear``) when the model's logits are exactly
+    ``lm_head(decoder(...).last_hidden_state)``, else None; callers then use the model's logits."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES or not hasattr(model, "get_decoder"):
+        return None
+    head = model.get_output_embeddings()
+    return head if type(head) is torch.nn.Linear and head.bias is None else None
+
+
+def llama_family(model: Any) -> bool:
+    """A transformers Llama or Qwen2 causal LM with SiLU MLPs and full attention in every layer: the
+    models the fused decoder decodes and the unpadded update trains."""
+    config = getattr(model, "config", None)
+    if type(model).__name__ not in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
+        return False
+    if getattr(config, "model_type", None) not in ("llama", "qwen2"):
+        return False
+    if getattr(config, "hidden_act", None) not in ("silu", "swish"):
+        return False
+    return all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ())
+
+
+def use_fused_decode(model: Any, fast: FastPaths) -> bool:
+    """Decode steps through ``rlvr.fastpaths.fused_decode``: Llama-family models on CPU (written and measured there)."""
+    return fast.fused_decode and llama_family(model) and _device(model).type == "cpu"
+
+
+def use_packed_linears(model: Any, fast: FastPaths) -> bool:
+    """Decode steps of other models on packed weights: CPU, with oneDNN (layers of other dtypes stay plain)."""
+    return fast.packed_linears and _device(model).type == "cpu" and bool(packing_dtypes())
+
+
+def use_float32_attention(model: Any, fast: FastPaths) -> bool:
+    """``rlvr_sdpa`` (float32 attention for bf16/fp16 on CPU, plain SDPA elsewhere) for models that use SDPA."""
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    return fast.float32_attention and implementation in ("sdpa", "rlvr_sdpa")
+
+
+def use_keep_freed_memory(device: torch.device, fast: FastPaths) -> bool:
+    """glibc keeps the update's freed temporaries for the next step: CPU training only."""
+    return fast.keep_freed_memory and device.type == "cpu"
+
+
+def output_head(model: Any, fast: FastPaths) -> Any:
+    """The output layer the update applies itself (chunked, real tokens only), or None: the model's logits."""
+    return plain_output_head(model) if fast.chunked_head else None
+
+
+def use_unpadded_update(model: Any, fast: FastPaths, sharded: bool) -> bool:
+    """Completions' per-token work without padding: Llama-family models with a plain head, unsharded
+    (FSDP gathers weights per decoder-layer call, which this path does not make)."""
+    return fast.unpadded_update and not sharded and llama_family(model) and output_head(model, fast) is not None
+
+
+def _device(model: Any) -> torch.device:
+    return next(model.parameters()).device
