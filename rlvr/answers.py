@@ -1,10 +1,17 @@
 """Final-answer parsing and normalization for GSM8k-style problems.
 
 GSM8k reference solutions end with a line ``#### <answer>``; policies are asked to do the same.
-Two extraction modes, as in lm-evaluation-harness and verl:
+Two extraction modes, named after verl's and lm-evaluation-harness' (the rules are ours):
 
-* ``strict``: only a ``#### <number>`` marker counts (the last one in the text);
-* ``flexible``: strict first, then ``\\boxed{...}``, then the last number in the text.
+* ``strict``: the answer is what follows the last ``####`` on its own line, and it must be one
+  number (:func:`parse_number`). Anything else there (an expression ``2+3``, ``The answer is 5``,
+  two numbers, nothing; a number on a later line) is no strict answer, never its first number;
+* ``flexible``: the strict answer, else the last ``\\boxed{...}``, else the last number in the text.
+  A ``####`` line or box that holds digits but is not one number gives no answer rather than a
+  fragment of it (``#### 2+3`` is not read as 3).
+
+:func:`lm_eval_gsm8k_answers` and :func:`lm_eval_gsm8k_match` reproduce lm-evaluation-harness'
+own gsm8k scoring, quirks included, so our numbers can be set beside published ones.
 """
 
 from __future__ import annotations
@@ -14,14 +21,27 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-_NUMBER = r"-?\$?\s*(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)?"
-_NUMBER_RE = re.compile(_NUMBER)
-_HASH_RE = re.compile(r"####\s*(" + _NUMBER + r")")
-_BOXED_RE = re.compile(r"\\boxed\s*\{([^{}]*)\}")
-_WELL_FORMED_END_RE = re.compile(r"####\s*(" + _NUMBER + r")\s*\.?\s*$")
-
 EXTRACTION_MODES = ("strict", "flexible")
 MAX_NUMBER_CHARS = 64  # longer digit strings are no answer (and would overflow a float)
+MAX_ANSWER_CHARS = 256  # a longer "#### ..." line or answer text is no single number
+
+_MINUS_SIGNS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
+_DIGITS = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"  # 1,234.5 / 1234 / .5; not 1,2345
+_NUMBER_START_RE = re.compile(
+    r"(?P<sign>[-+]?)\s*(?P<currency>\$?)\s*(?P<currency_sign>[-+]?)"  # -$5, $-5, $ 5
+    r"(?P<numerator>" + _DIGITS + r")(?:[eE](?P<exponent>[-+]?\d{1,2}))?"
+    r"(?:\s*/\s*(?P<denominator>" + _DIGITS + r"))?"
+)
+# A number in running text (flexible mode); a minus right after a word or bracket is a subtraction.
+_NUMBER_TOKEN_RE = re.compile(
+    r"(?:(?<![\w)\]}])-)?(?:\$\s?-?)?(?:" + _DIGITS + r")(?:[eE][-+]?\d{1,2})?(?:\s*/\s*(?:" + _DIGITS + r"))?"
+)
+# After a number: a digit, an operator or a hyphen not joining two letters means it was not alone.
+_NOT_A_UNIT_RE = re.compile(r"[\d+*/^=!?<>×÷·\\{}\[\]|#@&~]|(?<![^\W\d_])-|-(?![^\W\d_])")
+_FIRST_WORD_RE = re.compile(r"\s*([^\W\d_]+)")
+_LATEX_TEXT_RE = re.compile(r"\\(?:text|textrm|mathrm|mbox)\s*\{([^{}\d]*)\}|\\([$%])")  # \text{ clips}, \$, \%
+_AMBIGUOUS_SUFFIXES = {"k", "m", "b", "bn", "x", "e"}  # 5k, 5 m, 5x: a scale, a unit or a product?
+_SCALE_WORDS = {"dozen": 12, "hundred": 100, "thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12}
 
 
 @dataclass(frozen=True)
@@ -33,11 +53,22 @@ class ExtractedAnswer:
     method: str  # "hash", "boxed" or "last_number"
 
 
-def parse_number(text: str) -> float | None:
-    """Parse a number as written in math answers: ``1,080``, ``$18.00``, ``-7``, ``0.5``, ``3/4``.
+def with_ascii_minus(text: str) -> str:
+    """Replace unicode minus signs (``−5``) by ``-`` so the answer keeps its sign."""
+    return text.translate(_MINUS_SIGNS)
 
-    Returns None when ``text`` is not a single number (units and trailing punctuation are allowed:
-    ``18 dollars``, ``50%``, ``12.``).
+
+def parse_number(text: str) -> float | None:
+    """Parse one number as written in math answers; None when ``text`` is anything else.
+
+    Accepted: a sign and ``$`` in either order (``-$5``, ``$-5``, ``−5``), thousands separators in
+    groups of three (``1,080``), decimals (``0.50``, ``.5``), a fraction (``3/4``), scientific
+    notation (``1.5e6``); then a unit (``50%``, ``18 dollars``, ``72 clips``), a scale word
+    (``2 million`` = 2000000, ``3 dozen`` = 36) and a final period; markdown emphasis and LaTeX text
+    markup are ignored (``**72**``, ``\\$18 \\text{ dollars}``). Refused: a second number
+    (``5 apples and 3``), an operator (``2+3``, ``5!``, ``2^3``), words before the number, a single
+    letter after it (``5k``, ``5x``: ambiguous), malformed separators (``1,08``), more than
+    ``MAX_NUMBER_CHARS`` digits.
     """
     fraction = _parse_fraction(text)
     return None if fraction is None else float(fraction)
@@ -47,8 +78,8 @@ def normalize_answer(text: str) -> str | None:
     """Canonical text of a numeric answer: ``"1,080.00"`` -> ``"1080"``, ``"$-0.50"`` -> ``"-0.5"``.
 
     Fractions become decimals when exact (``"6/8"`` -> ``"0.75"``) and stay reduced fractions
-    otherwise (``"2/6"`` -> ``"1/3"``).
-    Returns None when ``text`` holds no single number.
+    otherwise (``"2/6"`` -> ``"1/3"``); ``-0`` is ``0``.
+    Returns None when ``text`` holds no single number (see :func:`parse_number`).
     """
     fraction = _parse_fraction(text)
     if fraction is None:
@@ -100,25 +131,66 @@ def count_reasoning_steps(reasoning: str) -> int:
     return sum(1 for line in reasoning.splitlines() if line.strip())
 
 
+def hash_answer_text(text: str) -> str | None:
+    """What follows the last ``####`` up to the end of its line, stripped; None without a marker or when empty.
+
+    Only that line counts: ``"####\\n\\n72"`` has an empty answer line, not the answer 72.
+    """
+    start = text.rfind("####")
+    if start < 0:
+        return None
+    return text[start + 4:].split("\n", 1)[0].strip() or None
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}``, nested braces included (``\\boxed{\\frac{3}{4}}`` -> ``\\frac{3}{4}``)."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin - 1, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin:i].strip() or None
+    return None
+
+
 def extract_final_answer(completion: str, mode: str = "strict") -> ExtractedAnswer | None:
     """Find the final numeric answer in a completion (see the module docstring for ``mode``)."""
     if mode not in EXTRACTION_MODES:
         raise ValueError(f"unknown extraction mode {mode!r}; expected one of {EXTRACTION_MODES}")
-    candidates = [("hash", m.group(1)) for m in _HASH_RE.finditer(completion)][-1:]
-    if mode == "flexible" and not candidates:
-        candidates = [("boxed", m.group(1)) for m in _BOXED_RE.finditer(completion)][-1:]
-        if not candidates:
-            candidates = [("last_number", m.group(0)) for m in _NUMBER_RE.finditer(completion)][-1:]
-    for method, raw in candidates:
+    completion = with_ascii_minus(completion)
+    declared = [("hash", hash_answer_text(completion))]
+    if mode == "flexible":
+        declared.append(("boxed", last_boxed(completion)))
+    unreadable = False
+    for method, raw in declared:
+        if raw is None:
+            continue
         fraction = _parse_fraction(raw)
         if fraction is not None:
             return ExtractedAnswer(text=format_number(fraction), value=float(fraction), method=method)
-    return None
+        unreadable = unreadable or any(c.isdigit() for c in raw)
+    if mode == "strict" or unreadable:
+        return None
+    last = None
+    for last in _NUMBER_TOKEN_RE.finditer(completion):
+        pass
+    fraction = _parse_fraction(last.group(0)) if last else None
+    if fraction is None:
+        return None
+    return ExtractedAnswer(text=format_number(fraction), value=float(fraction), method="last_number")
 
 
 def is_well_formed(completion: str) -> bool:
-    """True when the completion ends with a ``#### <number>`` line and nothing after it."""
-    return _WELL_FORMED_END_RE.search(completion.rstrip()) is not None
+    """True when the completion's last line is ``#### <number>`` (a final period allowed) and nothing else.
+
+    Stricter than strict extraction: no unit, no words (``#### 72 clips`` is not well formed).
+    """
+    last_line = with_ascii_minus(completion).rstrip().rpartition("\n")[2]
+    span = hash_answer_text(last_line)
+    read = _read_number(span) if span else None
+    return read is not None and read[1].strip() in ("", ".")
 
 
 def answers_match(predicted: float, reference: float, rel_tol: float = 1e-6, abs_tol: float = 1e-6) -> bool:
@@ -126,23 +198,91 @@ def answers_match(predicted: float, reference: float, rel_tol: float = 1e-6, abs
     return math.isclose(predicted, reference, rel_tol=rel_tol, abs_tol=abs_tol)
 
 
-def _parse_fraction(text: str) -> Fraction | None:
-    cleaned = text.strip().rstrip(".").strip()
-    cleaned = re.sub(r"\s*(%|percent|dollars?|cents?|units?)$", "", cleaned, flags=re.IGNORECASE)
-    cleaned = cleaned.replace("$", "").replace(" ", "")
-    if cleaned.startswith("-"):
-        sign, cleaned = -1, cleaned[1:]
-    else:
-        sign = 1
-    if len(cleaned) > MAX_NUMBER_CHARS:
+def _read_number(text: str) -> tuple[Fraction, str] | None:
+    """The number ``text`` starts with and the text after it (None when it starts with none)."""
+    if len(text) > MAX_ANSWER_CHARS:
         return None
-    if not re.fullmatch(r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/(?:\d+(?:\.\d+)?))?", cleaned):
+    found = _NUMBER_START_RE.match(text)
+    if found is None or (found["sign"] and found["currency_sign"]):
         return None
-    cleaned = cleaned.replace(",", "")
-    numerator, _, denominator = cleaned.partition("/")
-    value = Fraction(numerator)
+    numerator, denominator = found["numerator"], found["denominator"]
+    if len(numerator) > MAX_NUMBER_CHARS or (denominator and len(denominator) > MAX_NUMBER_CHARS):
+        return None
+    value = Fraction(numerator.replace(",", ""))
+    if found["exponent"]:
+        value *= Fraction(10) ** int(found["exponent"])
     if denominator:
-        if Fraction(denominator) == 0:
+        divisor = Fraction(denominator.replace(",", ""))
+        if divisor == 0:
             return None
-        value /= Fraction(denominator)
-    return sign * value
+        value /= divisor
+    if "-" in (found["sign"], found["currency_sign"]):
+        value = -value
+    return value, text[found.end():]
+
+
+def _parse_fraction(text: str) -> Fraction | None:
+    """``text`` as one number (see :func:`parse_number`); markdown emphasis (``**72**``) and LaTeX
+    text markup (``\\$18 \\text{ dollars}``) are ignored."""
+    if len(text) > MAX_ANSWER_CHARS:
+        return None
+    text = _LATEX_TEXT_RE.sub(lambda m: m[2] or f" {m[1]}", with_ascii_minus(text))
+    read = _read_number(text.strip().strip("*_").strip())
+    if read is None:
+        return None
+    value, tail = read
+    if _NOT_A_UNIT_RE.search(tail):
+        return None
+    word = _FIRST_WORD_RE.match(tail)
+    if word is None:
+        return value
+    word = word.group(1).lower()
+    if word in _AMBIGUOUS_SUFFIXES:
+        return None
+    return value * _SCALE_WORDS.get(word.removesuffix("s"), 1)
+
+
+# ---- lm-evaluation-harness gsm8k ---------------------------------------------------------------
+# lm-eval 0.4.13, lm_eval/tasks/gsm8k/gsm8k.yaml (version 3.0): generation stops at `until`; the
+# "strict-match" filter takes the first match of its regex, "flexible-extract" the last match of
+# its own (the first non-empty group), each stripped, "[invalid]" without a match; exact_match
+# then deletes `regexes_to_ignore` in order from prediction and reference, lowercases, compares.
+LM_EVAL_GSM8K_UNTIL = ("Question:", "</s>", "<|im_end|>")
+LM_EVAL_GSM8K_STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
+LM_EVAL_GSM8K_FLEXIBLE_RE = re.compile(r"(-?[$0-9.,]{2,})|(-?[0-9]+)")
+LM_EVAL_GSM8K_IGNORE = tuple(re.compile(p) for p in (",", "\\$", "(?s).*#### ", "\\.$"))
+LM_EVAL_INVALID = "[invalid]"
+
+
+def lm_eval_gsm8k_answers(completion: str) -> tuple[str, str]:
+    """(strict-match, flexible-extract) answers as lm-evaluation-harness' gsm8k task extracts them.
+
+    Its quirks are kept, not fixed: the completion is cut at the first stop string
+    (``Question:``, ...); strict takes the *first* ``#### `` (one space exactly: ``####5`` and
+    ``#### $5`` are invalid); flexible ignores ``####`` and takes the last run of ``$0-9.,`` of two
+    or more characters (``"... 72..."`` gives ``72...``; a lone ``..`` counts), else the last
+    integer; a unicode minus is no sign. No match gives ``"[invalid]"``.
+    """
+    for stop in LM_EVAL_GSM8K_UNTIL:
+        completion = completion.split(stop, 1)[0]
+    strict = LM_EVAL_GSM8K_STRICT_RE.findall(completion)
+    flexible = LM_EVAL_GSM8K_FLEXIBLE_RE.findall(completion)
+    flexible_answer = next((group for group in flexible[-1] if group), LM_EVAL_INVALID) if flexible else LM_EVAL_INVALID
+    return (strict[0].strip() if strict else LM_EVAL_INVALID), flexible_answer.strip()
+
+
+def lm_eval_gsm8k_match(prediction: str, reference: str) -> bool:
+    """The harness's gsm8k exact_match of an extracted answer and a reference (a final answer or a whole solution).
+
+    Both lose ``,`` and ``$``, everything up to the last ``#### ``, one trailing ``.``, and case;
+    then they are compared as strings, so ``5.0`` does not match ``5``.
+    """
+    if not isinstance(prediction, str) or not isinstance(reference, str):
+        raise TypeError(f"lm_eval_gsm8k_match compares strings, got {type(prediction).__name__} and {type(reference).__name__}")
+
+    def clean(text: str) -> str:
+        for pattern in LM_EVAL_GSM8K_IGNORE:
+            text = pattern.sub("", text)
+        return text.lower()
+
+    return clean(prediction) == clean(reference)

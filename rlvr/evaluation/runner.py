@@ -14,6 +14,7 @@ from typing import Any, Callable
 import numpy as np
 
 from rlvr.answers import answers_match, extract_final_answer, is_well_formed
+from rlvr.answers import format_number, lm_eval_gsm8k_answers, lm_eval_gsm8k_match
 from rlvr.evaluation.estimators import maj_at_k, majority_vote, pass_at_k_per_problem
 from rlvr.evaluation.intervals import accuracy_by_group, bootstrap_ci
 from rlvr.evaluation.significance import mcnemar_test, paired_bootstrap
@@ -92,6 +93,7 @@ def evaluate_policy(
             "problem_id": problem["problem_id"],
             "num_steps": problem.get("num_steps"),
             **grade_completion(greedy_texts[i], gold),
+            **grade_lm_eval(greedy_texts[i], str(problem.get("answer_text") or format_number(gold))),
             "completion_tokens": int(greedy_lengths[i]),
             "finish_reason": greedy_reasons[i],
             "truncated": greedy_reasons[i] == "length",
@@ -115,6 +117,13 @@ def grade_completion(text: str, gold: float) -> dict:
         "correct_flexible": bool(flexible and answers_match(flexible.value, gold)),
         "well_formed": is_well_formed(text),
     }
+
+
+def grade_lm_eval(text: str, reference_text: str) -> dict:
+    """Correctness as lm-evaluation-harness' gsm8k task grades it (strict-match, flexible-extract), for published numbers."""
+    strict, flexible = lm_eval_gsm8k_answers(text)
+    return {"correct_lm_eval_strict": lm_eval_gsm8k_match(strict, reference_text),
+            "correct_lm_eval_flexible": lm_eval_gsm8k_match(flexible, reference_text)}
 
 
 def grade_samples(texts: list[str], gold: float, ks: list[int]) -> dict:

@@ -1,10 +1,12 @@
 """Correctness of a GSM8k-style final answer: ``math_answer`` (strict) and ``math_answer_flexible``.
 
-Extraction is ``rlvr.answers.extract_final_answer`` (strict: the last ``#### x``; flexible: then
-``\\boxed{x}``, then the last number), so training, evaluation and serving grade alike. The two
-modes are registered separately so strict and flexible accuracy are reported side by side.
-The answer is compared numerically with tolerance; when that fails and the final answer is written
-as LaTeX or an expression (``\\frac{3}{4}``, ``2^3``), math-verify checks symbolic equivalence.
+Extraction is ``rlvr.answers.extract_final_answer`` (strict: the number on the last ``####`` line;
+flexible: then ``\\boxed{x}``, then the last number), so training, evaluation and serving grade
+alike. The two modes are registered separately so strict and flexible accuracy are reported side
+by side. The answer is compared numerically with tolerance; when that fails and the final answer
+is written as LaTeX or an expression (``\\frac{3}{4}``, ``2^3``), math-verify checks symbolic
+equivalence, unless :func:`explosive_reason` refuses the answer or the reference first (sympy on
+``9^{9^{9}}`` holds a process, and the GIL, for hours).
 """
 
 from __future__ import annotations
@@ -19,24 +21,33 @@ from rlvr.answers import (
     answers_match,
     extract_final_answer,
     format_number,
+    hash_answer_text,
+    last_boxed,
     parse_number,
+    with_ascii_minus,
 )
 from rlvr.rewards.registry import RewardResult, register_reward
 
-_MINUS_SIGNS = str.maketrans({"\u2212": "-", "\ufe63": "-", "\uff0d": "-"})
-_HASH_LINE_RE = re.compile(r"####[ \t]*([^\n]*)")
-_SYMBOLIC_HINT_RE = re.compile(r"[\\^{}]|\d\s*[*/]\s*\(|sqrt|pi")
-MAX_SYMBOLIC_CHARS = 120  # longer final answers are not handed to sympy: parsing cost grows fast
-
-
-def with_ascii_minus(text: str) -> str:
-    """Replace unicode minus signs (``−5``) by ``-`` so the answer keeps its sign."""
-    return text.translate(_MINUS_SIGNS)
+_SYMBOLIC_HINT_RE = re.compile(r"[\\^{}!]|\*\*|\d\s*[*/]\s*\(|sqrt|pi")  # LaTeX, powers, factorials
+MAX_SYMBOLIC_CHARS = 120  # longer answers (or references) are not handed to sympy: parsing cost grows fast
+MAX_SYMBOLIC_DIGITS = 20  # a longer run of digits is refused
+MAX_OPERATORS = 12
+MAX_NESTING = 5  # brackets and braces
+MAX_EXPONENT = 1000  # bound on the numbers of one exponent, multiplied together
+MAX_FACTORIAL = 100
+_OPERATOR_RE = re.compile(r"[-+*/^!]|\\(?:cdot|times|div|d?t?frac|sqrt)")
+_COSTLY_RE = re.compile(
+    r"\\(?:sum|prod|i*int|oint|lim|[dt]?binom|choose|Gamma|uparrow)"
+    r"|\b(?:pow|factorial|binomial|gamma|Sum|Product|Integral|Limit)\b"
+)
+_EXP_FUNCTION_RE = re.compile(r"\\?\bexp\b")
+_NUMBER_IN_TEXT_RE = re.compile(r"\d+(?:\.\d+)?")
+_CLOSING = {")": "(", "}": "{", "]": "["}
 
 
 def find_answer(completion: str, mode: str) -> ExtractedAnswer | None:
-    """``extract_final_answer`` after ``with_ascii_minus``."""
-    return extract_final_answer(with_ascii_minus(completion), mode)
+    """The final answer as the rewards read it: ``extract_final_answer`` (unicode minus signs included)."""
+    return extract_final_answer(completion, mode)
 
 
 @register_reward("math_answer")
@@ -47,7 +58,8 @@ def math_answer(completion: str, answer_value=None, answer_text=None, mode: str 
     Reference keys: ``answer_value`` (number) and/or ``answer_text`` (normalized text); ``mode``
     ("strict" or "flexible"); ``rel_tol``/``abs_tol`` for the numeric comparison; ``symbolic``
     to allow math-verify on LaTeX answers. Details: ``extracted``, ``method`` (hash, boxed,
-    last_number), ``strict`` (found by the ``####`` marker), ``match`` (numeric, symbolic or None).
+    last_number), ``strict`` (found by the ``####`` marker), ``match`` (numeric, symbolic or None),
+    and ``refused`` (why the symbolic check was not run) when :func:`explosive_reason` refused.
     """
     reference = reference_value(answer_value, answer_text)
     gold_text = answer_text if isinstance(answer_text, str) and answer_text.strip() else (
@@ -61,7 +73,10 @@ def math_answer(completion: str, answer_value=None, answer_text=None, mode: str 
     if extracted and reference is not None and answers_match(extracted.value, reference, rel_tol, abs_tol):
         return RewardResult(1.0, {**details, "match": "numeric"})
     span, method = final_answer_span(with_ascii_minus(completion), mode)
-    if symbolic and span and _SYMBOLIC_HINT_RE.search(span) and len(span) <= MAX_SYMBOLIC_CHARS:
+    if symbolic and span and _SYMBOLIC_HINT_RE.search(span):
+        refused = symbolic_refusal(span, gold_text)
+        if refused:
+            return RewardResult(0.0, {**details, "refused": refused})
         if symbolically_equal(span, gold_text):
             return RewardResult(1.0, {**details, "extracted": span, "method": method,
                                       "strict": method == "hash", "match": "symbolic"})
@@ -82,15 +97,15 @@ def reference_value(answer_value, answer_text) -> float | None:
     elif isinstance(answer_value, str) and (value := parse_number(answer_value)) is not None:
         return value
     if answer_text is not None:
-        return parse_number(with_ascii_minus(str(answer_text)))
+        return parse_number(str(answer_text))
     return None
 
 
 def final_answer_span(text: str, mode: str) -> tuple[str | None, str | None]:
     """The raw final answer, unparsed: the rest of the last ``####`` line, else (flexible) the last ``\\boxed{}``."""
-    lines = _HASH_LINE_RE.findall(text)
-    if lines and lines[-1].strip():
-        return lines[-1].strip().rstrip("."), "hash"
+    marked = hash_answer_text(text)
+    if marked and marked.rstrip("."):
+        return marked.rstrip("."), "hash"
     if mode == "flexible":
         boxed = last_boxed(text)
         if boxed:
@@ -98,25 +113,99 @@ def final_answer_span(text: str, mode: str) -> tuple[str | None, str | None]:
     return None, None
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}``, nested braces included (``\\boxed{\\frac{3}{4}}`` -> ``\\frac{3}{4}``)."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, begin = 0, start + len("\\boxed{")
-    for i in range(begin - 1, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[begin:i].strip() or None
+def symbolic_refusal(predicted: str, gold: str) -> str | None:
+    """Why the pair must not reach sympy (``"answer: stacked exponents"``), or None when both may."""
+    for role, expression in (("answer", predicted), ("reference", gold)):
+        reason = explosive_reason(expression)
+        if reason:
+            return f"{role}: {reason}"
     return None
 
 
-def symbolically_equal(predicted: str, gold: str) -> bool:
-    """math-verify's verdict on two LaTeX answers (False when either does not parse).
+def explosive_reason(expression: str) -> str | None:
+    """Why parsing ``expression`` could run for hours, found without parsing it; None when it is safe.
 
-    Its timeouts rely on SIGALRM, which only the main thread may use: elsewhere (reward pool
-    threads) they are off, and the length cap plus the pool's own timeout bound the cost.
+    Refused: over ``MAX_SYMBOLIC_CHARS`` characters, a digit run over ``MAX_SYMBOLIC_DIGITS``,
+    sums/products/integrals/limits/binomials, over ``MAX_OPERATORS`` operators, nesting deeper
+    than ``MAX_NESTING``, stacked exponents (``9^{9^{9}}``, ``(9^9)^9``, ``9^99!``), an exponent
+    whose numbers multiply past ``MAX_EXPONENT``, a factorial of anything but an integer up to
+    ``MAX_FACTORIAL``. ``**`` counts as ``^`` and ``\\exp(x)`` as ``e^(x)``.
     """
+    if len(expression) > MAX_SYMBOLIC_CHARS:
+        return f"longer than {MAX_SYMBOLIC_CHARS} characters"
+    text = _EXP_FUNCTION_RE.sub("e^", expression.replace("**", "^"))
+    if re.search(r"\d{%d}" % (MAX_SYMBOLIC_DIGITS + 1), text.replace(",", "")):
+        return f"a digit string longer than {MAX_SYMBOLIC_DIGITS} digits"
+    if _COSTLY_RE.search(text):
+        return "a sum, product, integral, limit or combinatorial function"
+    if len(_OPERATOR_RE.findall(text)) > MAX_OPERATORS:
+        return f"more than {MAX_OPERATORS} operators"
+    depth = 0
+    for char in text:
+        depth += (char in "({[") - (char in ")}]")
+        if depth > MAX_NESTING:
+            return f"nested deeper than {MAX_NESTING}"
+    for caret in (i for i, char in enumerate(text) if char == "^"):
+        exponent, end = _operand_after(text, caret + 1)
+        if "^" in exponent or "^" in _operand_before(text, caret) or text[end:].lstrip()[:1] in ("^", "!"):
+            return "stacked exponents"
+        if math.prod(max(1.0, float(n)) for n in _NUMBER_IN_TEXT_RE.findall(exponent)) > MAX_EXPONENT:
+            return f"an exponent above {MAX_EXPONENT}"
+    for bang in (i for i, char in enumerate(text) if char == "!"):
+        argument = re.search(r"(?<![\d.])(\d+)\s*$", text[:bang])
+        if argument is None or int(argument.group(1)) > MAX_FACTORIAL or text[bang + 1:bang + 2] == "!":
+            return f"a factorial of more than {MAX_FACTORIAL} or of an expression"
+    return None
+
+
+def _operand_after(text: str, start: int) -> tuple[str, int]:
+    """The operand that starts at ``start`` (a bracketed group, a ``\\command`` with its groups, or a
+    run of letters, digits and dots) and the index after it."""
+    i = len(text) - len(text[start:].lstrip())
+    if i < len(text) and text[i] in "({[":
+        end = _matching_close(text, i)
+        return text[i:end], end
+    command = re.match(r"\\[A-Za-z]+", text[i:])
+    if command:
+        end = i + command.end()
+        while end < len(text) and text[end] in "{[":
+            end = _matching_close(text, end)
+        return text[i:end], end
+    run = re.match(r"[\w.]*", text[i:])
+    return run.group(0), i + run.end()
+
+
+def _operand_before(text: str, end: int) -> str:
+    """The bracketed group that ends just before ``end`` (spaces skipped), else ``""``."""
+    j = len(text[:end].rstrip()) - 1
+    if j < 0 or text[j] not in _CLOSING:
+        return ""
+    depth = 0
+    for i in range(j, -1, -1):
+        depth += (text[i] in _CLOSING) - (text[i] in "({[")
+        if depth == 0:
+            return text[i:j + 1]
+    return text[:j + 1]
+
+
+def _matching_close(text: str, start: int) -> int:
+    """Index after the bracket closing the one at ``start`` (the end of ``text`` when unbalanced)."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += (text[i] in "({[") - (text[i] in ")}]")
+        if depth == 0:
+            return i + 1
+    return len(text)
+
+
+def symbolically_equal(predicted: str, gold: str) -> bool:
+    """math-verify's verdict on two LaTeX answers (False when either does not parse or is refused).
+
+    Its timeouts rely on SIGALRM, which only the main thread may use, and cannot interrupt a big
+    integer power holding the GIL: :func:`explosive_reason` keeps those from it.
+    """
+    if symbolic_refusal(predicted, gold):
+        return False
     from math_verify import parse, verify
 
     timeout_s = 3 if threading.current_thread() is threading.main_thread() else None
