@@ -35,9 +35,10 @@ from transformers.cache_utils import DynamicLayer
 from rlvr.answers import is_well_formed
 from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.attention import use_fast_attention
-from rlvr.fastpaths.eligibility import use_float32_attention, use_packed_linears
+from rlvr.fastpaths.eligibility import use_float32_attention, use_packed_linears, use_static_decode
 from rlvr.fastpaths.fused_decode import fused_decoder
 from rlvr.fastpaths.packed_linear import packed_linears
+from rlvr.fastpaths.static_decode import StaticDecoder, static_decoder
 
 FINISH_REASONS = ("eos", "answer", "length", "cancelled")
 _TAIL_TOKENS = 48  # tokens decoded to check for a just-completed '#### <number>' line
@@ -211,11 +212,19 @@ def _decode_chunk(
 ) -> Rollouts:
     rows = len(prompt_ids) * num_samples
     with torch.inference_mode():
+        if use_static_decode(model, config.fast_paths):  # CUDA: fixed-shape steps replayed as CUDA graphs
+            capacity = max(len(ids) for ids in prompt_ids) + config.max_new_tokens
+            decode_step = static_decoder(model, rows, capacity, graphs=True)
+            return _cloned(_decode_loop(model, tokenizer, prompt_ids, num_samples, config, generator, decode_step))
         fused = fused_decoder(model, rows, config.fast_paths)
         packed = fused is None and use_packed_linears(model, config.fast_paths)
         with packed_linears(model, rows) if packed else contextlib.nullcontext():
             decode_step = fused or partial(_model_decode_step, model)
             rollouts = _decode_loop(model, tokenizer, prompt_ids, num_samples, config, generator, decode_step)
+    return _cloned(rollouts)
+
+
+def _cloned(rollouts: Rollouts) -> Rollouts:
     for name in ("completion_ids", "completion_mask", "logprobs", "temperatures", "group_index", "sample_index"):
         setattr(rollouts, name, getattr(rollouts, name).clone())  # inference tensors -> ordinary tensors
     return rollouts
@@ -228,7 +237,7 @@ def _decode_loop(
     num_samples: int,
     config: SamplingConfig,
     generator: torch.Generator,
-    decode_step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache], torch.Tensor],
+    decode_step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, DynamicCache], torch.Tensor] | StaticDecoder,
 ) -> Rollouts:
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -257,7 +266,10 @@ def _decode_loop(
         cache.batch_repeat_interleave(group)
         logits = logits.repeat_interleave(group, dim=0)
         attention_mask = attention_mask.repeat_interleave(group, dim=0)
-    preallocate(cache, extra=budget)
+    if isinstance(decode_step, StaticDecoder):
+        cache = decode_step.adopt(cache)  # its fixed buffers hold the cache from here on
+    else:
+        preallocate(cache, extra=budget)
     next_position = position_ids[:, -1].repeat_interleave(group) + 1
 
     sample_index = torch.arange(num_rows) % group

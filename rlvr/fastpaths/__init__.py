@@ -20,6 +20,7 @@ class FastPaths:
     unpadded_update: bool = True  # the update's per-token work skips completion padding (rlvr.grpo.unpadded)
     chunked_head: bool = True  # the output layer on real tokens only, in chunks (rlvr.grpo.head)
     keep_freed_memory: bool = True  # CPU training keeps freed memory in glibc's heap (heap)
+    cuda_graphs: bool = True  # CUDA decode steps of fixed shapes, replayed as CUDA graphs (static_decode)
 
     @classmethod
     def coerce(cls, value: "FastPaths | dict | None") -> "FastPaths":

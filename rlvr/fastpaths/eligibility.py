@@ -45,6 +45,20 @@ def use_fused_decode(model: Any, fast: FastPaths) -> bool:
     return fast.fused_decode and llama_family(model) and _device(model).type == "cpu"
 
 
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inverse frequencies fixed at load time
+
+
+def use_static_decode(model: Any, fast: FastPaths) -> bool:
+    """Decode steps through ``rlvr.fastpaths.static_decode`` as CUDA graphs: Llama-family models on CUDA
+    whose linear layers are plain ``nn.Linear`` (no adapters, no quantized layers) and whose rotary
+    frequencies do not change with the sequence length."""
+    if not (fast.cuda_graphs and llama_family(model) and _device(model).type == "cuda"):
+        return False
+    if getattr(model.model.rotary_emb, "rope_type", "default") not in STATIC_ROPE_TYPES:
+        return False
+    return all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
 def use_packed_linears(model: Any, fast: FastPaths) -> bool:
     """Decode steps of other models on packed weights: CPU, with oneDNN (layers of other dtypes stay plain)."""
     return fast.packed_linears and _device(model).type == "cpu" and bool(packing_dtypes())
