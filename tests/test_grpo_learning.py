@@ -105,7 +105,7 @@ def test_rows_without_signal_cost_no_update():
     assert [h["frac_zero_variance_groups"] for h in history] == [1.0, 1.0]
     assert [h["trained_rows"] for h in history] == [0, 0] and history[-1]["optimizer_steps"] == 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    prefills = 2  # one per step through the decoder module (decode steps run in rlvr.fused_decode), no update forward
+    prefills = 2  # one per step through the decoder module (decode steps run in rlvr.fastpaths.fused_decode), no update forward
     assert len(calls) == prefills and not update_calls
 
     # truncated completions are dropped from the update when masked
@@ -119,3 +119,36 @@ def test_rows_without_signal_cost_no_update():
     assert 0 < len(truncated) < len(records) and metrics["truncation_rate"] == len(truncated) / len(records)
     assert not any(r["trained"] for r in truncated)
     assert metrics["trained_rows"] == sum(r["trained"] for r in records) > 0
+
+
+def test_dynamic_sampling_refills_groups_without_signal():
+    """DAPO's dynamic sampling: groups whose rewards are all equal are replaced by fresh problems'
+    groups; every generation is recorded and counted, the update trains on at most the step's share."""
+    tokenizer = char_tokenizer(COPY_DIGIT_CHARS)
+    problems = [{**p, "solvable": p["digit"] in "0123"} for p in PROBLEMS]  # the rest always score 0
+
+    def reward(completions, batch):
+        values = [float(p["solvable"] and text[:1] in "02468") for text, p in zip(completions, batch)]
+        return values, {"r": values}
+
+    def run(rounds):
+        cfg = config(group_size=8, prompts_per_step=4, total_steps=3, lr=1e-3, dynamic_sampling_rounds=rounds)
+        trainer = GRPOTrainer(tiny_llama(len(tokenizer), seed=3), tokenizer, cfg, reward)
+        steps = []
+        trainer.on_step = lambda step, metrics, records: steps.append((metrics, records))
+        trainer.train(problems)
+        return steps
+
+    plain, refilled = run(0), run(3)
+    for metrics, records in plain:
+        assert metrics["groups_generated"] == 4 and len(records) == 32
+    assert sum(m["frac_zero_variance_groups"] > 0 for m, _ in plain) > 0  # unsolvable problems were drawn
+    for (metrics, records), (base, _) in zip(refilled, plain):
+        trained_groups = {r["group_index"] for r in records if r["trained"]}
+        assert len(trained_groups) <= 4  # never more than the step's share
+        assert len(records) == 8 * metrics["groups_generated"]  # every generation recorded
+        assert len({(r["group_index"], r["sample_index"]) for r in records}) == len(records)  # unique keys
+        assert metrics["frac_groups_kept"] == pytest.approx(len(trained_groups) / metrics["groups_generated"])
+        assert len(trained_groups) >= base["trained_rows"] // 8  # at least as many groups with signal
+    assert sum(m["groups_generated"] for m, _ in refilled) > 12  # refills happened
+    assert sum(m["trained_rows"] for m, _ in refilled) > sum(m["trained_rows"] for m, _ in plain)

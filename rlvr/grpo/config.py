@@ -44,6 +44,7 @@ class GRPOConfig:
     advantage_eps: float = 1e-6
     mask_truncated: bool = False  # drop completions that hit max_new_tokens from the loss (DAPO)
     skip_zero_variance: bool = True  # drop groups whose rewards are all equal from the update
+    dynamic_sampling_rounds: int = 0  # DAPO: up to this many extra rounds refill groups whose rewards are all equal
     num_iterations: int = 1  # μ: optimisation passes per batch of rollouts
     num_minibatches: int = 1  # optimizer steps per pass
     micro_batch_size: int = 8  # rows per forward/backward
@@ -96,6 +97,12 @@ class GRPOConfig:
             raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
         if self.lr_decay not in ("cosine", "linear", "constant"):
             raise ValueError(f"unknown lr_decay {self.lr_decay!r}")
+        if self.dynamic_sampling_rounds < 0:
+            raise ValueError("dynamic_sampling_rounds must be >= 0")
+        if self.dynamic_sampling_rounds and not self.skip_zero_variance:
+            raise ValueError("dynamic_sampling_rounds needs skip_zero_variance: refills replace the groups it skips")
+        if self.dynamic_sampling_rounds and self.fsdp:
+            raise ValueError("dynamic_sampling_rounds is not supported with fsdp (ranks would generate different rounds)")
         for name in ("prompts_per_step", "num_iterations", "num_minibatches", "micro_batch_size", "total_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

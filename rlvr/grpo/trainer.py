@@ -35,7 +35,7 @@ import torch
 from rlvr.fastpaths.attention import use_fast_attention
 from rlvr.fastpaths.eligibility import use_float32_attention, use_keep_freed_memory
 from rlvr.fastpaths.heap import keep_freed_memory
-from rlvr.rollout import Rollouts, generate_rollouts
+from rlvr.rollout import Rollouts, concat_rollouts, generate_rollouts
 
 from . import checkpoint as ckpt
 from .config import GRPOConfig, LoRAConfig
@@ -54,6 +54,8 @@ from .sampler import derive_seed, step_problems
 from .scoring import CompletionScorer, completion_logprobs, pack_rows
 
 logger = logging.getLogger("rlvr.grpo")
+
+_REFILL = 1  # derive_seed tag of the problems that refill a step (dynamic sampling)
 
 RewardFn = Callable[[list[str], list[dict]], tuple[list[float], dict[str, list[float]]]]
 OnStep = Callable[[int, dict, list[dict]], None]
@@ -127,8 +129,10 @@ class GRPOTrainer:
             self.resume()
         history = []
         while self.step_count < self.config.total_steps:
-            batch = step_problems(problems, self.step_count, self.config.prompts_per_step, self.config.seed)
-            metrics, records = self.step(batch)
+            step, n, seed = self.step_count, self.config.prompts_per_step, self.config.seed
+            batch = step_problems(problems, step, n, seed)
+            refill = lambda round_: step_problems(problems, step, n, derive_seed(seed, _REFILL, round_))  # noqa: E731
+            metrics, records = self.step(batch, refill)
             if self._checkpoint_due():
                 metrics["checkpoint"] = str(self.save_checkpoint())
             history.append(metrics)
@@ -137,34 +141,50 @@ class GRPOTrainer:
                 self.on_step(self.step_count, metrics, records)
         return history
 
-    def step(self, problems: list[dict]) -> tuple[dict, list[dict]]:
-        """One GRPO step on ``problems`` (the whole step's batch; each rank takes its share)."""
-        config, group = self.config, self.config.group_size
-        started = time.perf_counter()
-        offset, local = shard_for_rank(problems, self.dist)
-        rollouts = self._generate(local)
-        generated = time.perf_counter()
+    def step(self, problems: list[dict], refill: Callable[[int], list[dict]] | None = None) -> tuple[dict, list[dict]]:
+        """One GRPO step on ``problems`` (the whole step's batch; each rank takes its share).
 
-        rewards, per_reward = self._score(rollouts, local)
+        With ``config.dynamic_sampling_rounds`` (DAPO's dynamic sampling), groups whose rewards are
+        all equal are replaced, for up to that many extra rounds, by groups of ``refill(round)``'s
+        problems (this rank's share), until this rank has as many groups with signal as it had
+        prompts; the update trains on at most that many. Every generation counts in the step's time
+        and throughput and is recorded (``trained`` False when dropped).
+        """
+        config, group = self.config, self.config.group_size
+        timing = dict.fromkeys(("gen_time_s", "reward_time_s", "update_time_s"), 0.0)
+        offset, local = shard_for_rank(problems, self.dist)
+        quota = len(local)  # groups with signal this rank trains on
+        group_ids = [offset + j for j in range(quota)]  # unique within the step, across ranks and rounds
+        rollouts, rewards, per_reward = self._generate_and_score(local, timing)
+        rounds = config.dynamic_sampling_rounds if refill is not None else 0
+        for round_ in range(1, rounds + 1):
+            missing = quota - int((~zero_variance_groups(rewards, group)).sum())
+            refill_offset, candidates = shard_for_rank(refill(round_), self.dist)
+            candidates = candidates[: max(missing, 0)]
+            if not candidates:
+                break
+            extra, extra_rewards, extra_per_reward = self._generate_and_score(candidates, timing)
+            extra.group_index += len(local)
+            group_ids += [round_ * config.prompts_per_step + refill_offset + j for j in range(len(candidates))]
+            local, rollouts = local + candidates, concat_rollouts([rollouts, extra])
+            rewards = torch.cat([rewards, extra_rewards])
+            per_reward = {name: values + extra_per_reward[name] for name, values in per_reward.items()}
+
+        started = time.perf_counter()
         advantages = group_advantages(rewards, group, config.scale_rewards, config.advantage_eps)
         zero_variance = zero_variance_groups(rewards, group)
-        trained = torch.ones(len(rollouts), dtype=torch.bool)
+        trained, kept_groups = torch.ones(len(rollouts), dtype=torch.bool), len(local)
         if config.skip_zero_variance:
-            trained &= ~zero_variance.repeat_interleave(group)
+            signal = ~zero_variance
+            signal &= signal.cumsum(0) <= quota  # refills beyond the quota are recorded, not trained on
+            trained &= signal.repeat_interleave(group)
+            kept_groups = int(signal.sum())
         if config.mask_truncated:
             trained &= torch.tensor([reason != "length" for reason in rollouts.finish_reasons])
-        scored = time.perf_counter()
-
         update_stats = self._update(rollouts, advantages, trained.nonzero().flatten())
         self.scheduler.step()
         self.step_count += 1
-        finished = time.perf_counter()
-
-        timing = {
-            "gen_time_s": generated - started,
-            "reward_time_s": scored - generated,
-            "update_time_s": finished - scored,
-        }
+        timing["update_time_s"] = time.perf_counter() - started
         local_rows = {
             "rewards": rewards.tolist(),
             "per_reward": per_reward,
@@ -172,12 +192,22 @@ class GRPOTrainer:
             "finish": rollouts.finish_reasons,
             "zero_variance": zero_variance.tolist(),
             "trained": int(trained.sum()),
+            "groups": (kept_groups, len(local)),  # (trained on, generated)
         }
         metrics = self._metrics(all_gather_objects(local_rows, self.dist), update_stats, timing)
-        records = self._records(rollouts, local, offset, rewards, per_reward, advantages, trained)
+        records = self._records(rollouts, local, group_ids, rewards, per_reward, advantages, trained)
         return metrics, sum(all_gather_objects(records, self.dist), [])
 
     # --- generation and rewards -----------------------------------------------------------------
+
+    def _generate_and_score(self, problems: list[dict], timing: dict) -> tuple[Rollouts, torch.Tensor, dict[str, list[float]]]:
+        started = time.perf_counter()
+        rollouts = self._generate(problems)
+        generated = time.perf_counter()
+        rewards, per_reward = self._score(rollouts, problems)
+        timing["gen_time_s"] += generated - started
+        timing["reward_time_s"] += time.perf_counter() - generated
+        return rollouts, rewards, per_reward
 
     def _generate(self, problems: list[dict]) -> Rollouts:
         seed = derive_seed(self.config.seed, self.step_count, self.dist.rank)
@@ -401,6 +431,8 @@ class GRPOTrainer:
             metrics[f"reward_{name}_std"] = values.std().item() if len(values) > 1 else 0.0
         metrics |= {
             "frac_zero_variance_groups": sum(zero_variance) / len(zero_variance),
+            "groups_generated": sum(rank["groups"][1] for rank in ranks),
+            "frac_groups_kept": sum(rank["groups"][0] for rank in ranks) / sum(rank["groups"][1] for rank in ranks),
             "trained_rows": sum(rank["trained"] for rank in ranks),
             "completion_len_mean": lengths.mean().item(),
             "completion_len_max": int(lengths.max()),
@@ -416,7 +448,7 @@ class GRPOTrainer:
         self,
         rollouts: Rollouts,
         problems: list[dict],
-        offset: int,
+        group_ids: list[int],
         rewards: torch.Tensor,
         per_reward: dict[str, list[float]],
         advantages: torch.Tensor,
@@ -432,7 +464,7 @@ class GRPOTrainer:
                     "policy_version": self.step_count - 1,  # updates applied to the policy that sampled this
                     "rank": self.dist.rank,
                     "problem_id": problem.get("problem_id", problem.get("id")),
-                    "group_index": offset + int(rollouts.group_index[i]),
+                    "group_index": group_ids[int(rollouts.group_index[i])],
                     "sample_index": int(rollouts.sample_index[i]),
                     "temperature": float(rollouts.temperatures[i]),
                     "prompt": problem["prompt"],
