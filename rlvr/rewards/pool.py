@@ -196,7 +196,7 @@ class _Worker:
         try:
             message = self.connection.recv()
         except (EOFError, OSError):
-            job, code = self.job, self.process.poll()
+            job, code = self.job, self._exit_code()
             self.kill()
             if job is None:
                 self.failed_starts += 1
@@ -212,6 +212,13 @@ class _Worker:
             return None
         job, self.job = self.job, None
         return job, message
+
+    def _exit_code(self) -> int | None:
+        """The exit code of a worker whose end of the socket closed (it may take a moment to exit)."""
+        try:
+            return self.process.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            return None
 
     def kill(self) -> None:
         """Kill the worker and everything it started (its own process group), and start a fresh one."""
