@@ -268,7 +268,8 @@ def test_bento_packs_the_model_with_its_lineage_and_a_dockerfile(built):
     # Nothing was locked against an index: requirements are the bentofile's pins.
     python_env = bento.path / "env/python"
     assert not (python_env / "requirements.lock.txt").exists()
-    assert "torch==2.13.0" in (python_env / "requirements.txt").read_text().splitlines()
+    requirements = (python_env / "requirements.txt").read_text().splitlines()
+    assert "torch==2.13.0" in requirements and "cloudpickle==3.1.2" in requirements
     assert bento.serve_command.startswith(f"BENTOML_HOME={home} RLVR_HOME=/")
     assert bento.serve_command.endswith(f" bentoml serve {bento.tag} --port 3000")
 
