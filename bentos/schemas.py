@@ -96,7 +96,7 @@ class GenerateRequest(_Request):
     ) = None
     reward: RewardName = Field(default=DEFAULT_REWARD, description="the reward that grades against ground_truth")
 
-    _not_blank = field_validator("prompt", "ground_truth")(_not_blank)
+    _blank_refused = field_validator("prompt", "ground_truth")(_not_blank)
     _bounded = _completion_tokens_bounded("num_rollouts")
 
     @field_validator("temperature")
@@ -154,7 +154,7 @@ class SolveRequest(_Request):
     temperature: Temperature = Field(default=DEFAULT_SOLVE_TEMPERATURE, description="used when k > 1")
     max_new_tokens: NewTokens = DEFAULT_MAX_NEW_TOKENS
 
-    _not_blank = field_validator("question")(_not_blank)
+    _blank_refused = field_validator("question")(_not_blank)
     _bounded = _completion_tokens_bounded("k")
 
     def temperatures(self) -> list[float]:

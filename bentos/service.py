@@ -19,7 +19,7 @@ A public request's way in, each bound enforced before any work (``RequestGuard``
 slow client holds none; no free slot, or the policy not loaded yet: 503 with ``Retry-After``
 (``/readyz`` answers 503 too). Then pydantic validates the body (400 naming the field) and the
 handler prices it on the loaded model (400 naming the field: prompt tokens in the chat template,
-the model's context, the KV-cache budget) before queueing its rollout job. BentoML's traffic
+the model's context, the KV-cache budget, ``$RLVR_KV_CACHE_BUDGET_MIB``) before queueing its job. BentoML's traffic
 ``timeout`` bounds the whole request (504). A request whose client hangs up, or whose time runs
 out, has its rows stopped at the next decode step (``SamplingConfig.should_stop``).
 
