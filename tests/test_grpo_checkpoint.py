@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import rlvr.grpo.checkpoint as checkpoint_module
-from rlvr.grpo import GRPOConfig, GRPOTrainer, LoRAConfig, export_merged, latest_checkpoint
+from rlvr.grpo import GRPOConfig, GRPOTrainer, LoRAConfig, WorldSizeChanged, export_merged, latest_checkpoint
 from rlvr.policy import load_policy
 from rlvr.rollout import SamplingConfig
 from tiny_policy import COPY_DIGIT_CHARS, char_tokenizer, tiny_llama
@@ -134,3 +134,27 @@ def test_lora_checkpoint_holds_the_adapter_and_exports_merged_weights(tmp_path):
     with torch.no_grad():
         expected = trainer.policy(input_ids=ids).logits
         torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_checkpoint_of_another_world_size_is_not_resumed(tmp_path):
+    """Each rank's data share and sampling seeds depend on the world size: resuming across sizes
+    would silently train on other data with other randomness."""
+    tokenizer = char_tokenizer(COPY_DIGIT_CHARS)
+    first = GRPOTrainer(tiny_llama(len(tokenizer)), tokenizer, config(total_steps=2), reward, checkpoint_dir=tmp_path)
+    first.train(PROBLEMS)
+    path = latest_checkpoint(tmp_path)
+    state = torch.load(path / checkpoint_module.STATE_FILE, weights_only=False)
+    state["rng"] = state["rng"] * 2  # as two ranks would have written it
+    torch.save(state, path / checkpoint_module.STATE_FILE)
+    again = GRPOTrainer(tiny_llama(len(tokenizer)), tokenizer, config(total_steps=4), reward, checkpoint_dir=tmp_path)
+    with pytest.raises(WorldSizeChanged, match="written by 2 rank\\(s\\) and this run has 1: it cannot resume"):
+        again.train(PROBLEMS)
+
+
+def test_records_per_rank_reach_on_step_on_every_rank():
+    tokenizer = char_tokenizer(COPY_DIGIT_CHARS)
+    seen = []
+    trainer = GRPOTrainer(tiny_llama(len(tokenizer)), tokenizer, config(total_steps=1, checkpoint_every=0), reward,
+                          on_step=lambda step, metrics, records: seen.append(records), records_per_rank=True)
+    trainer.train(PROBLEMS)
+    assert len(seen) == 1 and len(seen[0]) == 6 * 8 and {r["rank"] for r in seen[0]} == {0}

@@ -17,11 +17,12 @@ from .loss import (
     zero_variance_groups,
 )
 from .sampler import gsm8k_prompts, step_problems
-from .trainer import GRPOTrainer
+from .trainer import GRPOTrainer, WorldSizeChanged
 
 __all__ = [
     "GRPOConfig",
     "GRPOTrainer",
+    "WorldSizeChanged",
     "LoRAConfig",
     "POLICY_LOSSES",
     "aggregate_loss",

@@ -14,7 +14,8 @@ One step, top to bottom (:meth:`GRPOTrainer.step`):
 
 Rewards come from a callback, ``reward_fn(completions, problems) -> (totals, {name: values})``, so
 any reward library plugs in. ``on_step(step, metrics, records)`` receives each step's metrics and
-one record per completion (on rank 0 only), for whatever logging the caller wants.
+one record per completion: every rank's on rank 0, or with ``records_per_rank`` each rank's own on
+that rank (so that every rank can write its rows itself), for whatever logging the caller wants.
 """
 
 from __future__ import annotations
@@ -76,8 +77,10 @@ class GRPOTrainer:
         ref_model: Any = None,
         checkpoint_dir: str | Path | None = None,
         on_step: OnStep | None = None,
+        records_per_rank: bool = False,
     ):
         self.config, self.tokenizer, self.reward_fn, self.on_step = config, tokenizer, reward_fn, on_step
+        self.records_per_rank = records_per_rank
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.dist = init_distributed(device=None if _launched_distributed() else next(model.parameters()).device)
         if config.prompts_per_step < self.dist.world_size:
@@ -137,7 +140,7 @@ class GRPOTrainer:
                 metrics["checkpoint"] = str(self.save_checkpoint())
             history.append(metrics)
             self.history.append(metrics)
-            if self.on_step is not None and self.dist.is_main:
+            if self.on_step is not None and (self.dist.is_main or self.records_per_rank):
                 self.on_step(self.step_count, metrics, records)
         return history
 
@@ -196,7 +199,7 @@ class GRPOTrainer:
         }
         metrics = self._metrics(all_gather_objects(local_rows, self.dist), update_stats, timing)
         records = self._records(rollouts, local, group_ids, rewards, per_reward, advantages, trained)
-        return metrics, sum(all_gather_objects(records, self.dist), [])
+        return metrics, records if self.records_per_rank else sum(all_gather_objects(records, self.dist), [])
 
     # --- generation and rewards -----------------------------------------------------------------
 
@@ -398,7 +401,10 @@ class GRPOTrainer:
         self._sync_rollout_policy()
         self.step_count = int(state["step"])
         rng = state["rng"]
-        ckpt.restore_rng_state(rng[self.dist.rank] if self.dist.rank < len(rng) else rng[0])
+        if len(rng) != self.dist.world_size:  # each rank's sampling and data share depend on the world size
+            raise WorldSizeChanged(f"checkpoint {path} was written by {len(rng)} rank(s) and this run has "
+                                   f"{self.dist.world_size}: it cannot resume; start it afresh")
+        ckpt.restore_rng_state(rng[self.dist.rank])
         return True
 
     # --- metrics and records ---------------------------------------------------------------------
@@ -497,6 +503,10 @@ def _micro_batches(rollouts: Rollouts, rows: torch.Tensor, size: int) -> list[to
     if len(rows) == 0:
         return []
     return list(rows[torch.argsort(rollouts.group_index[rows], stable=True)].split(size))
+
+
+class WorldSizeChanged(RuntimeError):
+    """A run's checkpoint was written by another number of processes than the run now has."""
 
 
 def float32_master_weights(model: torch.nn.Module) -> torch.nn.Module:
