@@ -1,0 +1,203 @@
+"""Supervised fine-tuning on worked solutions: the cold start before GRPO (DeepSeek-R1's recipe).
+
+A base model that almost never answers correctly gives GRPO groups without signal. A short SFT on
+the train split's reference solutions, rendered in the project's own prompt and answer format
+(:func:`sft_target`: the reasoning, then ``#### <number>`` on the last line), teaches the format and
+some of the reasoning first. The objective is the mean negative log-likelihood of the completion
+tokens only (the prompt is context), computed by the GRPO update's own scorer
+(:class:`rlvr.grpo.scoring.CompletionScorer`: one prompt pass per example, the completion without
+padding, the chunked output layer; every ``fast_paths`` switch applies), with float32 master weights,
+optional bf16 compute, AdamW, and the GRPO checkpoints (atomic, resumable to identical weights).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+
+from rlvr.fastpaths import FastPaths
+from rlvr.fastpaths.attention import use_fast_attention
+from rlvr.fastpaths.eligibility import use_float32_attention, use_keep_freed_memory
+from rlvr.fastpaths.heap import keep_freed_memory
+from rlvr.grpo import checkpoint as ckpt
+from rlvr.grpo.sampler import step_problems
+from rlvr.grpo.scoring import CompletionScorer, PackedRows
+from rlvr.grpo.trainer import float32_master_weights, lr_multiplier
+from rlvr.prompts import render_prompt
+
+_CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8k's calculator annotations: 48/2 = <<48/2=24>>24
+
+
+@dataclass
+class SFTConfig:
+    """One SFT run: ``total_steps`` optimizer steps of ``batch_size`` examples (gradient-accumulated
+    micro-batches of ``micro_batch_size``), walking seeded permutations of the examples."""
+
+    batch_size: int = 16
+    micro_batch_size: int = 8
+    total_steps: int = 100
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float | None = 1.0
+    warmup_steps: int = 0
+    lr_decay: str = "cosine"  # "cosine", "linear" or "constant"
+    min_lr_ratio: float = 0.1
+    max_completion_tokens: int = 384  # longer targets are cut (counted in the metrics)
+    compute_dtype: str = "float32"  # "bfloat16": mixed precision (float32 weights and optimizer)
+    fast_paths: FastPaths = field(default_factory=FastPaths)
+    checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end
+    keep_checkpoints: int | None = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.fast_paths = FastPaths.coerce(self.fast_paths)
+        self.betas = tuple(self.betas)
+        for name in ("batch_size", "micro_batch_size", "total_steps", "max_completion_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
+        if self.lr_decay not in ("cosine", "linear", "constant"):
+            raise ValueError(f"unknown lr_decay {self.lr_decay!r}")
+
+
+def sft_target(solution: str, answer_text: str) -> str:
+    """A reference solution in the format the policy is asked for: the reasoning without GSM8k's
+    calculator annotations, then ``#### <answer>`` on the last line."""
+    reasoning = _CALCULATOR.sub("", solution).strip()
+    if not str(answer_text).strip():
+        raise ValueError("answer_text is empty")
+    return f"{reasoning}\n#### {str(answer_text).strip()}" if reasoning else f"#### {str(answer_text).strip()}"
+
+
+def sft_examples(rows: Sequence[dict], tokenizer: Any) -> list[dict]:
+    """Token ids of each problem's prompt (the shared prompt builder) and target (ending with the
+    end-of-turn token, so the policy learns to stop)."""
+    end = tokenizer.eos_token or ""
+    examples = []
+    for row in rows:
+        prompt = render_prompt(tokenizer, row["question"])
+        target = sft_target(row["solution"], row["answer_text"]) + end
+        examples.append({
+            "problem_id": row.get("problem_id"),
+            "prompt_ids": tokenizer(prompt, add_special_tokens=False)["input_ids"],
+            "target_ids": tokenizer(target, add_special_tokens=False)["input_ids"],
+        })
+    return examples
+
+
+class SFTTrainer:
+    """Fine-tunes ``model`` in place on :func:`sft_examples`; ``on_step(step, metrics)`` after each step."""
+
+    def __init__(self, model: Any, tokenizer: Any, config: SFTConfig, checkpoint_dir: str | Path | None = None,
+                 on_step: Callable[[int, dict], None] | None = None):
+        self.config, self.tokenizer, self.on_step = config, tokenizer, on_step
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        fast, device = config.fast_paths, next(model.parameters()).device
+        if use_keep_freed_memory(device, fast):
+            keep_freed_memory()
+        model = float32_master_weights(model)
+        self.policy = use_fast_attention(model, use_float32_attention(model, fast)).train()
+        self.scorer = CompletionScorer(self.policy, share_prompts=True, fast=fast)
+        compute_dtype = getattr(torch, config.compute_dtype)
+        self._autocast = partial(torch.autocast, device.type, compute_dtype, enabled=compute_dtype != torch.float32)
+        self.device = device
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
+            lr=config.lr, betas=config.betas, fused=device.type in ("cpu", "cuda"),
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_multiplier, config=config))
+        self.step_count = 0
+        self.history: list[dict] = []
+
+    def train(self, examples: Sequence[dict], resume: bool = True) -> list[dict]:
+        """Train until ``config.total_steps`` (resuming from the latest checkpoint first); returns this call's metrics."""
+        if not examples:
+            raise ValueError("no SFT examples")
+        if resume and self.step_count == 0 and self.checkpoint_dir is not None:
+            self.resume()
+        history = []
+        while self.step_count < self.config.total_steps:
+            batch = step_problems(examples, self.step_count, self.config.batch_size, self.config.seed)
+            metrics = self.step(batch)
+            if self.checkpoint_dir is not None and (
+                self.step_count == self.config.total_steps
+                or (self.config.checkpoint_every and self.step_count % self.config.checkpoint_every == 0)
+            ):
+                metrics["checkpoint"] = str(self.save_checkpoint())
+            history.append(metrics)
+            self.history.append(metrics)
+            if self.on_step is not None:
+                self.on_step(self.step_count, metrics)
+        return history
+
+    def step(self, batch: Sequence[dict]) -> dict:
+        """One optimizer step: token-mean NLL of the completion tokens over the whole batch."""
+        started, config = time.perf_counter(), self.config
+        truncated = sum(len(e["target_ids"]) > config.max_completion_tokens for e in batch)
+        tokens = sum(min(len(e["target_ids"]), config.max_completion_tokens) for e in batch)
+        loss_sum = 0.0
+        for start in range(0, len(batch), config.micro_batch_size):
+            packed = pack_examples(batch[start : start + config.micro_batch_size], config.max_completion_tokens,
+                                   self.tokenizer.pad_token_id or 0, self.device)
+            with self._autocast():
+                logprobs, _ = self.scorer(packed)
+            loss = -(logprobs * packed.mask).sum() / tokens
+            loss.backward()
+            loss_sum += float(loss.detach())
+        max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.requires_grad], max_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step_count += 1
+        elapsed = time.perf_counter() - started
+        return {"step": self.step_count, "loss": loss_sum, "grad_norm": grad_norm,
+                "lr": self.optimizer.param_groups[0]["lr"], "tokens": tokens, "tokens_per_s": tokens / elapsed,
+                "truncated": truncated, "step_time_s": elapsed}
+
+    def save_checkpoint(self) -> Path:
+        return ckpt.save_checkpoint(self.checkpoint_dir, self.step_count, self.policy, self.tokenizer, self.optimizer,
+                                    self.scheduler, [ckpt.capture_rng_state()], config=asdict(self.config),
+                                    keep=self.config.keep_checkpoints)
+
+    def resume(self) -> bool:
+        """Load the latest checkpoint, if any: weights, optimizer, scheduler and step."""
+        path = ckpt.latest_checkpoint(self.checkpoint_dir)
+        if path is None:
+            return False
+        state = ckpt.load_checkpoint(path, self.policy, self.optimizer, self.scheduler)
+        self.step_count = int(state["step"])
+        ckpt.restore_rng_state(state["rng"][0])
+        return True
+
+
+def pack_examples(examples: Sequence[dict], max_completion_tokens: int, pad_id: int, device: Any) -> PackedRows:
+    """Examples laid out for the scorer: prompts left-padded, targets right-padded (cut to the budget)."""
+    targets = [e["target_ids"][:max_completion_tokens] for e in examples]
+    prompt_width, width = max(len(e["prompt_ids"]) for e in examples), max(len(t) for t in targets)
+    prompt_ids = torch.full((len(examples), prompt_width), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros_like(prompt_ids)
+    target_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.float32)
+    for i, (example, target) in enumerate(zip(examples, targets)):
+        prompt = example["prompt_ids"]
+        prompt_ids[i, prompt_width - len(prompt):] = torch.tensor(prompt)
+        prompt_mask[i, prompt_width - len(prompt):] = 1
+        target_ids[i, : len(target)] = torch.tensor(target)
+        mask[i, : len(target)] = 1
+    return PackedRows(
+        prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device),
+        prompt_index=torch.arange(len(examples), device=device), targets=target_ids.to(device),
+        mask=mask.to(device), temperatures=torch.ones(len(examples), device=device),
+    )

@@ -1,0 +1,93 @@
+"""SFT cold start: targets in the project's answer format, the loss on completion tokens only, it
+learns, and a killed run resumes to the same weights."""
+
+import pytest
+import torch
+
+from rlvr.answers import extract_final_answer, is_well_formed
+from rlvr.rollout import SamplingConfig, generate_rollouts
+from rlvr.sft import SFTConfig, SFTTrainer, sft_examples, sft_target
+from tiny_policy import COPY_DIGIT_CHARS, char_tokenizer, tiny_llama
+
+NATALIA = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+           "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.")
+
+
+def test_targets_are_reference_solutions_in_the_answer_format():
+    target = sft_target(NATALIA, "72")
+    assert target == ("Natalia sold 48/2 = 24 clips in May.\n"
+                      "Natalia sold 48+24 = 72 clips altogether in April and May.\n#### 72")
+    assert extract_final_answer(target, "strict").value == 72 and is_well_formed(target)
+    assert sft_target("", "5") == "#### 5"
+    with pytest.raises(ValueError, match="answer_text is empty"):
+        sft_target(NATALIA, " ")
+
+
+def test_examples_use_the_shared_prompt_and_end_with_the_end_token(tiny_llama_dir):
+    from rlvr.policy import load_tokenizer
+    from rlvr.prompts import render_prompt
+
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    [example] = sft_examples([{"question": "How many clips?", "solution": NATALIA, "answer_text": "72"}], tokenizer)
+    assert tokenizer.decode(example["prompt_ids"]) == render_prompt(tokenizer, "How many clips?")
+    assert tokenizer.decode(example["target_ids"]).endswith("#### 72" + tokenizer.eos_token)
+
+
+def copy_examples(tokenizer):
+    return [{"prompt_ids": tokenizer(f"{d}{d}:")["input_ids"], "target_ids": tokenizer(f"{d}")["input_ids"] + [1]}
+            for d in range(10)]
+
+
+def config(**overrides):
+    return SFTConfig(**({"batch_size": 10, "micro_batch_size": 4, "total_steps": 40, "lr": 1e-2,
+                         "lr_decay": "constant", "seed": 1} | overrides))
+
+
+def test_the_loss_is_the_mean_nll_of_completion_tokens_only():
+    tokenizer = char_tokenizer(COPY_DIGIT_CHARS)
+    model = tiny_llama(len(tokenizer), seed=2)
+    examples = copy_examples(tokenizer)[:3]
+    with torch.no_grad():  # by hand: one forward over prompt + target, log-softmax at the target positions
+        nll, count = 0.0, 0
+        for e in examples:
+            ids = torch.tensor([e["prompt_ids"] + e["target_ids"]])
+            logits = model(ids).logits[0, len(e["prompt_ids"]) - 1 : -1].log_softmax(-1)
+            nll -= float(logits.gather(1, torch.tensor(e["target_ids"])[:, None]).sum())
+            count += len(e["target_ids"])
+    trainer = SFTTrainer(model, tokenizer, config(batch_size=3, micro_batch_size=2))
+    assert trainer.step(examples)["loss"] == pytest.approx(nll / count, rel=1e-5)
+
+
+def test_sft_learns_the_copy_task():
+    tokenizer = char_tokenizer(COPY_DIGIT_CHARS)
+    model = tiny_llama(len(tokenizer), seed=0)
+    history = SFTTrainer(model, tokenizer, config()).train(copy_examples(tokenizer))
+    assert history[-1]["loss"] < 0.2 * history[0]["loss"]
+    prompts = [f"{d}{d}:" for d in range(10)]
+    rollouts = generate_rollouts(model, tokenizer, prompts, 1, SamplingConfig(max_new_tokens=2, temperatures=[0.0]))
+    assert sum(text.startswith(str(d)) for d, text in enumerate(rollouts.texts)) >= 9
+
+
+def test_a_killed_run_resumes_to_the_same_weights(tmp_path):
+    tokenizer = char_tokenizer(COPY_DIGIT_CHARS)
+    examples = copy_examples(tokenizer)
+    straight = SFTTrainer(tiny_llama(len(tokenizer), seed=0), tokenizer, config(total_steps=6))
+    straight.train(examples)
+
+    class Killed(Exception):
+        pass
+
+    def kill_at_4(step, metrics):
+        if step == 4:
+            raise Killed
+
+    first = SFTTrainer(tiny_llama(len(tokenizer), seed=0), tokenizer, config(total_steps=6, checkpoint_every=2),
+                       checkpoint_dir=tmp_path, on_step=kill_at_4)
+    with pytest.raises(Killed):
+        first.train(examples)
+    resumed = SFTTrainer(tiny_llama(len(tokenizer), seed=5), tokenizer, config(total_steps=6, checkpoint_every=2),
+                         checkpoint_dir=tmp_path)
+    resumed.train(examples)
+    assert resumed.step_count == 6
+    for (name, a), b in zip(straight.policy.state_dict().items(), resumed.policy.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
