@@ -134,7 +134,7 @@ class GRPOTrainer:
         while self.step_count < self.config.total_steps:
             step, n, seed = self.step_count, self.config.prompts_per_step, self.config.seed
             batch = step_problems(problems, step, n, seed)
-            refill = lambda round_: step_problems(problems, step, n, derive_seed(seed, _REFILL, round_))  # noqa: E731
+            refill = partial(_refill_problems, problems, step, n, seed)
             metrics, records = self.step(batch, refill)
             if self._checkpoint_due():
                 metrics["checkpoint"] = str(self.save_checkpoint())
@@ -496,6 +496,11 @@ def lr_multiplier(step: int, config: GRPOConfig) -> float:
     progress = min(1.0, (step - config.warmup_steps) / max(1, config.total_steps - config.warmup_steps))
     shape = 1.0 - progress if config.lr_decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
     return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * shape
+
+
+def _refill_problems(problems: list[dict], step: int, prompts_per_step: int, seed: int, round_: int) -> list[dict]:
+    """The problems that refill step ``step``'s groups without signal in dynamic-sampling round ``round_``."""
+    return step_problems(problems, step, prompts_per_step, derive_seed(seed, _REFILL, round_))
 
 
 def _micro_batches(rollouts: Rollouts, rows: torch.Tensor, size: int) -> list[torch.Tensor]:
