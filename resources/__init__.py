@@ -1,9 +1,16 @@
-"""Dagster resources of rlvr-ops: the DuckDB warehouse, model store, MLflow tracking and compute."""
+"""Dagster resources of rlvr-ops: the DuckDB warehouse, model store, MLflow tracking, compute, evaluations
+and the Bento builder; ``config_from`` exposes a core dataclass config as Dagster run config."""
 
+from resources.bento import BentoBuilder
 from resources.compute import ComputeResource
-from resources.model_store import ModelStore
+from resources.evaluations import EvalProtocol, Evaluation, Evaluator
+from resources.model_store import ModelStore, StoredModel
+from resources.run_config import CoreConfig, config_from
+from resources.tracking import CHAMPION, MLflowResource
+from resources.warehouse import Append, Replace, Upsert, Warehouse
 from rlvr.settings import Settings
-from resources.tracking import MLflowResource
-from resources.warehouse import replace_rows, replace_tables
 
-__all__ = ["ComputeResource", "MLflowResource", "ModelStore", "Settings", "replace_rows", "replace_tables"]
+__all__ = [
+    "Append", "BentoBuilder", "CHAMPION", "ComputeResource", "CoreConfig", "EvalProtocol", "Evaluation", "Evaluator",
+    "MLflowResource", "ModelStore", "Replace", "Settings", "StoredModel", "Upsert", "Warehouse", "config_from",
+]

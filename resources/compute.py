@@ -5,6 +5,8 @@ Training always loads float32 master weights; its compute dtype is ``GRPOConfig.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from dagster import ConfigurableResource
 from pydantic import Field
 
@@ -13,7 +15,8 @@ class ComputeResource(ConfigurableResource):
     """Picks the torch device and dtype for training and inference."""
 
     device: str = Field(default="auto", description="'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N'")
-    dtype: str = Field(default="auto", description="inference dtype (evaluation, serving): 'auto' (bfloat16 on GPU, float32 on CPU), 'float32', 'bfloat16' or 'float16'; training keeps float32 weights")
+    dtype: str = Field(default="auto", description="inference dtype (evaluation, serving): 'auto' (bfloat16 on GPU, float32 on "
+                                                   "CPU), 'float32', 'bfloat16' or 'float16'; training keeps float32 weights")
 
     def torch_device(self):
         import torch
@@ -33,3 +36,12 @@ class ComputeResource(ConfigurableResource):
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unknown dtype {self.dtype!r}; expected auto, float32, bfloat16 or float16")
         return getattr(torch, self.dtype)
+
+    def inference_policy(self, path: str | Path):
+        """(model, tokenizer) of a stored checkpoint on this device in the inference dtype, frozen: rollout
+        chunks reuse one packed copy of its weights (``rlvr.fastpaths.fused_decode``)."""
+        from rlvr.policy import load_policy
+
+        model, tokenizer = load_policy(path, self.torch_device(), self.torch_dtype())
+        model.requires_grad_(False)
+        return model, tokenizer

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from dagster import ConfigurableResource
+from dagster import ConfigurableResource, Failure
 from pydantic import Field
 
 MANIFEST = "manifest.json"
@@ -48,6 +48,14 @@ class ModelStore(ConfigurableResource):
     def latest(self, name: str) -> StoredModel | None:
         pointer = Path(self.root) / name / "LATEST"
         return self.get(name, pointer.read_text().strip()) if pointer.is_file() else None
+
+    def require(self, name: str, version: str | None = None) -> StoredModel:
+        """``get`` (or ``latest`` without a version), failing the step when the store does not hold it."""
+        stored = self.latest(name) if version is None else self.get(name, version)
+        if stored is None:
+            what = name if version is None else f"{name} {version}"
+            raise Failure(description=f"{what} is not in the model store: materialize {name} first")
+        return stored
 
     def put(
         self,
@@ -89,6 +97,10 @@ class ModelStore(ConfigurableResource):
         path = Path(self.root) / ".work" / name
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+    def remove_work_dir(self, name: str) -> None:
+        """Delete a scratch folder once its work is complete (e.g. a finished run's resume points)."""
+        shutil.rmtree(Path(self.root) / ".work" / name, ignore_errors=True)
 
     def set_latest(self, name: str, version: str) -> None:
         parent = Path(self.root) / name

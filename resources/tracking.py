@@ -1,9 +1,30 @@
-"""MLflow tracking and registry: a local SQLite store by default, any tracking URI otherwise."""
+"""MLflow tracking and registry: a local SQLite store by default, any tracking URI otherwise.
+
+Everything goes through an ``MlflowClient`` bound to this resource's URI, so no asset touches the
+``mlflow`` module's global state: runs (a context manager), params, metrics, artifacts and tables,
+the evaluation record the promotion gate reads, registry aliases and checkpoint downloads.
+"""
 
 from __future__ import annotations
 
+import json
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import pandas as pd
 from dagster import ConfigurableResource
 from pydantic import Field
+
+from resources.model_store import StoredModel
+
+CHAMPION, CHALLENGER = "champion", "challenger"
+POLICY_VERSION_TAG = "rlvr.policy_version"  # the model-store version of the registered checkpoint
+EVAL_PROTOCOL_TAG = "rlvr.eval_protocol"  # the evaluation protocol of an evaluation run, as JSON
+BATCH = 100  # params per log_batch call (MLflow's limit)
 
 
 class MLflowResource(ConfigurableResource):
@@ -29,15 +50,12 @@ class MLflowResource(ConfigurableResource):
         experiment = client.get_experiment_by_name(self.experiment)
         if experiment is not None:
             return experiment.experiment_id
-        location = None
-        if self.artifact_location:
-            from pathlib import Path
-
-            location = Path(self.artifact_location).resolve().as_uri()
+        location = Path(self.artifact_location).resolve().as_uri() if self.artifact_location else None
         return client.create_experiment(self.experiment, artifact_location=location)
 
     def activate(self) -> str:
-        """Make this store and experiment the active ones for the ``mlflow`` module; returns the experiment id."""
+        """Make this store and experiment the active ones for the ``mlflow`` module (notebooks, tests);
+        returns the experiment id. The resource's own methods never need it."""
         import mlflow
 
         mlflow.set_tracking_uri(self.tracking_uri)
@@ -46,9 +64,99 @@ class MLflowResource(ConfigurableResource):
         mlflow.set_experiment(experiment_id=experiment_id)
         return experiment_id
 
+    @contextmanager
+    def start_run(self, run_name: str, tags: Mapping[str, Any] | None = None) -> Iterator["TrackedRun"]:
+        """A run of this experiment, ended FINISHED when the block ends and FAILED when it raises."""
+        from mlflow.tracking.context.registry import resolve_tags  # the user/source tags mlflow.start_run adds
 
-CHAMPION, CHALLENGER = "champion", "challenger"
-POLICY_VERSION_TAG = "rlvr.policy_version"  # the model-store version of the registered checkpoint
+        client = self.client()
+        run = client.create_run(self.experiment_id(), run_name=run_name,
+                                tags=resolve_tags({k: str(v) for k, v in (tags or {}).items()}))
+        try:
+            yield TrackedRun(client, run.info.run_id)
+        except BaseException:
+            client.set_terminated(run.info.run_id, "FAILED")
+            raise
+        client.set_terminated(run.info.run_id, "FINISHED")
+
+    def metric_history(self, run_id: str | None, names: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
+        """(step, value) of each named metric of a run; empty when there is no run."""
+        if not run_id:
+            return {}
+        client = self.client()
+        return {name: [(m.step, m.value) for m in client.get_metric_history(run_id, name)] for name in names}
+
+    def latest_evaluation(self, policy_version: str) -> "EvaluationRun | None":
+        """The most recent finished evaluation run of ``policy_version``: its protocol and metrics."""
+        runs = self.client().search_runs(
+            [self.experiment_id()],
+            f"tags.`rlvr.kind` = 'evaluation' AND tags.`{POLICY_VERSION_TAG}` = '{policy_version}' "
+            f"AND attributes.status = 'FINISHED'",
+            order_by=["attributes.start_time DESC"], max_results=1,
+        )
+        if not runs or EVAL_PROTOCOL_TAG not in runs[0].data.tags:
+            return None
+        run = runs[0]
+        return EvaluationRun(run.info.run_id, json.loads(run.data.tags[EVAL_PROTOCOL_TAG]), dict(run.data.metrics))
+
+    def download_checkpoint(self, source: str) -> Path:
+        """Fetch a registered checkpoint's artifacts (e.g. ``runs:/<id>/checkpoint``) into a new temporary folder."""
+        from mlflow.artifacts import download_artifacts
+
+        folder = tempfile.mkdtemp(prefix="checkpoint-")
+        return Path(download_artifacts(artifact_uri=source, dst_path=folder, tracking_uri=self.tracking_uri))
+
+
+@dataclass(frozen=True)
+class EvaluationRun:
+    """An evaluation as MLflow holds it: the run, the protocol it ran under, its metrics."""
+
+    run_id: str
+    protocol: dict
+    metrics: dict[str, float]
+
+
+class TrackedRun:
+    """One MLflow run: what an asset logs into it."""
+
+    def __init__(self, client, run_id: str):
+        self.client, self.run_id = client, run_id
+
+    def set_tags(self, tags: Mapping[str, Any]) -> None:
+        for key, value in tags.items():
+            self.client.set_tag(self.run_id, key, str(value))
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Params, each value as its ``str`` (:func:`flat_params` names nested ones one by one)."""
+        from mlflow.entities import Param
+
+        flat = [Param(key, str(value)) for key, value in params.items()]
+        for start in range(0, len(flat), BATCH):
+            self.client.log_batch(self.run_id, params=flat[start:start + BATCH])
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """The numeric values of ``metrics`` (booleans and others skipped); ``@`` in a name becomes ``_at_``."""
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        rows = [Metric(key.replace("@", "_at_"), float(value), now, step or 0) for key, value in metrics.items()
+                if isinstance(value, (int, float)) and not isinstance(value, bool)]
+        for start in range(0, len(rows), 1000):
+            self.client.log_batch(self.run_id, metrics=rows[start:start + 1000])
+
+    def log_artifacts(self, folder: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifacts(self.run_id, str(folder), artifact_path)
+
+    def log_files(self, files: Mapping[str, bytes | str], artifact_path: str | None = None) -> None:
+        """Files from memory: name -> bytes or text."""
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, content in files.items():
+                path = Path(tmp) / name
+                path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+            self.log_artifacts(tmp, artifact_path)
+
+    def log_table(self, frame: pd.DataFrame, artifact_file: str) -> None:
+        self.client.log_table(self.run_id, frame, artifact_file)
 
 
 class PolicyRegistry:
@@ -77,6 +185,19 @@ class PolicyRegistry:
         self.client.set_registered_model_alias(self.name, CHALLENGER, version)
         return version
 
+    def register_trained(self, trained: StoredModel, evaluation: EvaluationRun) -> str:
+        """Register a trained checkpoint from its training run's ``checkpoint`` artifact, tagged with
+        its lineage (model-store manifest) and the headline numbers of its evaluation."""
+        run_id = trained.manifest.get("mlflow_run_id")
+        metrics = evaluation.metrics
+        lineage = {
+            **{key: trained.manifest.get(key) for key in ("data_hash", "data_source", "base_policy_version", "training_config", "dagster_run_id")},
+            **{f"eval.{name}": metrics.get(f"trained.{name}") for name in
+               ("pass_at_1_strict", "pass_at_1_flexible", "format_compliance", "num_problems")},
+            "eval.mlflow_run_id": evaluation.run_id,
+        }
+        return self.register(trained.version, f"runs:/{run_id}/checkpoint", run_id, lineage)
+
     def version_for(self, alias: str):
         """The ModelVersion behind ``alias``, or None when the alias is not set."""
         from mlflow.exceptions import MlflowException
@@ -92,3 +213,14 @@ class PolicyRegistry:
         self.client.set_model_version_tag(self.name, version, "promotion.reason", reason[:4900])
         if promote:
             self.client.set_registered_model_alias(self.name, CHAMPION, version)
+
+
+def flat_params(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as dotted names: ``{"grpo": {"sampling": {"max_new_tokens": 8}}}`` -> ``grpo.sampling.max_new_tokens``."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(flat_params(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

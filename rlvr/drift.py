@@ -1,5 +1,8 @@
 """Drift between the training reference and recent serving traffic: PSI, KS, embedding MMD, thresholds.
 
+:func:`traffic_drift` is the one definition of every drift metric the monitoring reports: inputs
+(:func:`input_drift`) and outputs (:func:`output_drift`), checked against :class:`DriftThresholds`.
+
 Metric names are flat strings so they can go to MLflow and asset metadata as they are; a
 per-feature family is named ``<family>/<feature>`` (``psi/num_words``) and thresholded by family.
 """
@@ -7,11 +10,13 @@ per-feature family is named ``<family>/<feature>`` (``psi/num_words``) and thres
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Mapping, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import pandas as pd
 from scipy.stats import ks_2samp
+
+from rlvr.prompt_features import prompt_features
 
 PSI_EPSILON = 1e-4
 
@@ -120,21 +125,59 @@ def embedding_drift(
     return metrics
 
 
-def output_drift(reference: pd.DataFrame, current: pd.DataFrame, bins: int = 10) -> dict[str, float]:
-    """Drift of policy outputs, from frames with one row per served request.
+def input_drift(
+    reference_questions: Sequence[str], prompts: Sequence[str], embed: Callable[[list[str]], np.ndarray] | None = None
+) -> dict[str, float]:
+    """Drift of served prompts from the training questions: ``psi/<feature>`` and ``ks/<feature>`` of
+    the prompt features (:func:`rlvr.prompt_features.prompt_features`) and, given ``embed`` (e.g.
+    :func:`rlvr.embeddings.embed_texts`), ``mean_cosine_distance`` and ``mmd`` of the embeddings."""
+    metrics = feature_drift(prompt_features(reference_questions), prompt_features(prompts))
+    if embed is not None:
+        distances = embedding_drift(embed(list(reference_questions)), embed(list(prompts)))
+        metrics |= {name: distances[name] for name in ("mean_cosine_distance", "mmd")}
+    return metrics
 
-    Columns: ``well_formed`` (bool, ends with ``#### <number>``), ``vote_share`` (majority vote
-    share in [0, 1]) and ``completion_chars``. Returns drops in the rates (reference - current,
-    positive = worse now) and PSI of the two distributions.
+
+def output_drift(
+    current: pd.DataFrame,
+    evaluation: pd.DataFrame | None = None,
+    previous: pd.DataFrame | None = None,
+    min_previous: int = 1,
+    bins: int = 10,
+) -> dict[str, float]:
+    """Drift of the served policy's outputs; drops are positive when worse now.
+
+    ``current`` and ``previous`` (the window before it) hold one row per served request:
+    ``well_formed`` (share of completions ending in ``#### <number>``), ``completion_chars``,
+    ``vote_share`` (majority share of its completions), ``ground_truth`` and ``mean_reward``.
+    ``evaluation`` holds the served policy's last evaluation, one row per problem: ``well_formed``,
+    ``completion_chars``, ``reward_total``. Against the evaluation:
+
+    * ``format_compliance_drop`` = mean well_formed (evaluation) - mean well_formed (current);
+    * ``psi/completion_chars``: PSI of the completion lengths;
+    * ``verified_reward_mean``: mean reward of requests with a ground truth, and
+      ``verified_reward_drop`` = mean reward_total (evaluation) - verified_reward_mean.
+
+    Against the previous window (evaluations decode greedily, so earlier traffic is the
+    reference of vote shares), when it has at least ``min_previous`` vote shares:
+
+    * ``vote_share_drop`` = mean vote_share (previous) - mean vote_share (current).
+
+    Metrics whose reference is missing are left out.
     """
-    return {
-        "format_compliance_drop": float(reference["well_formed"].mean() - current["well_formed"].mean()),
-        "vote_share_drop": float(reference["vote_share"].mean() - current["vote_share"].mean()),
-        "psi/vote_share": population_stability_index(reference["vote_share"], current["vote_share"], bins),
-        "psi/completion_chars": population_stability_index(
-            reference["completion_chars"], current["completion_chars"], bins
-        ),
-    }
+    metrics = {}
+    if evaluation is not None and len(evaluation):
+        metrics["format_compliance_drop"] = float(evaluation["well_formed"].mean() - current["well_formed"].mean())
+        metrics["psi/completion_chars"] = population_stability_index(evaluation["completion_chars"], current["completion_chars"], bins)
+        verified = current.dropna(subset=["ground_truth", "mean_reward"])
+        if len(verified):
+            metrics["verified_reward_mean"] = float(verified["mean_reward"].mean())
+            metrics["verified_reward_drop"] = float(evaluation["reward_total"].mean() - verified["mean_reward"].mean())
+    shares = current["vote_share"].dropna()
+    previous_shares = previous["vote_share"].dropna() if previous is not None else pd.Series(dtype=float)
+    if len(shares) and len(previous_shares) >= max(min_previous, 1):
+        metrics["vote_share_drop"] = float(previous_shares.mean() - shares.mean())
+    return metrics
 
 
 @dataclass(frozen=True)
@@ -146,7 +189,7 @@ class DriftThresholds:
     # Calibrated on gsm_symbolic questions with all-MiniLM-L6-v2 (150 current vs 300 reference):
     # same distribution ~0.01 / ~0.0, 10% off-topic prompts ~0.03 / ~0.07, 20% ~0.06 / ~0.13.
     mean_cosine_distance: float = 0.05  # biased upward for small sets: ~0.06 at 30 vs 30, no drift
-    mmd: float = 0.1
+    mmd: float = 0.1  # square root of the unbiased MMD² of the embeddings
     format_compliance_drop: float = 0.05  # absolute drop in the rate of well-formed completions
     vote_share_drop: float = 0.1  # absolute drop in the mean majority vote share
     verified_reward_drop: float = 0.1  # drop of the mean reward on traffic with ground truth vs the evaluation
@@ -174,6 +217,54 @@ def evaluate_drift(metrics: Mapping[str, float], thresholds: DriftThresholds = D
         drifted = threshold is not None and not np.isnan(value) and value > threshold
         checks.append(DriftCheck(name, float(value), threshold, bool(drifted)))
     return checks
+
+
+@dataclass(frozen=True)
+class DriftReport:
+    """A window of traffic against its references: every metric, each checked against its threshold."""
+
+    metrics: dict[str, float]
+    checks: list[DriftCheck]
+
+    @property
+    def drifted(self) -> list[DriftCheck]:
+        return [c for c in self.checks if c.drifted]
+
+    def reasons(self) -> list[str]:
+        return [f"{c.name}={c.value:.3f} > {c.threshold}" for c in self.drifted]
+
+    def table(self) -> str:
+        """The checks as a Markdown table."""
+        return "| metric | value | threshold | drifted |\n|---|---|---|---|\n" + "\n".join(
+            f"| {c.name} | {c.value:.4f} | {'' if c.threshold is None else c.threshold} | {'**yes**' if c.drifted else ''} |"
+            for c in self.checks)
+
+    def history_rows(self, run_id: str, reported_at) -> pd.DataFrame:
+        """One row per check, as the drift history keeps them."""
+        return pd.DataFrame([{"reported_at": reported_at, "run_id": run_id, "metric": c.name, "value": c.value,
+                              "threshold": c.threshold, "drifted": c.drifted} for c in self.checks])
+
+
+def traffic_drift(
+    reference_questions: Sequence[str],
+    current: pd.DataFrame,
+    previous: pd.DataFrame | None = None,
+    evaluation: pd.DataFrame | None = None,
+    thresholds: DriftThresholds = DriftThresholds(),
+    embed: Callable[[list[str]], np.ndarray] | None = None,
+    min_previous: int = 1,
+) -> DriftReport:
+    """:func:`input_drift` of the window's prompts and :func:`output_drift` of its outputs, checked
+    against ``thresholds`` (:func:`evaluate_drift`)."""
+    metrics = input_drift(reference_questions, current["prompt"].tolist(), embed)
+    metrics |= output_drift(current, evaluation, previous, min_previous)
+    return DriftReport(metrics, evaluate_drift(metrics, thresholds))
+
+
+def history_curves(history: pd.DataFrame, metrics: Sequence[str]) -> dict[str, list[tuple[int, float]]]:
+    """(report index, value) of each of ``metrics`` over a drift history (oldest first)."""
+    watched = history[history["metric"].isin(list(metrics))]
+    return {name: list(zip(range(len(group)), group["value"])) for name, group in watched.groupby("metric")}
 
 
 def _bin_labels(reference: pd.Series, current: pd.Series, bins: int) -> tuple[np.ndarray, np.ndarray]:

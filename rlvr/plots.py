@@ -1,4 +1,4 @@
-"""Figures for the Dagster UI: PNGs embedded in Markdown metadata (and saved for MLflow where asked)."""
+"""Figures for reports and the Dagster UI: matplotlib figures as PNG bytes, or PNGs inlined in Markdown."""
 
 from __future__ import annotations
 

@@ -1,25 +1,21 @@
 """Group ``data``: the GSM8k problems table and its quality checks."""
 
-from typing import Optional
-
 import pandas as pd
 from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
     AssetCheckSpec,
     AssetExecutionContext,
-    Config,
     Failure,
     MaterializeResult,
     MetadataValue,
     asset,
 )
-from dagster_duckdb import DuckDBResource
-from pydantic import Field
 
-from resources import Settings, replace_tables
+from resources import Warehouse, config_from
 from rlvr import gsm8k
-from rlvr_assets.plots import histogram_markdown
+from rlvr.plots import histogram_markdown
+from rlvr.problem_source import ProblemSource, load_problems
 
 CHECKS = {
     "row_counts": "Rows per split match the source (7,473 train / 1,319 test for full GSM8k).",
@@ -29,37 +25,8 @@ CHECKS = {
 }
 
 
-class GSM8kSourceConfig(Config):
+class GSM8kSourceConfig(config_from(ProblemSource)):
     """Which source fills ``gsm8k_problems``."""
-
-    source: str = Field(default="local", description="'local' (official jsonl folder), 'hub' (openai/gsm8k), 'gsm_symbolic' or 'reasoning_gym' (offline generators)")
-    local_dir: str = Field(default_factory=lambda: str(Settings.from_env().gsm8k_dir), description="folder with train.jsonl and test.jsonl (source 'local')")
-    limit: Optional[int] = Field(default=None, description="keep only the first N problems of each split (local and hub)")
-    task: str = Field(default="chain_sum", description="reasoning-gym task with numeric answers (source 'reasoning_gym')")
-    task_config: dict = Field(default={}, description="keyword arguments of the reasoning-gym task (source 'reasoning_gym')")
-    generated_train_size: int = Field(default=2000, description="problems generated for train (generated sources)")
-    generated_test_size: int = Field(default=200, description="problems generated for test (generated sources)")
-    seed: int = Field(default=0, description="generator seed (generated sources)")
-
-
-def load_problems(config: GSM8kSourceConfig) -> tuple[list[gsm8k.Problem], dict[str, int]]:
-    """Problems from the configured source, and the row count each split must have."""
-    if config.source not in gsm8k.SOURCES:
-        raise gsm8k.DataSourceError(f"unknown source {config.source!r}; expected one of {gsm8k.SOURCES}")
-    if config.limit is not None and config.limit < 1:
-        raise gsm8k.DataSourceError(f"limit must be at least 1, got {config.limit}")
-    if config.source in ("gsm_symbolic", "reasoning_gym"):
-        task = "gsm_symbolic" if config.source == "gsm_symbolic" else config.task
-        problems = gsm8k.generate_reasoning_gym(
-            task, config.generated_train_size, config.generated_test_size, config.seed, config.task_config or None
-        )
-        return problems, {"train": config.generated_train_size, "test": config.generated_test_size}
-    if config.source == "local":
-        problems = gsm8k.load_local(config.local_dir, limit=config.limit)
-    else:
-        problems = gsm8k.load_hub(limit=config.limit)
-    expected = {s: min(n, config.limit or n) for s, n in gsm8k.OFFICIAL_COUNTS.items()}
-    return problems, expected
 
 
 @asset(
@@ -69,7 +36,7 @@ def load_problems(config: GSM8kSourceConfig) -> tuple[list[gsm8k.Problem], dict[
     tags={"domain": "math"},
     check_specs=[AssetCheckSpec(name, asset="gsm8k_problems", description=text, blocking=True) for name, text in CHECKS.items()],
 )
-def gsm8k_problems(context: AssetExecutionContext, config: GSM8kSourceConfig, duckdb: DuckDBResource):
+def gsm8k_problems(context: AssetExecutionContext, config: GSM8kSourceConfig, duckdb: Warehouse):
     """GSM8k problems, one row per problem: id, split, question, reference solution, normalized
     final answer (text and number), reasoning-step count, source and content hash.
 
@@ -77,7 +44,7 @@ def gsm8k_problems(context: AssetExecutionContext, config: GSM8kSourceConfig, du
     a bad source leaves the previous table untouched.
     """
     try:
-        problems, expected = load_problems(config)
+        problems, expected = load_problems(config.to_core())
     except gsm8k.DataSourceError as err:
         raise Failure(description=f"gsm8k_problems: {err}") from None
     outcomes = gsm8k.validate_problems(problems, expected)
@@ -100,7 +67,7 @@ def gsm8k_problems(context: AssetExecutionContext, config: GSM8kSourceConfig, du
             + "; ".join(f"{o.name}: {o.description}" for o in failed)
         )
     frame = pd.DataFrame([p.as_row() for p in problems])
-    replace_tables(duckdb, {"gsm8k_problems": frame})
+    duckdb.replace_tables({"gsm8k_problems": frame})
     counts = frame.groupby("split").size().to_dict()
     context.log.info(f"gsm8k_problems: {counts} from source {config.source!r}")
     yield MaterializeResult(

@@ -8,15 +8,15 @@ import sys
 import duckdb
 import pytest
 from dagster import DagsterInstance, materialize
-from dagster_duckdb import DuckDBResource
 
+from resources import Warehouse
 from rlvr_assets.data import gsm8k_problems
 
 
 def run(db_path, instance, **config):
     return materialize(
         [gsm8k_problems],
-        resources={"duckdb": DuckDBResource(database=str(db_path))},
+        resources={"duckdb": Warehouse(database=str(db_path))},
         run_config={"ops": {"gsm8k_problems": {"config": config}}},
         instance=instance,
         raise_on_error=False,

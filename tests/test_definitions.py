@@ -1,13 +1,18 @@
 """The Definitions object as the UI shows it: groups, descriptions, owners, freshness, jobs, automation."""
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from dagster import AssetKey, DefaultScheduleStatus, DefaultSensorStatus
 
 from rlvr_assets.definitions import defs
 from rlvr_assets.training import grpo_training
+
+ROOT = Path(__file__).resolve().parents[1]
+ASSET_MODULES = ("data", "models", "training", "evaluation", "registry", "serving", "monitoring")
 
 
 def test_every_asset_has_a_group_description_and_owner():
@@ -54,3 +59,29 @@ def test_the_rl_core_knows_nothing_of_dagster():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            names |= {f"{node.module}.{alias.name}" for alias in node.names} | {node.module}
+    return names
+
+
+def test_assets_use_resources_for_libraries_and_never_import_each_other():
+    for name in ASSET_MODULES:
+        imported = imported_modules(ROOT / "rlvr_assets" / f"{name}.py")
+        libraries = {m for m in imported if m.split(".")[0] in ("mlflow", "duckdb", "dagster_duckdb", "bentoml", "bentos")}
+        assert not libraries, f"rlvr_assets/{name}.py imports {libraries}: go through a resource"
+        siblings = {m for m in imported if m.startswith("rlvr_assets.") and m.split(".")[1] in ASSET_MODULES}
+        assert not siblings, f"rlvr_assets/{name}.py imports asset modules {siblings}"
+
+
+def test_every_asset_is_short():
+    for name in ASSET_MODULES:
+        tree = ast.parse((ROOT / "rlvr_assets" / f"{name}.py").read_text())
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.decorator_list:
+                assert node.end_lineno - node.lineno < 60, f"{name}.{node.name} is {node.end_lineno - node.lineno} lines"

@@ -9,9 +9,11 @@ from rlvr.drift import (
     embedding_drift,
     evaluate_drift,
     feature_drift,
+    history_curves,
     ks_statistic,
     output_drift,
     population_stability_index,
+    traffic_drift,
 )
 from rlvr.prompt_features import PROMPT_FEATURES, prompt_features
 
@@ -113,16 +115,40 @@ def test_evaluate_drift_thresholds_by_family_and_skips_unthresholded_metrics():
     assert not checks["format_compliance_drop"].drifted
 
 
-def test_output_drift_rates():
+def test_output_drift_against_the_evaluation_and_the_previous_window():
     lengths = list(range(10))
-    reference = pd.DataFrame({"well_formed": [1] * 9 + [0], "vote_share": [1.0] * 10, "completion_chars": lengths})
-    current = pd.DataFrame({"well_formed": [1] * 6 + [0] * 4, "vote_share": [0.5] * 10, "completion_chars": lengths})
-    metrics = output_drift(reference, current)
+    evaluation = pd.DataFrame({"well_formed": [1.0] * 9 + [0.0], "completion_chars": lengths, "reward_total": [0.8] * 10})
+    current = pd.DataFrame({"well_formed": [1.0] * 6 + [0.0] * 4, "completion_chars": lengths, "vote_share": [0.5] * 10,
+                            "ground_truth": ["7"] * 4 + [None] * 6, "mean_reward": [0.5] * 4 + [0.1] * 6})
+    previous = pd.DataFrame({"vote_share": [1.0] * 10})
+    metrics = output_drift(current, evaluation, previous)
     assert metrics["format_compliance_drop"] == pytest.approx(0.3)
+    assert metrics["psi/completion_chars"] == 0.0
+    assert metrics["verified_reward_mean"] == pytest.approx(0.5)  # requests with a ground truth only
+    assert metrics["verified_reward_drop"] == pytest.approx(0.3)
     assert metrics["vote_share_drop"] == pytest.approx(0.5)
-    assert metrics["psi/completion_chars"] == 0.0 and metrics["psi/vote_share"] > 0.25
     drifted = {check.name for check in evaluate_drift(metrics) if check.drifted}
-    assert drifted == {"format_compliance_drop", "vote_share_drop", "psi/vote_share"}
+    assert drifted == {"format_compliance_drop", "verified_reward_drop", "vote_share_drop"}
+    # a missing reference leaves its metrics out
+    assert output_drift(current) == {}
+    assert "vote_share_drop" not in output_drift(current, evaluation, previous.head(3), min_previous=5)
+
+
+def test_traffic_drift_reports_every_check_and_its_history():
+    questions = [f"Tom has {i} apples and buys {i + 3} more. How many apples does he have now?" for i in range(60)]
+    off_topic = [f"Write a poem about the sea at night, verse {i}, in the style of a sailor's song." for i in range(60)]
+    window = pd.DataFrame({"prompt": off_topic, "well_formed": 1.0, "completion_chars": 40.0, "vote_share": 1.0,
+                           "ground_truth": None, "mean_reward": None})
+    same = traffic_drift(questions, window.assign(prompt=questions))
+    assert not same.drifted and same.metrics["psi/num_words"] == 0.0
+    report = traffic_drift(questions, window, thresholds=DriftThresholds(psi=0.25))
+    assert report.drifted and all(reason.split("=")[0] in report.metrics for reason in report.reasons())
+    assert "**yes**" in report.table() and report.table().count("\n") == len(report.checks) + 1
+    rows = report.history_rows("run-1", pd.Timestamp("2026-01-01", tz="UTC"))
+    assert list(rows.columns) == ["reported_at", "run_id", "metric", "value", "threshold", "drifted"]
+    history = pd.concat([same.history_rows("run-0", pd.Timestamp("2025-12-31", tz="UTC")), rows])
+    curves = history_curves(history, ["psi/num_words"])
+    assert curves == {"psi/num_words": [(0, 0.0), (1, report.metrics["psi/num_words"])]}
 
 
 # embedding drift ------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 import pytest
 
+from rlvr.evaluation.report import evaluation_report, significance_verdict
 from rlvr.evaluation.runner import EvalConfig, compare, evaluate_policy, grade_completion, grade_samples, summarize
 from rlvr.policy import load_policy
 
@@ -54,3 +55,27 @@ def test_compare_pairs_by_problem_id():
     assert result["mcnemar_p_value"] < 0.05
     with pytest.raises(ValueError, match="share no problems"):
         compare(base, [{"problem_id": "other", "correct_strict": True}])
+
+
+def test_significance_verdict():
+    assert significance_verdict(0.1, 0.01) == "better" and significance_verdict(-0.1, 0.01) == "worse"
+    assert significance_verdict(0.3, 0.06) == "not significantly different"
+    assert significance_verdict(0.3, 0.06, alpha=0.1) == "better"
+
+
+def test_evaluation_report_of_two_result_sets():
+    def results(correct):
+        return [{"problem_id": f"p{i}", "num_steps": 1 + i % 3, "correct_strict": ok, "correct_flexible": ok, "well_formed": True,
+                 "truncated": False, "completion_tokens": 10, "reward_total": float(ok), "reward_math_answer": float(ok)}
+                for i, ok in enumerate(correct)]
+
+    base, trained = results([i < 5 for i in range(40)]), results([i < 30 for i in range(40)])
+    report = evaluation_report(base, trained, EvalConfig(), "t1", "b1", "test", {"reward_mean": [(1, 0.2), (2, 0.4)]})
+    assert report.verdict == "better" and report.paired["new_only_correct"] == 25
+    assert "**better**" in report.markdown and "`t1` vs base `b1`" in report.markdown and "split `test`" in report.markdown
+    assert set(report.figures) == {"accuracy.png", "reward_histogram.png", "accuracy_by_steps.png", "training_curves.png"}
+    assert all(png.startswith(b"\x89PNG") for png in report.figures.values())
+    metrics = report.metrics()
+    assert metrics["trained.pass@1_strict"] == 0.75 and metrics["base.pass@1_strict"] == 0.125
+    assert metrics["paired.delta"] == pytest.approx(0.625) and "paired.mcnemar_method" not in metrics  # numbers only
+    assert report.markdown_with_figures().count("](data:image/png;base64,") == 4

@@ -19,7 +19,6 @@ from rlvr.evaluation import (
     wilson_interval,
 )
 
-
 # pass@k ---------------------------------------------------------------------------------------
 
 
@@ -251,6 +250,15 @@ def test_within_margin_but_significantly_worse_is_refused():
     decision = decide_promotion(champion, challenger, margin=0.02)
     assert not decision.promote
     assert "significantly worse" in decision.reason and "below -margin" not in decision.reason
+
+
+def test_a_challenger_that_already_is_the_champion_stays_without_a_test():
+    champion, challenger = _pairs(100, 30, 5, 65)  # would be refused if these were two policies
+    decision = decide_promotion(champion, challenger, champion_id="registry version 3", challenger_id="registry version 3")
+    assert decision.promote and decision.reason == "already champion (registry version 3)"
+    assert (decision.delta, decision.p_value) == (0.0, 1.0) and decision.challenger_accuracy == decision.champion_accuracy
+    assert decide_promotion(None, [1, 0], champion_id="v1", challenger_id="v1").reason.startswith("already champion")
+    assert not decide_promotion(champion, challenger, champion_id="v1", challenger_id="v2").promote  # two policies: tested
 
 
 def test_promotion_rejects_unpaired_inputs():

@@ -7,8 +7,8 @@ import random
 import duckdb
 import pytest
 from dagster import DagsterInstance, RunRequest, SkipReason, build_sensor_context, materialize
-from dagster_duckdb import DuckDBResource
 
+from resources import Warehouse
 from rlvr.traffic import TrafficLog
 from rlvr_assets import data, monitoring
 from sensors import drift_sensor, traffic_sensor
@@ -43,12 +43,12 @@ def write_traffic(folder, prompts, **kwargs):
 def env(tmp_path, gsm8k_dir, monkeypatch):
     monkeypatch.setenv("RLVR_HOME", str(tmp_path))
     traffic = tmp_path / "traffic"
-    resources = {"duckdb": DuckDBResource(database=str(tmp_path / "rlvr.duckdb"))}
+    resources = {"duckdb": Warehouse(database=str(tmp_path / "rlvr.duckdb"))}
     with DagsterInstance.ephemeral() as instance:
         assert materialize([data.gsm8k_problems], resources=resources, instance=instance,
                            run_config={"ops": {"gsm8k_problems": {"config": {"local_dir": str(gsm8k_dir), "limit": 400}}}}).success
         yield {"instance": instance, "resources": resources, "traffic": traffic, "db": tmp_path / "rlvr.duckdb",
-               "questions": [json.loads(l)["question"] for l in (gsm8k_dir / "test.jsonl").read_text().splitlines()]}
+               "questions": [json.loads(line)["question"] for line in (gsm8k_dir / "test.jsonl").read_text().splitlines()]}
 
 
 def ingest_and_report(env, **drift_config):

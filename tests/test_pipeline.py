@@ -6,9 +6,8 @@ import importlib.metadata
 import duckdb
 import pytest
 from dagster import AssetKey, DagsterInstance, materialize
-from dagster_duckdb import DuckDBResource
 
-from resources import ComputeResource, MLflowResource, ModelStore
+from resources import BentoBuilder, ComputeResource, Evaluator, MLflowResource, ModelStore, Warehouse
 from resources.tracking import CHAMPION, POLICY_VERSION_TAG
 from rlvr.rewards import register_reward
 from rlvr_assets import data, evaluation, models, registry, serving, training
@@ -26,11 +25,14 @@ def home(tmp_path, monkeypatch):
 
 
 def resources_for(home):
+    warehouse, compute = Warehouse(database=str(home / "rlvr.duckdb")), ComputeResource(device="cpu")
     return {
-        "duckdb": DuckDBResource(database=str(home / "rlvr.duckdb")),
+        "duckdb": warehouse,
         "model_store": ModelStore(root=str(home / "models")),
         "mlflow": MLflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}", artifact_location=str(home / "mlartifacts")),
-        "compute": ComputeResource(device="cpu"),
+        "compute": compute,
+        "evaluator": Evaluator(warehouse=warehouse, compute=compute),
+        "bento_builder": BentoBuilder(),
     }
 
 

@@ -1,10 +1,13 @@
-"""The champion/challenger registry flow against a real local MLflow store."""
+"""The MLflow resource against a real local store: runs, the evaluation record, the champion/challenger registry."""
+
+import json
 
 import mlflow
+import pandas as pd
 import pytest
 
-from resources import MLflowResource
-from resources.tracking import CHAMPION, CHALLENGER
+from resources import MLflowResource, StoredModel
+from resources.tracking import CHALLENGER, CHAMPION, EVAL_PROTOCOL_TAG, POLICY_VERSION_TAG, flat_params
 from rlvr.evaluation import decide_promotion
 
 
@@ -57,3 +60,47 @@ def test_register_alias_promote_refuse(tracking, tmp_path):
     better = decide_promotion([True] * 2 + [False] * 8, [True] * 6 + [False] * 4)
     registry.record_decision(third, better.promote, better.reason)
     assert str(registry.version_for(CHAMPION).version) == third
+
+
+def test_runs_params_metrics_artifacts_and_the_evaluation_record(tracking, tmp_path):
+    client = tracking.client()
+    with tracking.start_run("train", {"rlvr.kind": "training"}) as run:
+        run.log_params(flat_params({"grpo": {"lr": 1e-6, "sampling": {"max_new_tokens": 8}}, "rewards": {"format": 0.2}}))
+        for step in (1, 2):
+            run.log_metrics({"reward_mean": 0.1 * step, "checkpoint": "/tmp/x", "done": True}, step=step)
+        checkpoint = tmp_path / "ckpt"
+        checkpoint.mkdir()
+        (checkpoint / "config.json").write_text("{}")
+        run.log_artifacts(checkpoint, "checkpoint")
+        run.log_table(pd.DataFrame({"completion": ["#### 1"], "reward": [1.0]}), "sample_completions.json")
+    logged = client.get_run(run.run_id)
+    assert logged.info.status == "FINISHED" and logged.data.tags["rlvr.kind"] == "training"
+    assert logged.data.params == {"grpo.lr": "1e-06", "grpo.sampling.max_new_tokens": "8", "rewards.format": "0.2"}
+    assert set(logged.data.metrics) == {"reward_mean"}  # strings and booleans are not metrics
+    assert tracking.metric_history(run.run_id, ("reward_mean",)) == {"reward_mean": [(1, 0.1), (2, 0.2)]}
+    assert {a.path for a in client.list_artifacts(run.run_id)} == {"checkpoint", "sample_completions.json"}
+    downloaded = tracking.download_checkpoint(f"runs:/{run.run_id}/checkpoint")
+    assert (downloaded / "config.json").read_text() == "{}"
+
+    assert tracking.latest_evaluation("v1") is None
+    protocol = {"split": "test", "limit": 4, "ks": [1]}
+    with pytest.raises(RuntimeError):
+        with tracking.start_run("eval-v1", {"rlvr.kind": "evaluation", "rlvr.policy_version": "v1"}) as failed:
+            failed.set_tags({EVAL_PROTOCOL_TAG: json.dumps(protocol)})
+            raise RuntimeError("the evaluation broke")
+    assert client.get_run(failed.run_id).info.status == "FAILED"
+    assert tracking.latest_evaluation("v1") is None  # a failed run is no evaluation
+    with tracking.start_run("eval-v1", {"rlvr.kind": "evaluation", "rlvr.policy_version": "v1"}) as evaluation:
+        evaluation.log_metrics({"trained.pass@1_strict": 0.5, "trained.num_problems": 4})
+        evaluation.log_files({"report.md": "# report", "accuracy.png": b"\x89PNG"}, artifact_path="report")
+        evaluation.set_tags({EVAL_PROTOCOL_TAG: json.dumps(protocol)})
+    found = tracking.latest_evaluation("v1")
+    assert found.run_id == evaluation.run_id and found.protocol == protocol
+    assert found.metrics == {"trained.pass_at_1_strict": 0.5, "trained.num_problems": 4.0}  # "@" is not allowed in MLflow names
+    assert {a.path for a in client.list_artifacts(evaluation.run_id, "report")} == {"report/report.md", "report/accuracy.png"}
+
+    trained = StoredModel("grpo_checkpoint", "v1", tmp_path, {"mlflow_run_id": run.run_id, "data_hash": "abc"})
+    version = tracking.registry().register_trained(trained, found)
+    tags = client.get_model_version(tracking.registered_model, version).tags
+    assert tags["data_hash"] == "abc" and tags["eval.pass_at_1_strict"] == "0.5" and tags["eval.mlflow_run_id"] == found.run_id
+    assert tags[POLICY_VERSION_TAG] == "v1" and str(tracking.registry().version_for(CHALLENGER).version) == version

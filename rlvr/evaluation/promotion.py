@@ -32,6 +32,9 @@ def decide_promotion(
     challenger_correct: Sequence[bool],
     margin: float = 0.0,
     alpha: float = 0.05,
+    *,
+    champion_id: str | None = None,
+    challenger_id: str | None = None,
 ) -> PromotionDecision:
     """Decide whether the challenger replaces the champion, from per-problem correctness.
 
@@ -42,9 +45,28 @@ def decide_promotion(
     Promote iff delta >= -margin AND p >= alpha. With no champion (None), always promote.
     With margin = 0 the rule is just delta >= 0 (ties promote); with margin > 0, a challenger
     within the margin is still refused when the evaluation shows it significantly worse.
+    When ``champion_id`` and ``challenger_id`` name the same policy (a gate run again), the
+    challenger already is the champion: it stays, with delta 0 and p 1, whatever the arrays.
     """
     if margin < 0 or not 0 < alpha < 1:
         raise ValueError(f"need margin >= 0 and 0 < alpha < 1, got margin={margin}, alpha={alpha}")
+    if champion_id is not None and champion_id == challenger_id:
+        challenger = as_correctness(challenger_correct)
+        _require_problems(challenger.size)
+        accuracy = float(challenger.mean())
+        return PromotionDecision(
+            promote=True,
+            reason=f"already champion ({champion_id})",
+            challenger_accuracy=accuracy,
+            champion_accuracy=accuracy,
+            delta=0.0,
+            p_value=1.0,
+            challenger_only=0,
+            champion_only=0,
+            n=int(challenger.size),
+            margin=margin,
+            alpha=alpha,
+        )
     if champion_correct is None:
         challenger = as_correctness(challenger_correct)
         _require_problems(challenger.size)

@@ -13,8 +13,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from rlvr.answers import answers_match, extract_final_answer, is_well_formed
-from rlvr.answers import format_number, lm_eval_gsm8k_answers, lm_eval_gsm8k_match
+from rlvr.answers import answers_match, extract_final_answer, format_number, is_well_formed, lm_eval_gsm8k_answers, lm_eval_gsm8k_match
 from rlvr.evaluation.estimators import maj_at_k, majority_vote, pass_at_k_per_problem
 from rlvr.evaluation.intervals import accuracy_by_group, bootstrap_ci
 from rlvr.evaluation.significance import mcnemar_test, paired_bootstrap
@@ -27,15 +26,15 @@ from rlvr.rollout import SamplingConfig, stream_rollouts
 class EvalConfig:
     """What an evaluation generates and how it is summarized."""
 
-    max_new_tokens: int = 256
+    max_new_tokens: int = 256  # token budget per completion
     num_samples: int = 0  # n sampled completions per problem for pass@k / maj@k; 0 = greedy only
-    ks: list[int] = field(default_factory=lambda: [1])
-    sample_temperature: float = 0.7
-    top_p: float = 1.0
+    ks: list[int] = field(default_factory=lambda: [1])  # k values of pass@k and maj@k (each <= num_samples)
+    sample_temperature: float = 0.7  # temperature of the sampled completions
+    top_p: float = 1.0  # nucleus sampling of the sampled completions
     batch_rows: int = 32  # completions decoded together
-    seed: int = 0
-    reward_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_GSM8K_REWARD))
-    confidence: float = 0.95
+    seed: int = 0  # seed of the sampled completions and of the bootstrap
+    reward_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_GSM8K_REWARD))  # rewards reported per completion
+    confidence: float = 0.95  # level of the confidence intervals
 
     def __post_init__(self) -> None:
         if self.num_samples < 0 or self.max_new_tokens < 1 or self.batch_rows < 1:

@@ -1,0 +1,90 @@
+"""Evaluations of stored policies, kept in DuckDB: computed once per policy version x protocol x problem
+set (``eval_id``) and reused after that, so every number in a report can be re-derived with SQL."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+from dagster import ConfigurableResource
+from pydantic import Field
+
+from resources.compute import ComputeResource
+from resources.run_config import config_from
+from resources.warehouse import Warehouse
+from rlvr.evaluation.runner import EvalConfig, evaluate_policy
+
+PROGRESS_EVERY_S = 30
+
+
+class EvalProtocol(config_from(EvalConfig, exclude=("top_p", "confidence"))):
+    """The evaluation protocol: the same for the baseline and the trained policy, so they pair."""
+
+    split: str = Field(default="test", description="held-out split of gsm8k_problems")
+    limit: Optional[int] = Field(default=50, description="first N problems of the split (None: all)")
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Per-problem results of one policy under one protocol."""
+
+    eval_id: str
+    results: list[dict]
+    reused: bool  # read from eval_results rather than computed now
+
+    @property
+    def correct(self) -> list[bool]:
+        """Strict correctness per problem: what promotion decisions compare."""
+        return [bool(r["correct_strict"]) for r in self.results]
+
+
+def eval_id(policy_version: str, protocol: EvalProtocol, problems: list[dict]) -> str:
+    """Identity of one evaluation: what was evaluated, how, on which problems."""
+    key = json.dumps(
+        {"policy": policy_version, "protocol": protocol.model_dump(), "problems": [p["content_hash"] for p in problems]},
+        sort_keys=True,
+    )
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+class Evaluator(ConfigurableResource):
+    """Evaluates stored policies with the core runner on the compute resource; rows in ``eval_results``."""
+
+    warehouse: Warehouse
+    compute: ComputeResource
+
+    def evaluate(self, role: str, policy_version: str, path: Path, protocol: EvalProtocol, problems: list[dict],
+                 log=None) -> Evaluation:
+        """``policy_version`` (checkpoint at ``path``) under ``protocol``: from ``eval_results`` when
+        stored, else computed now and stored with its ``role`` (base, trained, champion)."""
+        key = eval_id(policy_version, protocol, problems)
+        stored = self.warehouse.eval_results(key)
+        if stored is not None and len(stored) == len(problems):
+            if log:
+                log.info(f"{role}: reusing stored evaluation {key} of {policy_version}")
+            return Evaluation(key, stored.to_dict(orient="records"), True)
+        model, tokenizer = self.compute.inference_policy(path)
+        results = evaluate_policy(model, tokenizer, problems, protocol.to_core(), _progress(role, log))
+        frame = pd.DataFrame(results).assign(
+            eval_id=key, policy_role=role, policy_version=policy_version, split=protocol.split,
+            evaluated_at=pd.Timestamp.now(tz="UTC"),
+        )
+        self.warehouse.upsert("eval_results", frame, key="eval_id")
+        return Evaluation(key, frame.to_dict(orient="records"), False)
+
+
+def _progress(role: str, log):
+    """A progress callback logging completions done at most every PROGRESS_EVERY_S seconds, and at the end."""
+    started, last = time.perf_counter(), [0.0]
+
+    def progress(done: int, total: int) -> None:
+        if log and (done == total or time.perf_counter() - last[0] > PROGRESS_EVERY_S):
+            last[0] = time.perf_counter()
+            log.info(f"{role}: {done}/{total} completions ({time.perf_counter() - started:.0f} s)")
+
+    return progress

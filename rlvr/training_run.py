@@ -1,0 +1,88 @@
+"""One GRPO training run on problem rows, from a stored checkpoint: what the training asset calls (and
+what a process launched apart from the orchestrator would run), plus the rows it writes.
+
+:func:`train_grpo` is the single place a run meets the trainer. ``on_step(step, metrics, records)``
+sees every step's metrics and per-completion records (rank 0 under torchrun);
+:func:`training_tables` turns records into the ``rollouts`` and ``rewards`` rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import pandas as pd
+
+from rlvr.grpo import GRPOConfig, GRPOTrainer, export_merged, gsm8k_prompts
+from rlvr.policy import load_policy
+from rlvr.rewards import RewardPool
+
+REWARD_WORKERS = 2
+
+
+@dataclass
+class TrainedPolicy:
+    """The outcome of a run: the trained policy (exportable as a merged HF checkpoint) and its step metrics."""
+
+    policy: Any
+    tokenizer: Any
+    history: list[dict]  # metrics of the steps run by this call (a resumed run: only the remaining ones)
+    steps: int  # training steps completed in all, resumed ones included
+
+    def export(self, folder: Path) -> None:
+        """Write the policy (LoRA merged) with its tokenizer as a standard HF checkpoint."""
+        export_merged(self.policy, self.tokenizer, folder)
+
+
+def train_grpo(
+    start: Path,
+    rows: list[dict],
+    config: GRPOConfig,
+    rewards: Mapping[str, float],
+    checkpoint_dir: Path,
+    device: Any = None,
+    on_step: Callable[[int, dict, list[dict]], None] | None = None,
+) -> TrainedPolicy:
+    """Train the checkpoint at ``start`` with GRPO on problem ``rows`` (question + reference fields),
+    rewarded by the weighted ``rewards``; resumes from the latest checkpoint in ``checkpoint_dir``."""
+    model, tokenizer = load_policy(start, device)  # float32 master weights (GRPOConfig.compute_dtype: mixed precision)
+    problems = gsm8k_prompts(rows, tokenizer)
+    with RewardPool(workers=REWARD_WORKERS) as pool:
+        trainer = GRPOTrainer(model, tokenizer, config, pool.reward_fn(rewards), checkpoint_dir=checkpoint_dir, on_step=on_step)
+        history = trainer.train(problems)
+    return TrainedPolicy(trainer.policy, tokenizer, history, trainer.step_count)
+
+
+def problems_hash(rows: list[dict]) -> str:
+    """Identity of the training data: a hash of the problems' content hashes, in order."""
+    return hashlib.sha256("".join(r["content_hash"] for r in rows).encode()).hexdigest()[:16]
+
+
+def training_tables(records: list[dict], run_id: str, weights: Mapping[str, float]) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The ``rollouts`` rows (one per completion) and ``rewards`` rows (one per completion and reward,
+    plus ``total``) of a run from the trainer's per-completion records; keyed by ``completion_id``."""
+    rollouts, rewards = [], []
+    for r in records:
+        completion_id = f"{run_id}:{r['step']}:{r['group_index']}:{r['sample_index']}"
+        rollouts.append({
+            "run_id": run_id, "completion_id": completion_id, "step": r["step"], "problem_id": r["problem_id"],
+            "group_index": r["group_index"], "sample_index": r["sample_index"], "temperature": r["temperature"],
+            "prompt": r["prompt"], "completion": r["completion"], "prompt_tokens": r["prompt_tokens"],
+            "completion_tokens": r["completion_tokens"], "finish_reason": r["finish_reason"],
+            "policy_version": r["policy_version"], "trained": r["trained"],
+        })
+        for name, value in {**r["rewards"], "total": r["reward"]}.items():
+            rewards.append({"run_id": run_id, "completion_id": completion_id, "step": r["step"], "reward_name": name,
+                            "value": value, "weight": weights.get(name, 1.0), "advantage": r["advantage"]})
+    return pd.DataFrame(rollouts), pd.DataFrame(rewards)
+
+
+def sample_completions(records: list[dict], count: int) -> pd.DataFrame:
+    """The last ``count`` completions with their rewards: a table to read next to the run's curves."""
+    return pd.DataFrame([
+        {"step": r["step"], "problem_id": r["problem_id"], "completion": r["completion"],
+         "finish_reason": r["finish_reason"], "reward": r["reward"], **r["rewards"]}
+        for r in records[-count:]
+    ])
