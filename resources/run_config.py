@@ -97,6 +97,8 @@ def _default(f: dataclasses.Field, annotation: Any, description: str | None):
     """The pydantic Field of a dataclass field: its default, a fresh copy of a mutable one, or its factory."""
     if f.default is not dataclasses.MISSING:
         value = f.default
+        if dataclasses.is_dataclass(value):
+            return Field(default_factory=lambda: _config_value(value, annotation), description=description)
         if isinstance(value, (list, dict, set, tuple)):
             plain = _config_value(value)
             return Field(default_factory=lambda: copy.deepcopy(plain), description=description)

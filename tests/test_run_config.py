@@ -1,5 +1,6 @@
 """Dagster run config built from the core's dataclass configs (resources.run_config.config_from)."""
 
+import dataclasses
 import hashlib
 import json
 
@@ -34,6 +35,27 @@ def test_nested_dataclasses_tuples_and_callbacks():
     sampling = config_from(SamplingConfig).model_fields
     assert "should_stop" not in sampling  # a callback is not run config: the core default stays
     assert sampling["max_batch_rows"].description.startswith("rows per forward")
+
+
+@dataclasses.dataclass(frozen=True)
+class Inner:
+    a: int = 1  # an inner knob
+
+
+@dataclasses.dataclass
+class Outer:
+    inner: Inner = Inner(a=3)  # an immutable instance as the default
+    pair: tuple[int, int] = (1, 2)
+    names: list[str] = dataclasses.field(default_factory=lambda: ["x"], metadata={"description": "names, from metadata"})
+
+
+def test_instance_defaults_and_metadata_descriptions():
+    config = config_from(Outer)
+    assert config().to_core() == Outer()
+    assert config(inner={"a": 5}).to_core().inner == Inner(a=5)
+    assert config.model_fields["names"].description == "names, from metadata"
+    overrides = config_from(Outer, overrides=True)
+    assert overrides().set_fields() == {} and overrides(inner={"a": 5}).set_fields() == {"inner": {"a": 5}}
 
 
 def test_drift_thresholds_are_the_drift_config():
