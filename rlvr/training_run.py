@@ -44,13 +44,18 @@ def train_grpo(
     checkpoint_dir: Path,
     device: Any = None,
     on_step: Callable[[int, dict, list[dict]], None] | None = None,
+    records_per_rank: bool = False,
 ) -> TrainedPolicy:
     """Train the checkpoint at ``start`` with GRPO on problem ``rows`` (question + reference fields),
-    rewarded by the weighted ``rewards``; resumes from the latest checkpoint in ``checkpoint_dir``."""
+    rewarded by the weighted ``rewards``; resumes from the latest checkpoint in ``checkpoint_dir``.
+
+    ``on_step`` runs on rank 0 with every rank's records, or with ``records_per_rank`` on every
+    rank with its own (each rank then writes its rows itself)."""
     model, tokenizer = load_policy(start, device)  # float32 master weights (GRPOConfig.compute_dtype: mixed precision)
     problems = gsm8k_prompts(rows, tokenizer)
     with RewardPool(workers=REWARD_WORKERS) as pool:
-        trainer = GRPOTrainer(model, tokenizer, config, pool.reward_fn(rewards), checkpoint_dir=checkpoint_dir, on_step=on_step)
+        trainer = GRPOTrainer(model, tokenizer, config, pool.reward_fn(rewards), checkpoint_dir=checkpoint_dir, on_step=on_step,
+                              records_per_rank=records_per_rank)
         history = trainer.train(problems)
     return TrainedPolicy(trainer.policy, tokenizer, history, trainer.step_count)
 
