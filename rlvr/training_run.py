@@ -84,10 +84,11 @@ def training_tables(records: list[dict], run_id: str, weights: Mapping[str, floa
     return pd.DataFrame(rollouts), pd.DataFrame(rewards)
 
 
-def sample_completions(records: list[dict], count: int) -> pd.DataFrame:
-    """The last ``count`` completions with their rewards: a table to read next to the run's curves."""
-    return pd.DataFrame([
-        {"step": r["step"], "problem_id": r["problem_id"], "completion": r["completion"],
-         "finish_reason": r["finish_reason"], "reward": r["reward"], **r["rewards"]}
-        for r in records[-count:]
-    ])
+def sample_completions(rollouts: pd.DataFrame, rewards: pd.DataFrame, count: int) -> pd.DataFrame:
+    """The last ``count`` completions (by step) with each reward's value: a table to read next to the run's curves."""
+    if rollouts.empty:
+        return pd.DataFrame()
+    values = rewards.pivot_table(index="completion_id", columns="reward_name", values="value").rename(columns={"total": "reward"})
+    last = rollouts.sort_values(["step", "group_index", "sample_index"]).tail(count)
+    columns = ["completion_id", "step", "problem_id", "completion", "finish_reason"]
+    return last[columns].join(values, on="completion_id").drop(columns="completion_id").reset_index(drop=True)

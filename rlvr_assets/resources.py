@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from resources import BentoBuilder, ComputeResource, Evaluator, MLflowResource, ModelStore, Settings, Warehouse
+from resources.launcher import TrainingLauncher
 
 
 def default_resources(settings: Settings | None = None) -> dict:
@@ -20,4 +21,5 @@ def default_resources(settings: Settings | None = None) -> dict:
         "compute": compute,
         "evaluator": Evaluator(warehouse=warehouse, compute=compute),
         "bento_builder": BentoBuilder(),
+        "launcher": TrainingLauncher(),
     }

@@ -12,11 +12,12 @@ from dagster import AssetExecutionContext, AssetSpec, Config, Failure, Materiali
 from pydantic import Field
 
 from resources import CHAMPION, ComputeResource, MLflowResource, ModelStore, StoredModel, Upsert, Warehouse, config_from
+from resources.launcher import TrainingJob, TrainingLauncher
 from resources.tracking import POLICY_VERSION_TAG, flat_params
 from rlvr.grpo import GRPOConfig
 from rlvr.grpo.profiles import PROFILES, build_config
 from rlvr.rewards import DEFAULT_GSM8K_REWARD, CompositeReward
-from rlvr.training_run import problems_hash, sample_completions, train_grpo, training_tables
+from rlvr.training_run import problems_hash, sample_completions
 
 GPU_TAGS = {  # each training run asks the Kubernetes run launcher for a GPU (deploy/k8s)
     "dagster-k8s/config": json.dumps({
@@ -41,6 +42,8 @@ class GRPORunConfig(Config):
     split: str = Field(default="train", description="split of gsm8k_problems to train on")
     limit: Optional[int] = Field(default=None, description="train on the first N problems of the split only")
     sample_completions: int = Field(default=64, description="completions logged to MLflow as a table")
+    nproc: str = Field(default="1", description="training processes under torchrun: 'auto' (one per visible GPU, else 1) or an integer (CPU processes too)")
+    restart: bool = Field(default=False, description="drop this run's resume points first (needed to re-execute it with another nproc)")
 
     def grpo_config(self) -> GRPOConfig:
         """The profile's GRPOConfig with the overrides applied; ValueError / TypeError when they do not fit."""
@@ -67,44 +70,43 @@ def grpo_training(
     model_store: ModelStore,
     mlflow: MLflowResource,
     compute: ComputeResource,
+    launcher: TrainingLauncher,
 ):
-    """Train the base policy with GRPO on the train split; resumable from its last checkpoint when
-    the Dagster run is re-executed."""
+    """Train the base policy with GRPO on the train split, in a torchrun job launched through Dagster
+    Pipes (``nproc`` processes); resumable from its last checkpoint when the Dagster run is re-executed."""
     try:
-        grpo_config = config.grpo_config()
+        grpo_config, nproc = config.grpo_config(), launcher.processes(config.nproc)
     except (ValueError, TypeError) as err:
         raise Failure(description=f"grpo_training: bad run config: {err}") from None
     base = model_store.require("base_policy")
     start = start_policy(config.init_from, base, model_store, mlflow)
-    rows = duckdb.problems(config.split, config.limit)
-    run_id, records = context.run.root_run_id or context.run.run_id, []
+    rows, run_id = duckdb.problems(config.split, config.limit), context.run.root_run_id or context.run.run_id
     lineage = {"base_policy_version": base.version, "parent_version": start.version, "data_hash": problems_hash(rows)}
     tags = {"rlvr.kind": "training", "dagster.run_id": context.run.run_id, "rlvr.init_from": config.init_from,
-            "rlvr.profile": config.profile, **{f"rlvr.{k}": v for k, v in lineage.items()}}
+            "rlvr.profile": config.profile, "rlvr.nproc": str(nproc), **{f"rlvr.{k}": v for k, v in lineage.items()}}
+    work_dir = f"grpo-runs/{run_id}"  # the run's resume points, per-step rows and export, until it completes
+    job = TrainingJob(run_id, start.path, rows, grpo_config, config.rewards, model_store.work_dir(work_dir),
+                      str(compute.torch_device()) if nproc == 1 else None)
     with mlflow.start_run(f"grpo-{run_id[:8]}", tags) as run:
-        run.log_params(flat_params({"grpo": asdict(grpo_config), "rewards": config.rewards}))
-
-        def on_step(step: int, metrics: dict, step_records: list[dict]) -> None:
+        run.log_params(flat_params({"grpo": asdict(grpo_config), "rewards": config.rewards, "nproc": nproc}))
+        try:
+            history = launcher.train(context, job, nproc, restart=config.restart)
+        finally:  # one writer: every rank's rows, also those of a failed run's finished steps (keyed: no duplicates)
+            rollouts, rewards = launcher.step_rows(job.scratch, "rollouts"), launcher.step_rows(job.scratch, "rewards")
+            if not rollouts.empty:
+                duckdb.write(Upsert("rollouts", rollouts, "completion_id"), Upsert("rewards", rewards, "completion_id"))
+        for step, metrics in history:
             run.log_metrics(metrics, step=step)
-            records.extend(step_records)
-            rollouts, rewards = training_tables(step_records, run_id, config.rewards)  # written as the run goes: a killed
-            duckdb.write(Upsert("rollouts", rollouts, "completion_id"), Upsert("rewards", rewards, "completion_id"))  # run keeps its rows
-            context.log.info(f"step {step}/{grpo_config.total_steps}: reward {metrics['reward_mean']:.3f}, loss {metrics['loss']:.4f}, "
-                             f"zero-variance groups {metrics['frac_zero_variance_groups']:.0%}, {metrics['tokens_per_s']:.0f} tok/s")
-
-        work_dir = f"grpo-runs/{run_id}"  # resumable checkpoints of this run
-        trained = train_grpo(start.path, rows, grpo_config, config.rewards, model_store.work_dir(work_dir), compute.torch_device(), on_step)
-        stored = model_store.put("grpo_checkpoint", trained.export, metadata={
+        stored = model_store.put("grpo_checkpoint", launcher.exported(job.scratch), metadata={
             **lineage, "data_source": rows[0]["source"], "training_config": asdict(grpo_config), "rewards": config.rewards,
-            "steps": trained.steps, "final_metrics": trained.history[-1] if trained.history else {},
+            "steps": grpo_config.total_steps, "nproc": nproc, "final_metrics": history[-1][1] if history else {},
             "mlflow_run_id": run.run_id, "dagster_run_id": context.run.run_id})
         run.log_artifacts(stored.path, "checkpoint")
-        if records:
-            run.log_table(sample_completions(records, config.sample_completions), "sample_completions.json")
+        run.log_table(sample_completions(rollouts, rewards, config.sample_completions), "sample_completions.json")
         run.set_tags({POLICY_VERSION_TAG: stored.version})
-    model_store.remove_work_dir(work_dir)  # the run is complete: its resume points are no longer needed
+    model_store.remove_work_dir(work_dir)
 
-    summary, last = duckdb.training_run_summary(run_id), trained.history[-1] if trained.history else {}
+    summary, last = duckdb.training_run_summary(run_id), history[-1][1] if history else {}
     yield MaterializeResult(asset_key="rollouts", metadata={
         "dagster/row_count": sum(summary["finish_reasons"].values()), "run_id": run_id, "table": f"{duckdb.database}:rollouts",
         "finish_reasons": MetadataValue.json(summary["finish_reasons"])})
@@ -113,9 +115,9 @@ def grpo_training(
         **{f"mean_{name}": summary["reward_means"][name] for name in config.rewards if name in summary["reward_means"]}})
     yield MaterializeResult(asset_key="grpo_checkpoint", metadata={
         "path": MetadataValue.path(str(stored.path)), "version": stored.version, "parent_base_policy": base.version,
-        "steps": trained.steps, "mlflow_run_id": run.run_id, "training_config": MetadataValue.json(asdict(grpo_config)),
-        **{f"final_{k}": float(v) for k, v in last.items() if isinstance(v, (int, float))},
-        "reward_curve": MetadataValue.md(" → ".join(f"{m['reward_mean']:.3f}" for m in trained.history))})
+        "steps": grpo_config.total_steps, "nproc": nproc, "mlflow_run_id": run.run_id, "training_config": MetadataValue.json(asdict(grpo_config)),
+        **{f"final_{k}": float(v) for k, v in last.items()},
+        "reward_curve": MetadataValue.md(" → ".join(f"{m['reward_mean']:.3f}" for _, m in history))})
 
 
 def start_policy(init_from: str, base: StoredModel, model_store: ModelStore, mlflow: MLflowResource) -> StoredModel:

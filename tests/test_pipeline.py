@@ -8,6 +8,7 @@ import pytest
 from dagster import AssetKey, DagsterInstance, materialize
 
 from resources import BentoBuilder, ComputeResource, Evaluator, MLflowResource, ModelStore, Warehouse
+from resources.launcher import TrainingLauncher
 from resources.tracking import CHAMPION, POLICY_VERSION_TAG
 from rlvr.rewards import register_reward
 from rlvr_assets import data, evaluation, models, registry, serving, training
@@ -33,6 +34,7 @@ def resources_for(home):
         "compute": compute,
         "evaluator": Evaluator(warehouse=warehouse, compute=compute),
         "bento_builder": BentoBuilder(),
+        "launcher": TrainingLauncher(),
     }
 
 

@@ -13,6 +13,8 @@ from rlvr.rewards.registry import (
     RewardError,
     RewardResult,
     get_reward,
+    load_pickled_reward,
+    pickled_reward,
     register_reward,
     reward_names,
     score,
@@ -20,5 +22,5 @@ from rlvr.rewards.registry import (
 
 __all__ = [
     "CompositeReward", "DEFAULT_GSM8K_REWARD", "Reward", "RewardError", "RewardPool", "RewardResult",
-    "get_reward", "register_reward", "reward_names", "score",
+    "get_reward", "load_pickled_reward", "pickled_reward", "register_reward", "reward_names", "score",
 ]

@@ -26,10 +26,8 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Mapping, Sequence
 
-import cloudpickle
-
 from rlvr.rewards.composite import CompositeReward
-from rlvr.rewards.registry import TOTAL, RewardError, RewardResult, get_reward
+from rlvr.rewards.registry import TOTAL, RewardResult, pickled_reward
 
 PRELOAD = ("rlvr.rewards", "math_verify")  # imported by a worker before it reports ready
 START_TIMEOUT_S = 60.0
@@ -239,12 +237,7 @@ class _Worker:
 
 def _shipped(name: str) -> tuple[str, bytes]:
     """The reward ``name`` pickled for the workers, keyed by its content (a re-registered name ships anew)."""
-    reward = get_reward(name)
-    try:
-        payload = cloudpickle.dumps(reward)
-    except Exception as err:  # noqa: BLE001 - e.g. a closure over a lock or a connection
-        raise RewardError(f"reward {name!r} ({reward.qualname}) cannot be sent to a worker process: "
-                          f"{type(err).__name__}: {err}") from None
+    payload = pickled_reward(name)
     return f"{name}:{hashlib.sha256(payload).hexdigest()[:16]}", payload
 
 
@@ -259,6 +252,8 @@ def serve(fd: int) -> None:
     import importlib
     import pickle
     import resource
+
+    from rlvr.rewards.registry import load_pickled_reward
 
     connection = Connection(fd)
     sys.path[:], memory_limit_bytes = connection.recv()
@@ -276,7 +271,7 @@ def serve(fd: int) -> None:
         name = key.split(":")[0]
         try:
             if payload is not None:
-                rewards[key] = pickle.loads(payload)
+                rewards[key] = load_pickled_reward(payload)
                 connection.send("loaded")
             result = rewards[key].score(completion, sample=sample, **reference)
         except BaseException as err:  # noqa: BLE001 - nothing a reward does may end the loop

@@ -130,6 +130,31 @@ def score(name: str, completion: str, *, sample: int | str | None = None, **refe
     return get_reward(name).score(completion, sample=sample, **reference)
 
 
+def pickled_reward(name: str) -> bytes:
+    """The reward ``name`` as bytes another process can load (:func:`load_pickled_reward`): cloudpickle,
+    by reference when its function's module can be imported there, by value for lambdas and local functions."""
+    import cloudpickle
+
+    reward = get_reward(name)
+    try:
+        return cloudpickle.dumps(reward)
+    except Exception as err:  # noqa: BLE001 - e.g. a closure over a lock or a connection
+        raise RewardError(f"reward {name!r} ({reward.qualname}) cannot be sent to another process: "
+                          f"{type(err).__name__}: {err}") from None
+
+
+def load_pickled_reward(payload: bytes, register: bool = False) -> Reward:
+    """A reward from :func:`pickled_reward`; with ``register``, also registered under its name (replacing)."""
+    import pickle
+
+    reward = pickle.loads(payload)
+    if not isinstance(reward, Reward):
+        raise RewardError(f"payload holds a {type(reward).__name__}, not a Reward")
+    if register:
+        _REWARDS[reward.name] = reward
+    return reward
+
+
 def _definition(fn: Callable) -> tuple:
     """Where a function was defined: equal for the same source re-run (a module reload)."""
     fn = inspect.unwrap(fn)

@@ -1,0 +1,106 @@
+"""The GRPO training job the ``grpo_training`` asset launches through Dagster Pipes, under torchrun.
+
+``torchrun --nproc_per_node N -m rlvr_assets.grpo_worker``: every rank trains (``train_grpo``) and
+writes its own rollouts and rewards of each step as Parquet files in the run's scratch folder (the
+asset loads them into DuckDB afterwards: DuckDB keeps one writer); rank 0 streams per-step logs and
+metrics to the Dagster event log and exports the trained checkpoint. A rank that fails leaves its
+traceback in ``<scratch>/errors/rank-<r>.txt`` for the asset to report. The job is described by the
+Pipes extras (``resources.launcher.TrainingJob.extras`` writes them); its rewards arrive pickled and
+are registered here before training.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import traceback
+from pathlib import Path
+
+from dagster_pipes import PipesContext, PipesDefaultContextLoader, PipesEnvVarParamsLoader, open_dagster_pipes
+
+from rlvr.grpo import GRPOConfig
+from rlvr.rewards import load_pickled_reward
+from rlvr.training_run import train_grpo, training_tables
+
+
+def main() -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        with open_dagster_pipes() as pipes:
+            _run(dict(pipes.extras), rank, pipes)
+    else:  # other ranks read the same job, and report nothing (one voice in the event log)
+        with PipesDefaultContextLoader().load_context(PipesEnvVarParamsLoader().load_context_params()) as data:
+            extras = dict(data["extras"])
+        _run(extras, rank, None)
+
+
+def _run(job: dict, rank: int, pipes: PipesContext | None) -> None:
+    scratch = Path(job["scratch"])
+    try:
+        _train(job, rank, scratch, pipes)
+    except BaseException:
+        errors = scratch / "errors"
+        errors.mkdir(parents=True, exist_ok=True)
+        _write_atomically(errors / f"rank-{rank}.txt", traceback.format_exc().encode())
+        if pipes is not None:
+            pipes.log.error(f"rank {rank} failed:\n{traceback.format_exc()}")
+        raise
+
+
+def _train(job: dict, rank: int, scratch: Path, pipes: PipesContext | None) -> None:
+    import pandas as pd
+
+    for payload in job["reward_payloads"].values():
+        load_pickled_reward(base64.b64decode(payload), register=True)
+    config = GRPOConfig(**job["config"])
+    rows = pd.read_parquet(job["problems"]).to_dict(orient="records")
+    steps = scratch / "steps"
+    steps.mkdir(parents=True, exist_ok=True)
+
+    def on_step(step: int, metrics: dict, records: list[dict]) -> None:
+        rollouts, rewards = training_tables(records, job["run_id"], job["rewards"])
+        for name, frame in (("rollouts", rollouts), ("rewards", rewards)):
+            path = steps / f"{name}-step{step:06d}-rank{rank:03d}.parquet"
+            tmp = path.with_suffix(".tmp")
+            frame.to_parquet(tmp, index=False)
+            os.replace(tmp, path)  # a reader sees a whole file or none
+        if pipes is not None:
+            numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            pipes.report_custom_message({"step": step, "metrics": numbers})
+            pipes.log.info(
+                f"step {step}/{config.total_steps}: reward {metrics['reward_mean']:.3f}, loss {metrics['loss']:.4f}, "
+                f"zero-variance groups {metrics['frac_zero_variance_groups']:.0%}, {metrics['tokens_per_s']:.0f} tok/s"
+            )
+
+    trained = train_grpo(Path(job["start"]), rows, config, job["rewards"], Path(job["checkpoint_dir"]),
+                         job.get("device"), on_step, records_per_rank=True)
+    digests = scratch / "digests"
+    digests.mkdir(parents=True, exist_ok=True)
+    _write_atomically(digests / f"rank-{rank}.txt", weights_digest(trained.policy).encode())
+    if rank == 0:
+        export = Path(job["export_dir"])
+        tmp = export.with_name(export.name + ".tmp")
+        trained.export(tmp)
+        os.replace(tmp, export)
+        pipes.report_custom_message({"done": True, "steps": trained.steps})
+
+
+def weights_digest(model) -> str:
+    """SHA-256 of every parameter's bytes, in order: equal on every rank of a healthy DDP run."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(param.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    main()

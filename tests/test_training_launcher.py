@@ -1,0 +1,108 @@
+"""GRPO launched from Dagster as a torchrun job through Pipes: two CPU processes (gloo) from a real
+materialization, a rank killed mid-run, and the re-executed run resuming from its checkpoint."""
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import duckdb
+import pytest
+from dagster import DagsterInstance, ReexecutionOptions, execute_job, materialize, reconstructable
+from test_pipeline import home, resources_for, run_config  # noqa: F401 - home is a fixture
+
+from resources.launcher import TrainingLauncher, process_count
+from rlvr_assets import data, models, training
+
+
+def test_process_counts():
+    assert process_count("auto", 0) == 1 and process_count("auto", 8) == 8 and process_count("3", 0) == 3
+    for bad in ("0", "-1", "two", None):
+        with pytest.raises(ValueError, match="nproc must be 'auto' or a positive integer"):
+            process_count(bad, 0)
+    launcher = TrainingLauncher(python="/py")
+    assert launcher.command(2) == ["/py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                   "-m", "rlvr_assets.grpo_worker"]
+
+
+def two_process_config(gsm8k_dir, model_dir, steps=2):
+    config = run_config(gsm8k_dir, model_dir, steps=steps)
+    config["ops"]["grpo_training"]["config"]["nproc"] = "2"
+    return {"ops": {k: v for k, v in config["ops"].items() if k in ("gsm8k_problems", "base_policy", "grpo_training")}}
+
+
+def rows(home: Path, sql: str) -> list[tuple]:
+    with duckdb.connect(str(home / "rlvr.duckdb"), read_only=True) as conn:
+        return conn.execute(sql).fetchall()
+
+
+def test_two_processes_from_a_materialization(home, gsm8k_dir, tiny_llama_dir):
+    res = resources_for(home)
+    with DagsterInstance.ephemeral() as instance:
+        result = materialize([data.gsm8k_problems, models.base_policy, training.grpo_training], resources=res,
+                             run_config=two_process_config(gsm8k_dir, tiny_llama_dir), instance=instance)
+        assert result.success
+        logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
+    # prompts_per_step 2 on 2 ranks: rank 0 samples group 0, rank 1 group 1; each row once
+    keys = rows(home, "SELECT step, group_index, sample_index, count(*) FROM rollouts GROUP BY ALL ORDER BY ALL")
+    assert [k[:3] for k in keys] == [(s, g, i) for s in (1, 2) for g in (0, 1) for i in (0, 1)]
+    assert all(k[3] == 1 for k in keys)
+    assert rows(home, "SELECT count(*) FROM rewards WHERE reward_name = 'total'")[0][0] == 8
+    assert any("step 1/2: reward" in m for m in logs) and any("step 2/2: reward" in m for m in logs)  # from the worker
+    stored = res["model_store"].latest("grpo_checkpoint")
+    assert stored.manifest["nproc"] == 2 and stored.manifest["final_metrics"]["step"] == 2.0
+    metadata = {m.asset_key.to_user_string(): m.metadata for m in result.asset_materializations_for_node("grpo_training")}
+    assert metadata["grpo_checkpoint"]["nproc"].value == 2
+
+
+def launch_job():
+    """The three training assets as a job, for execute_job (re-execution needs a reconstructable job)."""
+    from dagster import Definitions, define_asset_job, in_process_executor
+
+    return Definitions(assets=[data.gsm8k_problems, models.base_policy, training.grpo_training],
+                       resources=resources_for(Path(os.environ["RLVR_TEST_HOME"])),
+                       jobs=[define_asset_job("train", selection="*", executor_def=in_process_executor)]).resolve_job_def("train")
+
+
+def kill_rank_when_step_written(scratch_root: Path, rank: int, step: int, stop: threading.Event) -> None:
+    """Kill the worker process of ``rank`` once its rows of ``step`` are on disk (a crash mid-run)."""
+    target = f"rollouts-step{step:06d}-rank{rank:03d}.parquet"
+    while not stop.is_set():
+        if any(scratch_root.rglob(target)):
+            for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+                try:
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+                    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                if b"rlvr_assets.grpo_worker" in cmdline and f"RANK={rank}".encode() in environ \
+                        and b"torch.distributed.run" not in cmdline:
+                    os.kill(pid, 9)
+                    return
+        time.sleep(0.05)
+
+
+def test_a_killed_rank_fails_the_run_and_the_reexecution_resumes(home, gsm8k_dir, tiny_llama_dir, monkeypatch, tmp_path):
+    monkeypatch.setenv("RLVR_TEST_HOME", str(home))
+    config = two_process_config(gsm8k_dir, tiny_llama_dir, steps=3)
+    stop = threading.Event()
+    killer = threading.Thread(target=kill_rank_when_step_written, args=(home / "models" / ".work", 1, 2, stop), daemon=True)
+    (tmp_path / "dagster").mkdir()
+    with DagsterInstance.local_temp(str(tmp_path / "dagster")) as instance:
+        killer.start()
+        failed = execute_job(reconstructable(launch_job), instance=instance, run_config=config)
+        stop.set()
+        assert not failed.success
+        failure = next(e for e in failed.all_events if e.event_type_value == "STEP_FAILURE")
+        assert "GRPO training failed" in failure.event_specific_data.error.message
+        assert "rank(s) [1] died without leaving an error" in failure.event_specific_data.error.message  # SIGKILL
+        done = rows(home, "SELECT DISTINCT step FROM rollouts ORDER BY 1")
+        assert [s for (s,) in done][:2] == [1, 2]  # the finished steps' rows were kept
+
+        resumed = execute_job(reconstructable(launch_job), instance=instance, run_config=config,
+                              reexecution_options=ReexecutionOptions.from_failure(failed.run_id, instance))
+        assert resumed.success
+        logs = [e.message for e in instance.all_logs(resumed.run_id) if e.message]
+    assert not any("step 1/3" in m for m in logs) and any("step 3/3" in m for m in logs)  # resumed past step 1
+    keys = rows(home, "SELECT step, group_index, sample_index, count(*) FROM rollouts GROUP BY ALL")
+    assert len(keys) == 3 * 2 * 2 and all(k[3] == 1 for k in keys)  # every row once, resumed steps included
