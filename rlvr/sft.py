@@ -34,6 +34,15 @@ from rlvr.prompts import render_prompt
 
 _CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8k's calculator annotations: 48/2 = <<48/2=24>>24
 
+PROFILES: dict[str, dict] = {
+    # the embedded 135M model on 2 CPU cores: a short cold start (about a minute)
+    "default": {"total_steps": 8, "batch_size": 8, "micro_batch_size": 4, "lr": 2e-5, "warmup_steps": 1,
+                "max_completion_tokens": 256},
+    # one GPU: two epochs of GSM8k's 7,473 train solutions in bf16 compute
+    "full": {"total_steps": 470, "batch_size": 32, "micro_batch_size": 32, "lr": 1e-5, "warmup_steps": 20,
+             "compute_dtype": "bfloat16", "checkpoint_every": 100, "max_completion_tokens": 384},
+}
+
 
 @dataclass
 class SFTConfig:
@@ -67,6 +76,29 @@ class SFTConfig:
             raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
         if self.lr_decay not in ("cosine", "linear", "constant"):
             raise ValueError(f"unknown lr_decay {self.lr_decay!r}")
+
+
+def build_sft_config(profile: str, overrides: dict | None = None) -> SFTConfig:
+    """The profile's SFTConfig with ``overrides`` (any SFTConfig field) applied."""
+    if profile not in PROFILES:
+        raise ValueError(f"unknown SFT profile {profile!r}; expected one of {sorted(PROFILES)}")
+    unknown = sorted(set(overrides or {}) - set(SFTConfig.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"unknown SFTConfig field(s) {unknown} in overrides")
+    return SFTConfig(**{**PROFILES[profile], **(overrides or {})})
+
+
+def train_sft(start: Path, rows: Sequence[dict], config: SFTConfig, checkpoint_dir: Path, device: Any = None,
+              on_step: Callable[[int, dict], None] | None = None):
+    """Fine-tune the checkpoint at ``start`` on the problem ``rows``' reference solutions; resumes from
+    the latest checkpoint in ``checkpoint_dir``. Returns a :class:`rlvr.training_run.TrainedPolicy`."""
+    from rlvr.policy import load_policy
+    from rlvr.training_run import TrainedPolicy
+
+    model, tokenizer = load_policy(start, device)
+    trainer = SFTTrainer(model, tokenizer, config, checkpoint_dir=checkpoint_dir, on_step=on_step)
+    history = trainer.train(sft_examples(rows, tokenizer))
+    return TrainedPolicy(trainer.policy, tokenizer, history, trainer.step_count)
 
 
 def sft_target(solution: str, answer_text: str) -> str:

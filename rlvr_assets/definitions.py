@@ -2,7 +2,7 @@
 
 from dagster import Definitions, in_process_executor
 
-from rlvr_assets import data, evaluation, models, monitoring, registry, serving, training
+from rlvr_assets import data, evaluation, models, monitoring, registry, serving, sft, training
 from rlvr_assets.jobs import champion_evaluation_job, monitoring_job, pipeline_job, retraining_job
 from rlvr_assets.resources import default_resources
 from sensors import champion_evaluation_schedule, drift_sensor, retraining_schedule, traffic_sensor
@@ -11,6 +11,7 @@ defs = Definitions(
     assets=[
         data.gsm8k_problems,
         models.base_policy,
+        sft.sft_policy,
         training.grpo_training,
         evaluation.baseline_eval,
         evaluation.eval_report,

@@ -4,7 +4,8 @@ from dagster import AssetSelection, define_asset_job
 
 DUCKDB_WRITER = {"rlvr/duckdb": "writer"}  # deploy/ limits runs with this tag to one at a time (single-writer DuckDB)
 
-TRAINING_PATH = AssetSelection.groups("data", "models", "training", "evaluation", "serving")
+# sft_policy (the cold start) runs on request, or in a run that sets grpo_training's init_from to 'sft'
+TRAINING_PATH = AssetSelection.groups("data", "models", "training", "evaluation", "serving") - AssetSelection.assets("sft_policy")
 RETRAINING = AssetSelection.assets("rollouts", "rewards", "grpo_checkpoint", "eval_report", "champion_policy", "bento")
 
 pipeline_job = define_asset_job(

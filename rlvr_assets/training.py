@@ -38,7 +38,7 @@ class GRPORunConfig(Config):
                     "'sampling': {'max_new_tokens': 256}}; nested sampling / lora merge into the profile's",
     )
     rewards: dict[str, float] = Field(default=dict(DEFAULT_GSM8K_REWARD), description="reward name -> weight (a weighted mean, in [0, 1])")
-    init_from: str = Field(default="base", description="'base' (the base_policy asset) or 'champion' (the registry's champion, for retraining)")
+    init_from: str = Field(default="base", description="'base' (the base_policy asset), 'sft' (the sft_policy asset: the cold start) or 'champion' (the registry's champion, for retraining)")
     split: str = Field(default="train", description="split of gsm8k_problems to train on")
     limit: Optional[int] = Field(default=None, description="train on the first N problems of the split only")
     sample_completions: int = Field(default=64, description="completions logged to MLflow as a table")
@@ -53,7 +53,7 @@ class GRPORunConfig(Config):
 
 @multi_asset(
     specs=[
-        AssetSpec("rollouts", group_name="training", kinds={"duckdb"}, deps=["gsm8k_problems", "base_policy"], owners=["team:rlvr-training"],
+        AssetSpec("rollouts", group_name="training", kinds={"duckdb"}, deps=["gsm8k_problems", "base_policy", "sft_policy"], owners=["team:rlvr-training"],
                   description="One row per sampled completion of the GRPO run: step, problem, group and sample index, temperature, "
                               "prompt and completion, token counts, finish reason, policy version."),
         AssetSpec("rewards", group_name="training", kinds={"duckdb"}, deps=["rollouts"], owners=["team:rlvr-training"],
@@ -121,11 +121,16 @@ def grpo_training(
 
 
 def start_policy(init_from: str, base: StoredModel, model_store: ModelStore, mlflow: MLflowResource) -> StoredModel:
-    """The stored checkpoint training starts from: the base policy, or the registry's champion."""
+    """The stored checkpoint training starts from: the base policy, the SFT cold start, or the registry's champion."""
     if init_from == "base":
         return base
+    if init_from == "sft":
+        stored = model_store.latest("sft_policy")
+        if stored is None:
+            raise Failure(description="grpo_training: init_from='sft' but sft_policy is not in the model store: materialize it first")
+        return stored
     if init_from != "champion":
-        raise Failure(description=f"grpo_training: init_from must be 'base' or 'champion', got {init_from!r}")
+        raise Failure(description=f"grpo_training: init_from must be 'base', 'sft' or 'champion', got {init_from!r}")
     champion = mlflow.registry().version_for(CHAMPION)
     if champion is None:
         raise Failure(description="grpo_training: init_from='champion' but the registry has no champion yet")

@@ -12,7 +12,7 @@ from rlvr_assets.definitions import defs
 from rlvr_assets.training import grpo_training
 
 ROOT = Path(__file__).resolve().parents[1]
-ASSET_MODULES = ("data", "models", "training", "evaluation", "registry", "serving", "monitoring")
+ASSET_MODULES = ("data", "models", "sft", "training", "evaluation", "registry", "serving", "monitoring")
 
 
 def test_every_asset_has_a_group_description_and_owner():

@@ -7,6 +7,7 @@ import torch
 from rlvr.answers import extract_final_answer, is_well_formed
 from rlvr.rollout import SamplingConfig, generate_rollouts
 from rlvr.sft import SFTConfig, SFTTrainer, sft_examples, sft_target
+from test_pipeline import home  # noqa: F401 - a fixture
 from tiny_policy import COPY_DIGIT_CHARS, char_tokenizer, tiny_llama
 
 NATALIA = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
@@ -91,3 +92,32 @@ def test_a_killed_run_resumes_to_the_same_weights(tmp_path):
     assert resumed.step_count == 6
     for (name, a), b in zip(straight.policy.state_dict().items(), resumed.policy.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_the_sft_asset_is_the_cold_start_grpo_can_start_from(home, gsm8k_dir, tiny_llama_dir):
+    """sft_policy on the tiny model: stored with its lineage and an MLflow run; grpo_training with
+    init_from 'sft' starts from it; without it, that init_from fails naming the asset."""
+    from dagster import DagsterInstance, materialize
+    from test_pipeline import resources_for, run_config
+
+    from rlvr_assets import data, models, sft, training
+
+    res = resources_for(home)
+    config = run_config(gsm8k_dir, tiny_llama_dir, steps=1, init_from="sft")
+    ops = {k: v for k, v in config["ops"].items() if k in ("gsm8k_problems", "base_policy", "grpo_training")}
+    with DagsterInstance.ephemeral() as instance:
+        first = {k: v for k, v in ops.items() if k != "grpo_training"}
+        assert materialize([data.gsm8k_problems, models.base_policy], resources=res, run_config={"ops": first},
+                           instance=instance).success
+        without = materialize([training.grpo_training], resources=res, instance=instance, raise_on_error=False,
+                              run_config={"ops": {"grpo_training": ops["grpo_training"]}})
+        assert not without.success
+        sft_ops = {"sft_policy": {"config": {"overrides": {"total_steps": 2, "batch_size": 4, "micro_batch_size": 2,
+                                                           "max_completion_tokens": 32}}}}
+        result = materialize([sft.sft_policy], resources=res, run_config={"ops": sft_ops}, instance=instance)
+        assert result.success
+        stored = res["model_store"].latest("sft_policy")
+        assert stored.manifest["steps"] == 2 and stored.manifest["base_policy_version"] == res["model_store"].latest("base_policy").version
+        assert materialize([training.grpo_training], resources=res, instance=instance,
+                           run_config={"ops": {"grpo_training": ops["grpo_training"]}}).success
+    assert res["model_store"].latest("grpo_checkpoint").manifest["parent_version"] == stored.version

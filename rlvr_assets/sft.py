@@ -1,0 +1,61 @@
+"""``sft_policy``: the cold start between the base policy and GRPO (supervised fine-tuning on the
+train split's worked solutions, in the project's answer format); ``grpo_training`` starts from it
+with ``init_from: sft``."""
+
+from dataclasses import asdict
+from typing import Optional
+
+from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, MetadataValue, asset
+from pydantic import Field
+
+from resources import ComputeResource, MLflowResource, ModelStore, Warehouse, config_from
+from resources.tracking import POLICY_VERSION_TAG, flat_params
+from rlvr.sft import PROFILES, SFTConfig, build_sft_config, train_sft
+from rlvr.training_run import problems_hash
+
+SFTOverrides = config_from(SFTConfig, overrides=True)
+
+
+class SFTRunConfig(Config):
+    """An SFT run: a named profile, any of its knobs overridden, and the problems it learns from."""
+
+    profile: str = Field(default="default", description=f"one of {sorted(PROFILES)}: 'default' takes about a minute on 2 CPU cores, 'full' is for a GPU")
+    overrides: SFTOverrides = Field(default_factory=SFTOverrides, description="SFTConfig fields set on top of the profile, e.g. {'total_steps': 50}")
+    split: str = Field(default="train", description="split of gsm8k_problems whose reference solutions it learns")
+    limit: Optional[int] = Field(default=None, description="the first N problems of the split only")
+
+
+@asset(group_name="models", kinds={"pytorch", "mlflow"}, deps=["gsm8k_problems", "base_policy"], owners=["team:rlvr-training"])
+def sft_policy(context: AssetExecutionContext, config: SFTRunConfig, duckdb: Warehouse, model_store: ModelStore,
+               mlflow: MLflowResource, compute: ComputeResource) -> MaterializeResult:
+    """The base policy fine-tuned on worked solutions (loss on the solution tokens only), as a
+    checkpoint in the model store and an MLflow run; resumable when the Dagster run is re-executed."""
+    try:
+        sft_config = build_sft_config(config.profile, config.overrides.set_fields())
+    except (ValueError, TypeError) as err:
+        raise Failure(description=f"sft_policy: bad run config: {err}") from None
+    base, rows = model_store.require("base_policy"), duckdb.problems(config.split, config.limit)
+    run_id = context.run.root_run_id or context.run.run_id
+    lineage = {"base_policy_version": base.version, "parent_version": base.version, "data_hash": problems_hash(rows)}
+    work_dir = f"sft-runs/{run_id}"
+    with mlflow.start_run(f"sft-{run_id[:8]}", {"rlvr.kind": "sft", "dagster.run_id": context.run.run_id,
+                                                "rlvr.profile": config.profile, **{f"rlvr.{k}": v for k, v in lineage.items()}}) as run:
+        run.log_params(flat_params({"sft": asdict(sft_config)}))
+
+        def on_step(step: int, metrics: dict) -> None:
+            run.log_metrics(metrics, step=step)
+            context.log.info(f"SFT step {step}/{sft_config.total_steps}: loss {metrics['loss']:.4f}, {metrics['tokens_per_s']:.0f} tok/s")
+
+        trained = train_sft(base.path, rows, sft_config, model_store.work_dir(work_dir), compute.torch_device(), on_step)
+        stored = model_store.put("sft_policy", trained.export, metadata={
+            **lineage, "data_source": rows[0]["source"], "sft_config": asdict(sft_config), "steps": trained.steps,
+            "final_metrics": trained.history[-1] if trained.history else {}, "mlflow_run_id": run.run_id})
+        run.log_artifacts(stored.path, "checkpoint")
+        run.set_tags({POLICY_VERSION_TAG: stored.version})
+    model_store.remove_work_dir(work_dir)
+    losses = [m["loss"] for m in trained.history]
+    return MaterializeResult(metadata={
+        "path": MetadataValue.path(str(stored.path)), "version": stored.version, "parent_base_policy": base.version,
+        "steps": trained.steps, "mlflow_run_id": run.run_id, "sft_config": MetadataValue.json(asdict(sft_config)),
+        "loss_curve": MetadataValue.md(" → ".join(f"{loss:.3f}" for loss in losses)),
+        **({"final_loss": losses[-1]} if losses else {})})
