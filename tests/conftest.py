@@ -39,6 +39,14 @@ def embedded_policy(session_store):
 
 
 @pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A fresh data directory ($RLVR_HOME) for a pipeline test."""
+    monkeypatch.setenv("RLVR_HOME", str(tmp_path))
+    monkeypatch.delenv("BENTOML_HOME", raising=False)
+    return tmp_path
+
+
+@pytest.fixture
 def tiny_llama_dir(tmp_path):
     """A tiny randomly initialised Llama checkpoint with the embedded model's tokenizer and chat template."""
     return save_tiny_llama(tmp_path / "tiny")

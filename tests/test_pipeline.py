@@ -4,7 +4,6 @@ real DuckDB, model store, MLflow store and BentoML store under a temporary RLVR_
 import importlib.metadata
 
 import duckdb
-import pytest
 from dagster import AssetKey, DagsterInstance, materialize
 
 from resources import BentoBuilder, ComputeResource, Evaluator, MLflowResource, ModelStore, Warehouse
@@ -16,13 +15,6 @@ from rlvr_assets import data, evaluation, models, registry, serving, training
 TRAINING = [data.gsm8k_problems, models.base_policy, training.grpo_training, evaluation.baseline_eval,
             evaluation.eval_report, registry.champion_policy]
 PROTOCOL = {"limit": 4, "max_new_tokens": 8, "batch_rows": 8}
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("RLVR_HOME", str(tmp_path))
-    monkeypatch.delenv("BENTOML_HOME", raising=False)
-    return tmp_path
 
 
 def resources_for(home):

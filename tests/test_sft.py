@@ -7,7 +7,6 @@ import torch
 from rlvr.answers import extract_final_answer, is_well_formed
 from rlvr.rollout import SamplingConfig, generate_rollouts
 from rlvr.sft import SFTConfig, SFTTrainer, sft_examples, sft_target
-from test_pipeline import home  # noqa: F401 - a fixture
 from tiny_policy import COPY_DIGIT_CHARS, char_tokenizer, tiny_llama
 
 NATALIA = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"

@@ -9,7 +9,7 @@ from pathlib import Path
 import duckdb
 import pytest
 from dagster import DagsterInstance, ReexecutionOptions, execute_job, materialize, reconstructable
-from test_pipeline import home, resources_for, run_config  # noqa: F401 - home is a fixture
+from test_pipeline import resources_for, run_config
 
 from resources.launcher import TrainingLauncher, process_count
 from rlvr_assets import data, models, training
