@@ -33,19 +33,20 @@ import contextlib
 import copy
 import statistics
 import time
+from functools import partial
 from typing import Callable
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
+from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.attention import use_fast_attention
 from rlvr.fastpaths.fused_decode import fused_decoder
-from rlvr.grpo.head import head_logprobs
-from rlvr.grpo.loss import token_logprobs_and_entropy
-from rlvr.fastpaths import FastPaths
-from rlvr.grpo.scoring import CompletionScorer, PackedRows
 from rlvr.fastpaths.heap import keep_freed_memory
 from rlvr.fastpaths.packed_linear import packed_linears
+from rlvr.grpo.head import head_logprobs
+from rlvr.grpo.loss import token_logprobs_and_entropy
+from rlvr.grpo.scoring import CompletionScorer, PackedRows
 from rlvr.rollout import last_position_logits, preallocate
 
 
@@ -193,9 +194,9 @@ def main() -> None:
             decode_linears(model, rows, packed=True),
             per_call=True,
         )
-        packing.append((dtype, median_ms(lambda: pack_once(model, rows), repeats)))
+        packing.append((dtype, median_ms(partial(pack_once, model, rows), repeats)))
 
-        fused_packing.append((dtype, median_ms(lambda: pack_fused(model, rows), repeats)))
+        fused_packing.append((dtype, median_ms(partial(pack_fused, model, rows), repeats)))
 
     for dtype, models in (("float32", (base, base)), ("bf16", (bf16_sdpa, bf16_fast))):
         compare(

@@ -16,6 +16,7 @@ import resource
 import time
 
 import torch
+from grpo_vs_trl import QUESTIONS, correct  # bench/ is on sys.path when run as a script
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlvr.fastpaths import FastPaths
@@ -23,8 +24,6 @@ from rlvr.grpo import GRPOConfig, GRPOTrainer
 from rlvr.policy import load_policy, load_tokenizer
 from rlvr.prompts import render_prompt
 from rlvr.rollout import SamplingConfig
-
-from grpo_vs_trl import QUESTIONS, correct  # bench/ is on sys.path when run as a script
 
 
 def correctness(completions: list[str], problems: list[dict]) -> tuple[list[float], dict[str, list[float]]]:

@@ -77,11 +77,9 @@ def run_rlvr(args, stop_at_final_answer: bool, compute_dtype: str = "float32") -
 def run_trl(args, gradient_checkpointing: bool, bf16: bool | None) -> list[dict]:
     """TRL's GRPOTrainer; ``bf16=None`` leaves TRL's default (bf16 mixed precision unless fp16)."""
     from datasets import Dataset
-    from transformers import TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig as TRLConfig
     from trl import GRPOTrainer as TRLTrainer
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # as a TRL user loads it: transformers' own attention ("sdpa"), not rlvr's low-precision CPU variant
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)

@@ -174,7 +174,7 @@ def extract_final_answer(completion: str, mode: str = "strict") -> ExtractedAnsw
     if mode == "strict" or unreadable:
         return None
     last = None
-    for last in _NUMBER_TOKEN_RE.finditer(completion):
+    for last in _NUMBER_TOKEN_RE.finditer(completion):  # noqa: B007 - the loop finds the last match
         pass
     fraction = _parse_fraction(last.group(0)) if last else None
     if fraction is None:

@@ -38,7 +38,8 @@ class GRPORunConfig(Config):
                     "'sampling': {'max_new_tokens': 256}}; nested sampling / lora merge into the profile's",
     )
     rewards: dict[str, float] = Field(default=dict(DEFAULT_GSM8K_REWARD), description="reward name -> weight (a weighted mean, in [0, 1])")
-    init_from: str = Field(default="base", description="'base' (the base_policy asset), 'sft' (the sft_policy asset: the cold start) or 'champion' (the registry's champion, for retraining)")
+    init_from: str = Field(default="base", description="'base' (the base_policy asset), 'sft' (the sft_policy asset: the cold start) "
+                                                       "or 'champion' (the registry's champion, for retraining)")
     split: str = Field(default="train", description="split of gsm8k_problems to train on")
     limit: Optional[int] = Field(default=None, description="train on the first N problems of the split only")
     sample_completions: int = Field(default=64, description="completions logged to MLflow as a table")

@@ -40,8 +40,8 @@ def test_freed_memory_is_reused_instead_of_faulted_in_again():
 
 @pytest.mark.parametrize("keep", [True, False])
 def test_trainer_keeps_freed_memory_on_cpu_unless_configured_not_to(monkeypatch, keep):
-    from rlvr.fastpaths import FastPaths
     import rlvr.grpo.trainer as trainer_module
+    from rlvr.fastpaths import FastPaths
     from rlvr.grpo import GRPOConfig, GRPOTrainer
     from tiny_policy import char_tokenizer, copy_digit_reward, tiny_llama
 

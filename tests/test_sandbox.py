@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from rlvr.sandbox import SandboxLimits, CodeTest, as_test_cases, outputs_match, run_python, run_tests
+from rlvr.sandbox import CodeTest, SandboxLimits, as_test_cases, outputs_match, run_python, run_tests
 
 FAST = SandboxLimits(cpu_time_s=1, wall_time_s=2)
 MODES = [pytest.param(True, id="namespaces"), pytest.param(False, id="fallback")]

@@ -97,9 +97,9 @@ def test_the_sft_asset_is_the_cold_start_grpo_can_start_from(home, gsm8k_dir, ti
     """sft_policy on the tiny model: stored with its lineage and an MLflow run; grpo_training with
     init_from 'sft' starts from it; without it, that init_from fails naming the asset."""
     from dagster import DagsterInstance, materialize
-    from test_pipeline import resources_for, run_config
 
     from rlvr_assets import data, models, sft, training
+    from test_pipeline import resources_for, run_config
 
     res = resources_for(home)
     config = run_config(gsm8k_dir, tiny_llama_dir, steps=1, init_from="sft")

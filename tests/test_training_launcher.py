@@ -9,10 +9,10 @@ from pathlib import Path
 import duckdb
 import pytest
 from dagster import DagsterInstance, ReexecutionOptions, execute_job, materialize, reconstructable
-from test_pipeline import resources_for, run_config
 
 from resources.launcher import TrainingLauncher, process_count
 from rlvr_assets import data, models, training
+from test_pipeline import resources_for, run_config
 
 
 def test_process_counts():

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from rlvr.fastpaths import FastPaths
-from rlvr.grpo.scoring import PackedRows, completion_logprobs
 from rlvr.fastpaths.eligibility import llama_family
+from rlvr.grpo.scoring import PackedRows, completion_logprobs
 from tiny_policy import tiny_llama, tiny_qwen2
 
 

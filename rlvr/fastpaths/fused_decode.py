@@ -25,11 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from rlvr.fastpaths.attention import LOW_PRECISION
-from rlvr.fastpaths.packed_linear import fused_linear
 from rlvr.fastpaths import FastPaths
+from rlvr.fastpaths.attention import LOW_PRECISION
 from rlvr.fastpaths.eligibility import use_fused_decode
-
+from rlvr.fastpaths.packed_linear import fused_linear
 
 
 def fused_decoder(model: Any, rows: int, fast: FastPaths = FastPaths()) -> FusedDecoder | None:

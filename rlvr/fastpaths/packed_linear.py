@@ -35,7 +35,7 @@ def fused_linear(layers: list[nn.Linear], rows: int) -> Callable[[torch.Tensor],
     bias = None
     if any(layer.bias is not None for layer in layers):
         zeros = weight.new_zeros
-        bias = _concatenated([zeros(l.out_features) if l.bias is None else l.bias.detach() for l in layers])
+        bias = _concatenated([zeros(layer.out_features) if layer.bias is None else layer.bias.detach() for layer in layers])
     if weight.device.type == "cpu" and weight.dtype in packing_dtypes():
         return partial(_packed_forward, torch.ops.mkldnn._reorder_linear_weight(weight, max(1, rows)), bias)
     return partial(nn.functional.linear, weight=weight, bias=bias)

@@ -199,7 +199,7 @@ class _Worker:
             if job is None:
                 self.failed_starts += 1
                 if self.failed_starts >= 3:
-                    raise RuntimeError(f"a reward worker process exits at start-up (exit code {code}); see its stderr")
+                    raise RuntimeError(f"a reward worker process exits at start-up (exit code {code}); see its stderr") from None
                 return None
             return job, _error(f"reward {job[1]!r} crashed its worker process on sample {job[0]} (exit code {code})")
         if not self.ready:
