@@ -1,4 +1,6 @@
-"""The one prompt builder shared by training, evaluation and serving."""
+"""The one prompt builder shared by training, evaluation and serving (``render_prompt``), and the
+one renderer of chat messages under the model's chat template it is built on (``render_messages``,
+which the service's ``/v1/chat/completions`` calls with the client's own messages)."""
 
 from __future__ import annotations
 
@@ -24,17 +26,40 @@ def build_messages(question: str, system_prompt: str = SYSTEM_PROMPT) -> list[di
     return [{"role": "system", "content": system_prompt}, {"role": "user", "content": question}]
 
 
-def render_prompt(tokenizer: Any, question: str, system_prompt: str = SYSTEM_PROMPT) -> str:
-    """The prompt text a chat tokenizer feeds the model, ending where the assistant's turn begins.
+class ControlTokensError(ValueError):
+    """Text holding the tokenizer's special tokens (``<|im_start|>``, ``<|im_end|>``, ...): the chat
+    template pastes it verbatim, so it would open a turn of its own. ``field`` names the text."""
 
-    A question holding one of the tokenizer's special tokens (``<|im_start|>``, ``<|im_end|>``, ...)
-    is refused with ``ValueError``: the template pastes it verbatim, so it would open a turn of its own.
-    """
+    def __init__(self, field: str, tokens: list[str]):
+        self.field, self.tokens = field, tokens
+        super().__init__(f"{field} contains the chat template's control tokens {', '.join(tokens)}")
+
+
+def control_tokens(tokenizer: Any, text: str) -> list[str]:
+    """The tokenizer's special tokens found in ``text``, sorted."""
     special = set(tokenizer.all_special_tokens)
     special.update(t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special)
-    found = sorted(token for token in special if token and token in question)
+    return sorted(token for token in special if token and token in text)
+
+
+def render_messages(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    """Chat messages (``role``, ``content``) as the chat tokenizer feeds the model, ending where the
+    assistant's turn begins. A message whose content holds control tokens is refused
+    (``ControlTokensError`` naming ``messages[i].content``)."""
+    for i, message in enumerate(messages):
+        found = control_tokens(tokenizer, message["content"])
+        if found:
+            raise ControlTokensError(f"messages[{i}].content", found)
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def render_prompt(tokenizer: Any, question: str, system_prompt: str = SYSTEM_PROMPT) -> str:
+    """The prompt of one problem: ``build_messages`` rendered by :func:`render_messages`.
+
+    A question holding one of the tokenizer's special tokens is refused (``ControlTokensError``, a
+    ``ValueError``, naming ``question``).
+    """
+    found = control_tokens(tokenizer, question)
     if found:
-        raise ValueError(f"question contains the chat template's control tokens {', '.join(found)}")
-    return tokenizer.apply_chat_template(
-        build_messages(question, system_prompt), tokenize=False, add_generation_prompt=True
-    )
+        raise ControlTokensError("question", found)
+    return render_messages(tokenizer, build_messages(question, system_prompt))

@@ -12,8 +12,10 @@ The loop is written out (no HF ``generate``) so that GRPO gets exactly what it n
   ``rlvr.fastpaths.attention``'s float32 SDPA; finished rows are dropped from the batch (cache rows and
   per-row state are index-selected), so they stop costing compute;
 * a row stops at an end token (``"eos"``), right after a completed ``#### <number>`` line
-  (``"answer"``), at the token budget (``"length"``), or when ``config.should_stop`` names its
-  prompt (``"cancelled"``: a caller that no longer wants it);
+  (``"answer"``), once its text holds one of ``config.stop_strings`` (``"stop"``; the text is
+  not cut), at the token budget (``"length"``), or when ``config.should_stop`` names its prompt
+  (``"cancelled"``: a caller that no longer wants it); ``config.on_tokens`` sees every step's
+  tokens as they are sampled (for callers that stream them);
 * each sampled token's log-prob is recorded under the temperature-scaled softmax before top-p
   truncation (temperature 1 for greedy rows): GRPO's "old" log-probs, with no extra forward pass.
 
@@ -40,7 +42,7 @@ from rlvr.fastpaths.fused_decode import fused_decoder
 from rlvr.fastpaths.packed_linear import packed_linears
 from rlvr.fastpaths.static_decode import StaticDecoder, static_decoder
 
-FINISH_REASONS = ("eos", "answer", "length", "cancelled")
+FINISH_REASONS = ("eos", "answer", "stop", "length", "cancelled")
 _TAIL_TOKENS = 48  # tokens decoded to check for a just-completed '#### <number>' line
 
 
@@ -56,6 +58,8 @@ class SamplingConfig:
     max_batch_rows: int | None = None  # rows per forward; prompts stream through in chunks
     stop_token_ids: list[int] | None = None  # default: eos, pad and <|im_end|> of the tokenizer
     should_stop: Callable[[int], bool] | None = None  # per decode step, per live prompt index: True ends its rows
+    stop_strings: tuple[str, ...] = ()  # a row ends once its text holds one (finish reason "stop"; not cut)
+    on_tokens: Callable[[list[int], list[int]], None] | None = None  # per decode step: the live rows and their new tokens
     fast_paths: FastPaths = field(default_factory=FastPaths)  # the engine's speed-ups (rlvr.fastpaths)
 
     def __post_init__(self) -> None:
@@ -68,6 +72,9 @@ class SamplingConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
+        self.stop_strings = tuple(self.stop_strings)
+        if not all(isinstance(s, str) and s for s in self.stop_strings):
+            raise ValueError(f"stop_strings must be non-empty strings, got {self.stop_strings}")
 
 
 @dataclass
@@ -101,14 +108,17 @@ class Rollouts:
 
 
 def generate_rollouts(
-    model: Any, tokenizer: Any, prompts: list[str], num_samples: int = 1, config: SamplingConfig | None = None
+    model: Any, tokenizer: Any, prompts: list[str] | list[list[int]], num_samples: int = 1,
+    config: SamplingConfig | None = None
 ) -> Rollouts:
-    """Sample ``num_samples`` completions for each prompt (see the module docstring)."""
+    """Sample ``num_samples`` completions for each prompt: texts, or token ids taken as they are
+    (see the module docstring)."""
     return concat_rollouts(list(stream_rollouts(model, tokenizer, prompts, num_samples, config)))
 
 
 def stream_rollouts(
-    model: Any, tokenizer: Any, prompts: list[str], num_samples: int = 1, config: SamplingConfig | None = None
+    model: Any, tokenizer: Any, prompts: list[str] | list[list[int]], num_samples: int = 1,
+    config: SamplingConfig | None = None
 ) -> Iterator[Rollouts]:
     """Like :func:`generate_rollouts`, yielding chunks of at most ``config.max_batch_rows`` rows.
 
@@ -123,7 +133,10 @@ def stream_rollouts(
         raise ValueError("no prompts")
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(config.seed)
-    encoded = tokenizer(list(prompts), add_special_tokens=False).input_ids
+    texts = sum(isinstance(p, str) for p in prompts)
+    if texts not in (0, len(prompts)):
+        raise ValueError("prompts are all texts or all token ids")
+    encoded = tokenizer(list(prompts), add_special_tokens=False).input_ids if texts else [list(p) for p in prompts]
     if any(len(ids) == 0 for ids in encoded):
         raise ValueError("empty prompt")
     prompts_per_chunk = max(1, (config.max_batch_rows or len(encoded) * num_samples) // num_samples)
@@ -131,7 +144,10 @@ def stream_rollouts(
         chunk_ids = encoded[start : start + prompts_per_chunk]
         chunk_config = config
         if config.should_stop is not None:  # the chunk's prompt i is prompt start + i of the call
-            chunk_config = replace(config, should_stop=lambda i, start=start: config.should_stop(start + i))
+            chunk_config = replace(chunk_config, should_stop=lambda i, start=start: config.should_stop(start + i))
+        if config.on_tokens is not None:  # and its row r is row start * num_samples + r
+            chunk_config = replace(chunk_config, on_tokens=lambda rows, tokens, base=start * num_samples:
+                                   config.on_tokens([base + r for r in rows], tokens))
         chunk = _decode_chunk(model, tokenizer, chunk_ids, num_samples, chunk_config, generator)
         chunk.group_index += start
         yield chunk
@@ -243,6 +259,8 @@ def _decode_loop(
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     stop_ids = torch.tensor(sorted(_stop_token_ids(model, tokenizer, config)), device=device)
     newlines = _newline_counts(tokenizer, model).to(device) if config.stop_at_final_answer else None
+    # tokens decoded to find a stop string: each token holds at least one byte
+    stop_window = max(len(s.encode()) for s in config.stop_strings) + 1 if config.stop_strings else 0
     num_prompts, group = len(prompt_ids), num_samples
     num_rows, budget = num_prompts * group, config.max_new_tokens
 
@@ -286,12 +304,16 @@ def _decode_loop(
         tokens, logprobs = sample_tokens(logits, row_temps, config.top_p, generator)
         tokens_out[rows, t] = tokens
         logprobs_out[rows, t] = logprobs
+        if config.on_tokens is not None:
+            config.on_tokens(rows.tolist(), tokens.tolist())
         done = torch.isin(tokens, stop_ids)
         if newlines is not None:
             done = _mark_answers(tokenizer, tokens_out, rows, tokens, done, newlines, t, finish)
         else:
             for i in done.nonzero().flatten().tolist():
                 finish[int(rows[i])] = "eos"
+        if config.stop_strings:
+            done = _stop_at_strings(tokenizer, tokens_out, rows, done, config.stop_strings, stop_window, t, finish)
         if config.should_stop is not None:
             done = _stop_cancelled(config.should_stop, rows, group, done, finish)
         if t == budget - 1:
@@ -433,6 +455,33 @@ def _mark_answers(
         if any(is_well_formed(line) for line in closed):
             finish[row] = "answer"
             done[i] = True
+    return done
+
+
+def _stop_at_strings(
+    tokenizer: Any,
+    tokens_out: torch.Tensor,
+    rows: torch.Tensor,
+    done: torch.Tensor,
+    stop_strings: tuple[str, ...],
+    window: int,
+    t: int,
+    finish: list[str],
+) -> torch.Tensor:
+    """``done`` plus the live rows whose text now holds a stop string (finish reason ``"stop"``): the
+    last ``window`` tokens of each are decoded, as the completion's text is (special tokens skipped)."""
+    live = (~done).nonzero().flatten()
+    if live.numel() == 0:
+        return done
+    tails = tokenizer.batch_decode(tokens_out[rows[live], max(0, t + 1 - window) : t + 1].tolist(),
+                                   skip_special_tokens=True)
+    hits = [i for i, tail in zip(live.tolist(), tails) if any(s in tail for s in stop_strings)]
+    if not hits:
+        return done
+    done = done.clone()
+    for i in hits:
+        done[i] = True
+        finish[int(rows[i])] = "stop"
     return done
 
 
