@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationInfo, field_validator
 from pydantic.json_schema import models_json_schema
 
 from rlvr.answers import format_number
@@ -65,17 +65,18 @@ def _not_blank(value: str | float | None, info: ValidationInfo) -> str | float |
     return value
 
 
-def _completion_tokens_bounded(rows_field: str):
-    """A ``max_new_tokens`` validator: (rows x max_new_tokens) completion tokens at most ``MAX_COMPLETION_TOKENS``."""
+def _completion_tokens_bounded(rows_field: str, *tokens_fields: str):
+    """A validator of ``tokens_fields`` (default ``max_new_tokens``): rows x new tokens at most
+    ``MAX_COMPLETION_TOKENS`` completion tokens."""
 
-    def check(value: int, info: ValidationInfo) -> int:
+    def check(value: int | None, info: ValidationInfo) -> int | None:
         rows = info.data.get(rows_field)  # absent when it failed its own validation
-        if rows is not None and rows * value > MAX_COMPLETION_TOKENS:
-            raise ValueError(f"{rows_field} x max_new_tokens = {rows} x {value} = {rows * value} completion "
+        if value is not None and rows is not None and rows * value > MAX_COMPLETION_TOKENS:
+            raise ValueError(f"{rows_field} x {info.field_name} = {rows} x {value} = {rows * value} completion "
                              f"tokens; at most {MAX_COMPLETION_TOKENS} per request")
         return value
 
-    return field_validator("max_new_tokens")(check)
+    return field_validator(*(tokens_fields or ("max_new_tokens",)))(check)
 
 
 class GenerateRequest(_Request):
@@ -171,6 +172,269 @@ class SolveResponse(BaseModel):
     k: int
 
 
+# ---- The OpenAI-compatible API (/v1): the same bounds, in OpenAI's field names --------------------
+
+MAX_MESSAGES = 64
+MAX_CHAT_CHARS = 16_000  # all message contents of a chat request; MAX_PROMPT_TOKENS is the binding bound
+MAX_RAW_PROMPT_CHARS = 16_000  # one /v1/completions prompt (lm-eval's 5-shot GSM8k prompts run to ~4,500)
+MAX_PROMPTS = MAX_SAMPLES  # prompts of one /v1/completions request; prompts x n at most MAX_SAMPLES too
+MAX_STOP_STRINGS = 8
+MAX_STOP_CHARS = 64
+MAX_NAME_CHARS = 256  # model, user
+MAX_SEED = 2**63 - 1
+DEFAULT_CHAT_MAX_TOKENS = DEFAULT_MAX_NEW_TOKENS  # OpenAI's default is the rest of the context
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's
+NO_ALTERNATIVES = "the engine records the sampled token's log-prob, not its alternatives"
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+RawPrompt = Annotated[str, Field(min_length=1, max_length=MAX_RAW_PROMPT_CHARS)]
+PromptInput = (RawPrompt | Annotated[list[RawPrompt], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+               | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
+StopInput = (Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+             | Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
+                         Field(max_length=MAX_STOP_STRINGS)] | None)
+TextPart = dict[Literal["type", "text"], str]
+
+
+def _is_token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(i) is int for i in value)
+
+
+def _prompts(value) -> list[str] | list[list[int]]:
+    """``prompt``: a string, a list of strings, a list of token ids or a list of such lists."""
+    if isinstance(value, str) or _is_token_ids(value):
+        prompts = [value]
+    elif isinstance(value, list) and value and (all(isinstance(v, str) for v in value)
+                                                or all(_is_token_ids(v) for v in value)):
+        prompts = value
+    else:
+        raise ValueError("prompt is a string, a list of strings, a list of token ids or a list of lists of token ids")
+    if len(prompts) > MAX_PROMPTS:
+        raise ValueError(f"prompt holds {len(prompts)} prompts; at most {MAX_PROMPTS}")
+    for p in prompts:
+        if isinstance(p, str) and not 1 <= len(p) <= MAX_RAW_PROMPT_CHARS:
+            raise ValueError(f"prompt is {len(p)} characters; 1 to {MAX_RAW_PROMPT_CHARS}")
+        if isinstance(p, list) and (len(p) > MAX_PROMPT_TOKENS or min(p) < 0):
+            raise ValueError(f"prompt token ids: 1 to {MAX_PROMPT_TOKENS} ids, each >= 0")
+    return prompts
+
+
+def _stop_strings(value) -> list[str]:
+    """``stop``: null, a string or a list of strings (each generation ends where one first appears)."""
+    values = [] if value is None else [value] if isinstance(value, str) else value
+    if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+        raise ValueError("stop is a string or a list of strings")
+    if len(values) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop lists {len(values)} strings; at most {MAX_STOP_STRINGS}")
+    if not all(1 <= len(v) <= MAX_STOP_CHARS for v in values):
+        raise ValueError(f"each stop string is 1 to {MAX_STOP_CHARS} characters")
+    return list(dict.fromkeys(values))
+
+
+def _message_text(value) -> str:
+    """A message's ``content``: a string, or text parts (``{"type": "text", "text": ...}``) joined by
+    newlines, as vLLM joins them."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and p.keys() == {"type", "text"} and p["type"] == "text"
+                                       and isinstance(p["text"], str) for p in value):
+        return "\n".join(p["text"] for p in value)
+    raise ValueError("content is a string or a list of text parts {\"type\": \"text\", \"text\": ...} "
+                     "(images, audio and files are not supported)")
+
+
+def _unsupported_unless(allowed, why: str, *fields: str):
+    """A validator refusing what the engine cannot do, rather than ignoring it."""
+
+    def check(value, info: ValidationInfo):
+        if not allowed(value, info.data):
+            raise ValueError(f"{info.field_name}={value!r} is not supported: {why}")
+        return value
+
+    return field_validator(*fields)(check)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = Field(default=False, description="a last chunk with the usage and no choices")
+
+
+class _OpenAIRequest(_Request):
+    """What ``/v1/chat/completions`` and ``/v1/completions`` share. Unknown fields get a 400 naming them."""
+
+    model: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)] | None = Field(
+        default=None, description="the id of /v1/models (its tag or name also served); null: the served policy")
+    n: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] = Field(default=1, description="choices per prompt")
+    temperature: Temperature = Field(default=1.0, description="0 = greedy")
+    top_p: TopP = 1.0
+    stop: Annotated[list[str], PlainValidator(_stop_strings, json_schema_input_type=StopInput)] = Field(
+        default_factory=list, description="each choice ends where one of these first appears (not included; finish_reason stop)")
+    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = Field(
+        default=None, description="the same seed and request give the same sampled choices, batched or not")
+    stream: bool = Field(default=False, description="server-sent events, one chunk per decode step, then [DONE]")
+    stream_options: StreamOptions | None = None
+    presence_penalty: Annotated[float, Field(allow_inf_nan=False)] = Field(default=0.0, description="only 0")
+    frequency_penalty: Annotated[float, Field(allow_inf_nan=False)] = Field(default=0.0, description="only 0")
+    logit_bias: dict[str, float] | None = Field(default=None, description="only null or {}")
+    user: Annotated[str, Field(max_length=MAX_NAME_CHARS)] | None = Field(
+        default=None, description="kept in the traffic log")
+
+    _no_penalties = _unsupported_unless(lambda v, _: v == 0, "the engine samples without penalties (only 0)",
+                                        "presence_penalty", "frequency_penalty")
+    _no_logit_bias = _unsupported_unless(lambda v, _: not v, "the engine samples without logit biases",
+                                         "logit_bias")
+    _options_with_stream = _unsupported_unless(lambda v, data: v is None or data.get("stream") is True,
+                                               "stream_options needs stream: true", "stream_options")
+
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "user", "assistant"]
+    content: Annotated[str, PlainValidator(_message_text, json_schema_input_type=str | list[TextPart])]
+
+
+class ChatCompletionRequest(_OpenAIRequest):
+    """``POST /v1/chat/completions``: ``n`` replies to the messages, rendered with the model's chat
+    template as given (no system prompt is added; rlvr.prompts.SYSTEM_PROMPT is training's)."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: NewTokens | None = Field(default=None, description=f"default {DEFAULT_CHAT_MAX_TOKENS}")
+    max_completion_tokens: NewTokens | None = Field(default=None, description="max_tokens' newer name")
+    logprobs: bool = Field(default=False, description="each generated token's log-prob (not with stream)")
+    top_logprobs: Annotated[int, Field(ge=0, json_schema_extra={"maximum": 0})] | None = Field(
+        default=None, description=f"only 0: {NO_ALTERNATIVES}")
+
+    _bounded = _completion_tokens_bounded("n", "max_tokens", "max_completion_tokens")
+    _one_name = _unsupported_unless(lambda v, data: v is None or data.get("max_tokens") is None,
+                                    "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+    _no_stream_logprobs = _unsupported_unless(lambda v, data: not v or not data.get("stream"),
+                                              "log-probs are not streamed", "logprobs")
+    _no_alternatives = _unsupported_unless(lambda v, _: not v, NO_ALTERNATIVES, "top_logprobs")
+
+    @field_validator("messages")
+    @classmethod
+    def _bounded_text(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        chars = sum(len(m.content) for m in messages)
+        if chars > MAX_CHAT_CHARS:
+            raise ValueError(f"messages hold {chars} characters of content; at most {MAX_CHAT_CHARS}")
+        return messages
+
+    def new_tokens(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+
+
+class CompletionRequest(_OpenAIRequest):
+    """``POST /v1/completions``: ``n`` continuations of each prompt, taken as it is (no chat template,
+    as vLLM's /v1/completions; control tokens are the client's own to write)."""
+
+    prompt: Annotated[list[str] | list[list[int]], PlainValidator(_prompts, json_schema_input_type=PromptInput)]
+    max_tokens: NewTokens = DEFAULT_COMPLETION_MAX_TOKENS
+    logprobs: Annotated[int, Field(ge=0, json_schema_extra={"maximum": 0})] | None = Field(
+        default=None, description=f"0: each generated token's log-prob; more: not supported ({NO_ALTERNATIVES})")
+    echo: bool = Field(default=False, description="only false")
+    best_of: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | None = Field(default=None, description="only n")
+    suffix: str | None = Field(default=None, description="only null")
+
+    _bounded = _completion_tokens_bounded("n", "max_tokens")
+    _no_stream_logprobs = _unsupported_unless(lambda v, data: v is None or not data.get("stream"),
+                                              "log-probs are not streamed", "logprobs")
+    _no_alternatives = _unsupported_unless(lambda v, _: not v, NO_ALTERNATIVES, "logprobs")
+    _no_echo = _unsupported_unless(lambda v, _: not v, "the prompt is not echoed (nor scored)", "echo")
+    _no_best_of = _unsupported_unless(lambda v, data: v is None or v == data.get("n"),
+                                      "choices are not ranked (best_of must equal n)", "best_of")
+    _no_suffix = _unsupported_unless(lambda v, _: not v, "no insertion (suffix)", "suffix")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = Field(description="each prompt once, whatever n")
+    completion_tokens: int = Field(description="every generated token of every choice (a stop string's included)")
+    total_tokens: int
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float = Field(description="under the distribution it was sampled from (temperature applied, before "
+                                       "top-p; greedy: the model's own)")
+    bytes: list[int]
+    top_logprobs: list[dict] = Field(default_factory=list, description=f"always empty: {NO_ALTERNATIVES}")
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] = Field(description="the sampled token alone")
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = Field(description="prompt index x n + sample index")
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str = Field(description="the served policy's version (its model_version label, else the tag's version)")
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    root: str = Field(description="the BentoML model tag")
+    max_model_len: int | None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class OpenAIError(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error (4xx) or server_error (5xx)")
+    param: str | None = Field(description="the field in error, e.g. temperature or messages[1].content")
+    code: str | None
+
+
+class OpenAIErrorResponse(BaseModel):
+    """The body of every /v1 error but BentoML's 504: OpenAI's shape."""
+
+    error: OpenAIError
+
+
 class ErrorDetail(BaseModel):
     type: str
     loc: list[str | int] = Field(description="the field (and list index) in error; empty for the body as a whole")
@@ -185,6 +449,11 @@ class ErrorResponse(BaseModel):
     detail: list[ErrorDetail] | None = None
 
 
+OPENAI_ERRORS = {  # the /v1 endpoints' own
+    400: "Invalid request: `error.param` names the field (a value out of its bounds, something the engine cannot do, "
+         "or the request's cost on the loaded model over a limit)",
+    404: "No such model: `model` is not the served policy (see /v1/models)",
+}
 ERRORS = {
     400: "Invalid request: each error in `detail` names its field in `loc` (a value out of its bounds, or the "
          "request's cost on the loaded model over a limit: prompt tokens, context, KV-cache budget)",
@@ -201,23 +470,33 @@ def openapi_document(title: str, version: str, description: str) -> dict:
     """The service's OpenAPI 3.1 document: the public endpoints with the request, response and error
     schemas pydantic validates and serializes with (JSON Schema 2020-12, as 3.1 takes it), and the probes."""
     models = [(GenerateRequest, "validation"), (GenerateResponse, "serialization"), (SolveRequest, "validation"),
-              (SolveResponse, "serialization"), (ErrorResponse, "serialization")]
+              (SolveResponse, "serialization"), (ErrorResponse, "serialization"),
+              (ChatCompletionRequest, "validation"), (ChatCompletion, "serialization"),
+              (CompletionRequest, "validation"), (Completion, "serialization"), (ModelList, "serialization"),
+              (OpenAIErrorResponse, "serialization")]
     refs, schemas = models_json_schema(models, ref_template="#/components/schemas/{model}")
 
     def json_body(model, mode: str) -> dict:
         return {"application/json": {"schema": refs[(model, mode)]}}
 
-    def errors() -> dict:
-        out = {str(code): {"description": text, "content": json_body(ErrorResponse, "serialization")}
-               for code, text in ERRORS.items()}
+    def errors(openai: bool = False) -> dict:
+        shape = OpenAIErrorResponse if openai else ErrorResponse
+        out = {str(code): {"description": text, "content": json_body(shape, "serialization")}
+               for code, text in {**ERRORS, **(OPENAI_ERRORS if openai else {})}.items()}
         out["503"]["headers"] = {"Retry-After": {"description": "seconds", "schema": {"type": "integer"}}}
+        out["504"]["content"] = json_body(ErrorResponse, "serialization")  # BentoML's own timeout answer
         return out
 
-    def post(model_in, model_out, summary: str) -> dict:
+    def post(model_in, model_out, summary: str, openai: bool = False) -> dict:
+        ok = json_body(model_out, "serialization")
+        if openai:
+            ok["text/event-stream"] = {"schema": {  # each event (OpenAPI 3.1)
+                "type": "object", "required": ["data"],
+                "properties": {"data": {"type": "string", "description": "with stream: true, one chunk's JSON per "
+                                        "event (chat.completion.chunk or text_completion; an error's last), then [DONE]"}}}}
         return {"post": {"summary": summary, "operationId": summary.split()[0].lower(),
                          "requestBody": {"required": True, "content": json_body(model_in, "validation")},
-                         "responses": {"200": {"description": "OK", "content": json_body(model_out, "serialization")},
-                                       **errors()}}}
+                         "responses": {"200": {"description": "OK", "content": ok}, **errors(openai)}}}
 
     def probe(summary: str, media_type: str = "text/plain", not_ready: bool = False) -> dict:
         responses = {"200": {"description": "OK", "content": {media_type: {"schema": {"type": "string"}}}}}
@@ -233,6 +512,13 @@ def openapi_document(title: str, version: str, description: str) -> dict:
             "/generate": post(GenerateRequest, GenerateResponse, "Generate rollouts of one prompt, graded against "
                                                                  "ground_truth when given"),
             "/solve": post(SolveRequest, SolveResponse, "Solve a math word problem by majority vote over k samples"),
+            "/v1/chat/completions": post(ChatCompletionRequest, ChatCompletion, "Chat: OpenAI-compatible chat "
+                                                                               "completions", openai=True),
+            "/v1/completions": post(CompletionRequest, Completion, "Completions: OpenAI-compatible completions of "
+                                                                   "raw prompts", openai=True),
+            "/v1/models": {"get": {"summary": "Models: the served policy", "operationId": "models",
+                                   "responses": {"200": {"description": "OK",
+                                                         "content": json_body(ModelList, "serialization")}}}},
             "/healthz": probe("Healthz: alive (loading has not failed)"),
             "/livez": probe("Livez: alive (loading has not failed)"),
             "/readyz": probe("Readyz: loaded, warmed up and not saturated", not_ready=True),

@@ -4,6 +4,15 @@
   given ``ground_truth``, its verifiable reward; the best rollout, mean reward, majority answer.
 * ``POST /solve``: self-consistency (Wang et al. 2022): k samples, majority vote of their final
   answers, the vote share as confidence; k = 1 is one greedy decode.
+* ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``: OpenAI's API, as vLLM
+  serves it (``bentos.openai_api`` speaks its wire format): chat messages rendered with the model's
+  chat template by ``rlvr.prompts.render_messages`` (control tokens in a message refused), completions
+  on the raw prompt (text or token ids; no template, as vLLM's); ``n``, ``temperature``, ``top_p``,
+  ``max_tokens``, ``stop`` (the text ends before it; finish reason ``stop``), ``seed`` (a seeded request
+  samples in an engine call of its own: the same choices alone or batched), ``logprobs`` of the
+  sampled tokens (no alternatives: ``top_logprobs`` / ``logprobs`` above 0 are refused), ``stream``
+  (server-sent events token by token), usage. Every other OpenAI field gets a 400 naming it, in
+  OpenAI's error shape, as does a value out of bounds.
 * ``/healthz`` (alive: loading has not failed), ``/readyz`` (the policy is loaded, warmed up and a
   slot is free), ``/metrics`` (BentoML's ``bentoml_service_*`` plus the ``rlvr_*`` series),
   ``/docs.json`` (the OpenAPI 3.1 document of ``bentos.schemas``).
@@ -31,10 +40,19 @@ adaptive batching is not used: a batchable API is a public route whose internal 
 second concurrency slot, crosses an HTTP hop that cancellation cannot, and waits on a dispatcher
 tuned for millisecond inference.)
 
+The ``/v1`` endpoints take the same way in, pricing, batching and cancellation: one rollout job per
+prompt (``stop_at_final_answer`` off), a streaming job's tokens handed to its handler as they are
+sampled (``SamplingConfig.on_tokens``). A stream outlives BentoML's timeout, which ends at a
+response's first message: it keeps to the timeout itself (an error event, then ``[DONE]``), and the
+guard ends it ``STREAM_GRACE_S`` later if its client stopped reading.
+
 Every request that reached generation is appended to the JSONL traffic log in
 ``Settings.traffic_dir`` (``$RLVR_TRAFFIC_DIR``, else ``$RLVR_HOME/traffic``; absolute paths), with
 the status its client got and, when it failed, why; the drift monitoring reads it with
-``rlvr.traffic.read_traffic``.
+``rlvr.traffic.read_traffic``. ``endpoint`` says which endpoint served it; a ``/v1`` record's
+``prompt`` is the last user message (chat) or the first prompt, and it adds ``messages`` (chat),
+``prompts`` (completions of several prompts) and ``usage``; its ``completions`` and
+``finish_reasons`` are what the client got (cut at the stop string; ``stop`` / ``length``).
 """
 
 from __future__ import annotations
@@ -56,25 +74,39 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from http import HTTPStatus
+from typing import AsyncIterator, Callable, NamedTuple
 
 import bentoml
 from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 from starlette.applications import Starlette
-from starlette.responses import JSONResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from bentos import MODEL_NAME, MODEL_VERSION_LABEL
+from bentos import MODEL_NAME, MODEL_VERSION_LABEL, openai_api
 from bentos.schemas import (
     BODY_TIMEOUT_S,
     DEFAULT_KV_CACHE_BUDGET_MIB,
     EXTRACTION_MODE,
     MAX_BODY_BYTES,
+    MAX_COMPLETION_TOKENS,
     MAX_PROMPT_TOKENS,
+    MAX_SAMPLES,
     SERVED_REWARDS,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
     GenerateRequest,
     GenerateResponse,
+    ModelCard,
+    ModelList,
     Rollout,
     SolveRequest,
     SolveResponse,
@@ -83,7 +115,7 @@ from bentos.schemas import (
 from rlvr.answers import extract_final_answer
 from rlvr.evaluation import majority_vote
 from rlvr.policy import load_policy, load_tokenizer
-from rlvr.prompts import render_prompt
+from rlvr.prompts import ControlTokensError, render_messages, render_prompt
 from rlvr.rewards import RewardPool
 from rlvr.rollout import SamplingConfig, generate_rollouts
 from rlvr.settings import Settings
@@ -91,8 +123,10 @@ from rlvr.traffic import TrafficLog
 
 logger = logging.getLogger("bentoml.rlvr_policy")
 
-PUBLIC_ENDPOINTS = ("/generate", "/solve")
+OPENAI_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+PUBLIC_ENDPOINTS = ("/generate", "/solve", *OPENAI_ENDPOINTS)
 REQUEST_TIMEOUT_S = 300  # the whole request, queueing included: BentoML answers 504 and we stop its rows
+STREAM_GRACE_S = 2.0  # past the timeout, the guard ends a stream whose client stopped reading
 MAX_CONCURRENCY = 64  # per replica: public requests past the body and in the handler; more get 503
 RETRY_AFTER_S = 2
 MAX_BATCH_REQUESTS = 8  # requests per generation pass
@@ -113,8 +147,9 @@ ARGS = bentoml.use_arguments(ServiceArgs)
 
 REQUESTS = Counter(
     name="rlvr_requests_total",
-    documentation="Requests to /generate and /solve by endpoint and the HTTP status their client received "
-                  "(every refusal included; 499: the client hung up before its answer)",
+    documentation="Requests to the public endpoints (/generate, /solve, /v1/chat/completions, /v1/completions) by "
+                  "endpoint and the HTTP status their client received (every refusal included; 499: the client hung "
+                  "up before its answer; a stream: how it ended)",
     labelnames=["endpoint", "status"],
 )
 ROLLOUTS_GENERATED = Counter(
@@ -188,14 +223,28 @@ def cancelled_status() -> tuple[int, str]:
     return 504, "timed out (the service's request timeout)"
 
 
+def request_timeout_s() -> float:
+    """The service's traffic timeout as BentoML runs it (``BENTOML_CONFIG_OPTIONS`` included)."""
+    from bentoml._internal.configuration.containers import BentoMLContainer
+
+    try:
+        return float(BentoMLContainer.config.services[RlvrPolicy.name].get()["traffic"]["timeout"])
+    except (KeyError, TypeError, ValueError):
+        return float(REQUEST_TIMEOUT_S)
+
+
 class RequestGuard:
     """ASGI middleware on the public endpoints: the way in (module docstring), each refusal a JSON
-    ``ErrorResponse``; every request counted in ``rlvr_requests_total`` with the status its client got."""
+    ``ErrorResponse`` (OpenAI's error shape on ``/v1``); every request counted in
+    ``rlvr_requests_total`` with the status its client got. BentoML's timeout stops at a response's
+    first message, so the guard ends a stream still running ``STREAM_GRACE_S`` past it (a client
+    that stops reading would hold its slot)."""
 
     def __init__(self, app, door: Door, endpoints: tuple[str, ...] = PUBLIC_ENDPOINTS,
                  max_body_bytes: int = MAX_BODY_BYTES, body_timeout_s: float = BODY_TIMEOUT_S):
         self.app, self.door, self.endpoints = app, door, endpoints
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
+        self.deadline_s: float | None = None  # the request timeout + STREAM_GRACE_S, read at the first request
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] not in self.endpoints:
@@ -222,6 +271,7 @@ class RequestGuard:
     async def _admit(self, scope, receive, send, exchange: Exchange) -> None:
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)  # 405 from the router
+        _refuse = functools.partial(refuse, openai=scope["path"] in OPENAI_ENDPOINTS)
         headers = dict(scope["headers"])
         media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if media_type != b"application/json":
@@ -275,18 +325,23 @@ class RequestGuard:
             while (await receive())["type"] != "http.disconnect":
                 pass
 
+        if self.deadline_s is None:
+            self.deadline_s = request_timeout_s() + STREAM_GRACE_S
         app = asyncio.ensure_future(self.app(scope, replay, send))
         watcher = asyncio.ensure_future(watch())
         try:
-            await asyncio.wait({app, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({app, watcher}, timeout=self.deadline_s, return_when=asyncio.FIRST_COMPLETED)
             if not app.done():
-                exchange.client_gone = True  # before the cancellation, so the handler can say why
+                # the client hung up, or a stream outlived its time: the handler reads which when cancelled
+                exchange.client_gone = watcher.done()
                 hung_up.set()
                 app.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await app
                 if exchange.status is None:
-                    await _refuse(send, CLIENT_GONE, "client disconnected")
+                    await refuse(send, CLIENT_GONE, "client disconnected")
+                else:  # a stream under way: its client got part of it
+                    exchange.status = CLIENT_GONE if exchange.client_gone else 504
             else:
                 app.result()
         finally:
@@ -294,10 +349,12 @@ class RequestGuard:
             app.cancel()  # a no-op once done; when this request timed out it stops the handler
 
 
-async def _refuse(send, status: int, message: str, *, retry_after: bool = False, close: bool = False) -> None:
-    """A JSON ``ErrorResponse``. Sent to a client that hung up (499) it goes nowhere, but it ends the
-    exchange for BentoML's middleware (its timeout would hold the request's task for the full timeout)."""
-    body = JSONResponse({"error": message}).body
+async def refuse(send, status: int, message: str, *, openai: bool = False, retry_after: bool = False,
+                 close: bool = False) -> None:
+    """A JSON ``ErrorResponse`` (``openai``: OpenAI's error shape). Sent to a client that hung up (499) it
+    goes nowhere, but it ends the exchange for BentoML's middleware (its timeout would hold the request's
+    task for the full timeout)."""
+    body = JSONResponse(openai_api.error_body(status, message) if openai else {"error": message}).body
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if retry_after:
         headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
@@ -347,19 +404,28 @@ def die_with_parent() -> None:
 
 @dataclass(eq=False)
 class RolloutJob:
-    """One request's share of a generation pass, queued for the model thread; ``cancelled`` stops its rows."""
+    """One prompt of a request, queued for the model thread as its share of a generation pass;
+    ``cancelled`` stops its rows, ``on_tokens`` (a streaming request's) sees them as they are sampled."""
 
-    prompt: str  # rendered with the chat template
+    prompt_ids: tuple[int, ...]
     num_samples: int
     temperatures: tuple[float, ...]
     max_new_tokens: int
     top_p: float
     kv_cache_bytes: int
+    stop_at_final_answer: bool = True  # /generate and /solve stop after the '#### <number>' line; /v1 does not
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None  # the client's: its sampled rows get an engine call of their own
+    on_tokens: Callable[[list[tuple[int, int]]], None] | None = None  # (sample, token) pairs of each decode step
     cancelled: threading.Event = field(default_factory=threading.Event)
     result: Future = field(default_factory=Future)
 
     def sampling_key(self) -> tuple:
-        return (self.num_samples, self.temperatures, self.max_new_tokens, self.top_p)
+        """Jobs with equal keys share one engine call; a seeded sampling job shares it with no one, so
+        its draws do not depend on its neighbours."""
+        own = self if self.seed is not None and any(t > 0 for t in self.temperatures) else None
+        return (self.num_samples, self.temperatures, self.max_new_tokens, self.top_p, self.stop_at_final_answer,
+                self.stop_strings, own)
 
 
 @dataclass
@@ -369,6 +435,36 @@ class RolloutResult:
     completion_tokens: list[int]
     generation_s: float  # the engine call that produced these rollouts
     batch_requests: int  # requests in the generation pass
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+
+
+class CostFields(NamedTuple):
+    """The request fields a 400 on its cost names."""
+
+    title: str  # the request model
+    prompt: str
+    rows: str
+    new_tokens: str
+    templated: bool  # the prompt is counted in the chat template
+
+
+@dataclass(frozen=True)
+class OpenAIReply:
+    """Who a /v1 answer is: its kind, id, time and model, and the request it answers."""
+
+    chat: bool
+    response_id: str
+    created: int
+    model: str
+    body: ChatCompletionRequest | CompletionRequest
+    prompt_tokens: int
+
+
+class StreamTimedOut(Exception):
+    """A stream past the request timeout (recorded as 504, told to the client in its last event)."""
+
+    error_code = HTTPStatus.GATEWAY_TIMEOUT
 
 
 def kv_cache_bytes_per_token(config, dtype) -> int:
@@ -391,13 +487,15 @@ class RlvrPolicy:
         stored = self.policy
         self.model_tag = str(stored.tag)
         self.model_version = stored.info.labels.get(MODEL_VERSION_LABEL) or str(stored.tag.version)
+        self.model_names = {self.model_version, self.model_tag, MODEL_NAME}  # what /v1 requests may call it
+        self.created = int(stored.info.creation_time.timestamp())
         self.batching = batching_enabled()
         self.kv_cache_budget_bytes = int(os.environ.get("RLVR_KV_CACHE_BUDGET_MIB", DEFAULT_KV_CACHE_BUDGET_MIB)) * 2**20
         self.traffic = TrafficLog(Settings.from_env(require_absolute=True).traffic_dir, max_bytes=TRAFFIC_MAX_BYTES)
         self.rewards = RewardPool(workers=2, timeout_s=REWARD_TIMEOUT_S)
         self.model = self.tokenizer = self.prompt_tokenizer = None
         self.context_tokens: int | None = None
-        self.kv_bytes_per_token = 0
+        self.kv_bytes_per_token = self.vocab_size = 0
         self._seeds = itertools.count(int(os.environ.get("RLVR_SEED", "0")))
         self._queue: deque[RolloutJob] = deque()
         self._queued = threading.Condition()
@@ -425,8 +523,10 @@ class RlvrPolicy:
         """Sample ``num_rollouts`` completions; with ``ground_truth``, grade each with ``reward``."""
         started, request_id = time.perf_counter(), uuid.uuid4().hex
         temperatures = request.temperatures()
-        job = self._priced_job("GenerateRequest", "prompt", request.prompt, "num_rollouts", request.num_rollouts,
-                               temperatures, request.max_new_tokens, request.top_p)
+        prompt = self._rendered("GenerateRequest", "prompt", request.prompt)
+        (job,) = self._priced_jobs(CostFields("GenerateRequest", "prompt", "num_rollouts", "max_new_tokens", True),
+                                   [prompt], request.num_rollouts, request.max_new_tokens,
+                                   temperatures=tuple(temperatures), top_p=request.top_p)
         record = {"endpoint": "/generate", "prompt": request.prompt,
                   "params": request.model_dump(exclude={"prompt", "ground_truth"})}
         async with self._traffic_record(request_id, started, record):
@@ -470,8 +570,10 @@ class RlvrPolicy:
     async def solve(self, request: SolveRequest, /) -> SolveResponse:
         """Answer a math word problem by majority vote over ``k`` samples (greedy when k = 1)."""
         started, request_id = time.perf_counter(), uuid.uuid4().hex
-        job = self._priced_job("SolveRequest", "question", request.question, "k", request.k, request.temperatures(),
-                               request.max_new_tokens, 1.0)
+        question = self._rendered("SolveRequest", "question", request.question)
+        (job,) = self._priced_jobs(CostFields("SolveRequest", "question", "k", "max_new_tokens", True), [question],
+                                   request.k, request.max_new_tokens, temperatures=tuple(request.temperatures()),
+                                   top_p=1.0)
         record = {"endpoint": "/solve", "prompt": request.question,
                   "params": request.model_dump(exclude={"question"})}
         async with self._traffic_record(request_id, started, record):
@@ -487,33 +589,211 @@ class RlvrPolicy:
             record.update(_generation_fields(result), answers=answers, answer=answer, vote_share=vote_share)
         return response
 
+    # ---- the OpenAI-compatible API (/v1): the same way in, pricing, batching, cancellation and logs --
+
+    def openai_models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_version, created=self.created, owned_by="rlvr-ops",
+                                         root=self.model_tag, max_model_len=self.context_tokens)])
+
+    async def openai_completions(self, request: Request, chat: bool) -> Response:
+        """``POST /v1/chat/completions`` (``chat``) or ``/v1/completions``: validated and priced before any
+        work (400 naming the field, in OpenAI's error shape), one rollout job per prompt batched with all
+        others, stopped when the client hangs up or its time runs out, logged in the traffic log."""
+        started, endpoint = time.perf_counter(), request.url.path
+        response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        schema = ChatCompletionRequest if chat else CompletionRequest
+        try:
+            body = schema.model_validate_json(await request.body())
+            if body.model is not None and body.model not in self.model_names:
+                return self._openai_refusal(endpoint, 404, f"the model `{body.model}` does not exist: this server "
+                                            f"serves `{self.model_version}` (GET /v1/models)", "model",
+                                            "model_not_found")
+            prompts, shown = self._openai_prompts(body, chat)
+            max_tokens = body.new_tokens() if chat else body.max_tokens
+            rows = "n" if body.n > 1 or len(prompts) == 1 else "prompt"
+            if len(prompts) * body.n > MAX_SAMPLES:
+                raise invalid_request(schema.__name__, rows, f"prompts x n = {len(prompts)} x {body.n}; at most "
+                                                             f"{MAX_SAMPLES} choices per request")
+            if len(prompts) * body.n * max_tokens > MAX_COMPLETION_TOKENS:
+                raise invalid_request(schema.__name__, "max_tokens", f"prompts x n x max_tokens = {len(prompts)} x "
+                                      f"{body.n} x {max_tokens}; at most {MAX_COMPLETION_TOKENS} completion tokens")
+            jobs = self._priced_jobs(CostFields(schema.__name__, "messages" if chat else "prompt", rows,
+                                                "max_tokens", chat), prompts, body.n, max_tokens,
+                                     temperatures=(body.temperature,), top_p=body.top_p, stop_at_final_answer=False,
+                                     stop_strings=tuple(body.stop), seed=body.seed)
+        except ValidationError as err:
+            return self._openai_refusal(endpoint, 400, *openai_api.invalid(err))
+        record = {"endpoint": endpoint, "prompt": shown[0],
+                  "params": body.model_dump(exclude={"messages", "prompt"}, mode="json")}
+        if chat:
+            record["messages"] = [m.model_dump() for m in body.messages]
+        elif len(shown) > 1:
+            record["prompts"] = shown
+        reply = OpenAIReply(chat, response_id, int(time.time()), self.model_version, body,
+                            prompt_tokens=sum(len(ids) for ids in prompts))
+        if body.stream:
+            return openai_api.EventStream(self._openai_stream(reply, jobs, started, record))
+        async with self._traffic_record(response_id, started, record):
+            results = await asyncio.gather(*(self._rollouts(job) for job in jobs))
+            response = self._openai_response(reply, results, record)
+        return JSONResponse(response.model_dump(mode="json"))
+
+    def _openai_prompts(self, body, chat: bool) -> tuple[list[list[int]], list[str]]:
+        """The request's prompts as token ids, and as the traffic log shows them (chat: the last user
+        message; completions: each prompt's text). Chat messages go through ``render_messages``."""
+        if chat:
+            messages = [m.model_dump() for m in body.messages]
+            try:
+                rendered = render_messages(self.prompt_tokenizer, messages)
+            except ControlTokensError as err:
+                raise invalid_request("ChatCompletionRequest", err.field, str(err)) from None
+            users = [m["content"] for m in messages if m["role"] == "user"]
+            return [self.prompt_tokenizer(rendered, add_special_tokens=False).input_ids], [users[-1] if users else ""]
+        if isinstance(body.prompt[0], str):
+            return self.prompt_tokenizer(body.prompt, add_special_tokens=False).input_ids, list(body.prompt)
+        return body.prompt, self.prompt_tokenizer.batch_decode(body.prompt)
+
+    def _openai_response(self, reply: OpenAIReply, results: list[RolloutResult], record: dict):
+        """The whole answer, its choices in order (prompt index x n + sample index), and the traffic record's
+        generation fields (texts as the client got them)."""
+        texts, reasons, tokens, choices = [], [], [], []
+        for result in results:
+            for text, engine_reason, ids, logprobs in zip(result.texts, result.finish_reasons, result.token_ids,
+                                                          result.logprobs):
+                text, stopped = openai_api.cut_at_stop(text, reply.body.stop)
+                reason = openai_api.finish_reason(engine_reason, stopped)
+                index = len(choices)
+                if reply.chat:
+                    choices.append(ChatChoice(index=index, message=AssistantMessage(content=text), finish_reason=reason,
+                                              logprobs=openai_api.chat_logprobs(self._token_texts(ids), logprobs)
+                                              if reply.body.logprobs else None))
+                else:
+                    choices.append(CompletionChoice(index=index, text=text, finish_reason=reason,
+                                                    logprobs=openai_api.completion_logprobs(self._token_texts(ids), logprobs)
+                                                    if reply.body.logprobs is not None else None))
+                texts.append(text)
+                reasons.append(reason)
+                tokens.append(len(ids))
+        used = openai_api.usage(reply.prompt_tokens, sum(tokens))
+        merged = RolloutResult(texts=texts, finish_reasons=reasons, completion_tokens=tokens,
+                               generation_s=max(r.generation_s for r in results),
+                               batch_requests=max(r.batch_requests for r in results))
+        answers = [self._answer(text) for text in texts]
+        answer, vote_share = majority_vote(answers)
+        record.update(_generation_fields(merged), answers=answers, answer=answer, vote_share=vote_share,
+                      usage=used.model_dump())
+        response_type = ChatCompletion if reply.chat else Completion
+        return response_type(id=reply.response_id, created=reply.created, model=reply.model, choices=choices,
+                             usage=used)
+
+    async def _openai_stream(self, reply: OpenAIReply, jobs: list[RolloutJob], started: float,
+                             record: dict) -> AsyncIterator[bytes]:
+        """Server-sent events: each choice's text as its tokens are sampled (held back while it could still
+        become a stop string), its finish reason, the usage when asked, ``[DONE]``. A stream past the request
+        timeout ends with an error event (504 in the log and the metrics)."""
+        loop, arrived = asyncio.get_running_loop(), asyncio.Queue()
+        n = reply.body.n
+        streams = [openai_api.TextStream(self._decode, reply.body.stop) for _ in range(len(jobs) * n)]
+        for i, job in enumerate(jobs):
+            job.on_tokens = lambda pairs, i=i: loop.call_soon_threadsafe(arrived.put_nowait, (i, pairs))
+        deadline = started + request_timeout_s()
+        say = functools.partial(openai_api.chunk, reply.chat, reply.response_id, reply.created, reply.model)
+        try:
+            async with self._traffic_record(reply.response_id, started, record):
+                generation = asyncio.gather(*(self._rollouts(job) for job in jobs))
+                generation.add_done_callback(lambda _: arrived.put_nowait(None))
+                try:
+                    if reply.chat:
+                        for index in range(len(streams)):
+                            yield openai_api.sse(say(index, role=True))
+                    finished = False
+                    while not finished:
+                        try:
+                            items = [await asyncio.wait_for(arrived.get(), deadline - time.perf_counter())]
+                        except TimeoutError:
+                            raise StreamTimedOut("timed out (the service's request timeout)") from None
+                        while not arrived.empty():
+                            items.append(arrived.get_nowait())
+                        new: dict[int, list[int]] = {}
+                        for item in items:
+                            if item is None:
+                                finished = True
+                                continue
+                            for sample, token in item[1]:
+                                new.setdefault(item[0] * n + sample, []).append(token)
+                        for index, tokens in new.items():
+                            if delta := streams[index].add(tokens):
+                                yield openai_api.sse(say(index, text=delta))
+                    results = generation.result()
+                finally:
+                    generation.cancel()
+                response = self._openai_response(reply, results, record)
+                for choice, stream in zip(response.choices, streams):
+                    text = choice.message.content if reply.chat else choice.text
+                    rest = stream.finish(text)
+                    yield openai_api.sse(say(choice.index, text=rest or None, finish=choice.finish_reason))
+                if reply.body.include_usage():
+                    yield openai_api.sse(openai_api.usage_chunk(reply.chat, reply.response_id, reply.created,
+                                                                reply.model, response.usage))
+        except Exception as err:  # noqa: BLE001 - the response has begun: the error is its last event
+            status = getattr(getattr(err, "error_code", None), "value", 500)
+            if status == 500:
+                logger.exception("rlvr_policy: a streamed %s request failed", record["endpoint"])
+            if (exchange := EXCHANGE.get(None)) is not None:
+                exchange.status = status
+            yield openai_api.sse(openai_api.error_body(status, str(err) if status != 500 else "generation failed"))
+        yield openai_api.SSE_DONE
+
+    def _openai_refusal(self, endpoint: str, status: int, message: str, param: str | None, code: str | None):
+        logger.info("%d on %s: %s", status, endpoint, message[:300])
+        return openai_api.error_response(status, message, param, code)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        """Completion text as the engine decodes it (special tokens skipped)."""
+        return self.prompt_tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def _token_texts(self, token_ids: list[int]) -> list[str]:
+        """Each token's own text, special tokens included (as vLLM's log-probs show them)."""
+        return self.prompt_tokenizer.batch_decode([[t] for t in token_ids])
+
     # ---- admission by cost, batching ----------------------------------------------------------
 
-    def _priced_job(self, title: str, text_field: str, question: str, rows_field: str, rows: int,
-                    temperatures: list[float], max_new_tokens: int, top_p: float) -> RolloutJob:
-        """The request's rollout job once its cost on the loaded model fits; else a 400 naming the field:
-        the question in the chat template within ``MAX_PROMPT_TOKENS`` (control tokens refused), prompt and
-        new tokens within the model's context, and the KV cache of its rows within the budget."""
+    def _rendered(self, title: str, text_field: str, question: str) -> list[int]:
+        """The question in the training prompt, as token ids; a 400 naming the field when the prompt
+        builder refuses it (control tokens)."""
         try:
             prompt = render_prompt(self.prompt_tokenizer, question)
         except ValueError as err:
             raise invalid_request(title, text_field, f"{text_field} refused by the prompt builder: {err}") from None
-        tokens = len(self.prompt_tokenizer(prompt, add_special_tokens=False).input_ids)
-        if tokens > MAX_PROMPT_TOKENS:
-            raise invalid_request(title, text_field, f"{text_field} is {tokens} tokens in the chat template; "
-                                                     f"at most {MAX_PROMPT_TOKENS}")
-        if self.context_tokens is not None and tokens + max_new_tokens > self.context_tokens:
-            raise invalid_request(title, "max_new_tokens",
-                                  f"{text_field} ({tokens} tokens in the chat template) + max_new_tokens "
-                                  f"({max_new_tokens}) is over the model's context of {self.context_tokens} tokens")
-        kv_bytes = rows * (tokens + max_new_tokens) * self.kv_bytes_per_token
-        if kv_bytes > self.kv_cache_budget_bytes:
-            raise invalid_request(title, rows_field,
-                                  f"{rows_field} x ({text_field} + max_new_tokens) = {rows} x ({tokens} + "
-                                  f"{max_new_tokens}) tokens: a KV cache of {kv_bytes / 2**20:.1f} MiB, over the "
+        return self.prompt_tokenizer(prompt, add_special_tokens=False).input_ids
+
+    def _priced_jobs(self, names: CostFields, prompts: list[list[int]], rows: int, max_new_tokens: int,
+                     **sampling) -> list[RolloutJob]:
+        """One rollout job per prompt once the request's cost on the loaded model fits; else a 400 naming
+        the field: each prompt within ``MAX_PROMPT_TOKENS`` and, with its new tokens, the model's context;
+        the KV cache of all the request's rows within the budget."""
+        title, where = names.title, " in the chat template" if names.templated else ""
+        for ids in prompts:
+            tokens = len(ids)
+            if tokens > MAX_PROMPT_TOKENS:
+                raise invalid_request(title, names.prompt, f"{names.prompt} is {tokens} tokens{where}; "
+                                                           f"at most {MAX_PROMPT_TOKENS}")
+            if self.context_tokens is not None and tokens + max_new_tokens > self.context_tokens:
+                raise invalid_request(title, names.new_tokens,
+                                      f"{names.prompt} ({tokens} tokens{where}) + {names.new_tokens} "
+                                      f"({max_new_tokens}) is over the model's context of {self.context_tokens} tokens")
+            if max(ids) >= self.vocab_size:
+                raise invalid_request(title, names.prompt, f"{names.prompt} holds token id {max(ids)}, outside the "
+                                                           f"model's vocabulary of {self.vocab_size}")
+        kv_bytes = [rows * (len(ids) + max_new_tokens) * self.kv_bytes_per_token for ids in prompts]
+        if sum(kv_bytes) > self.kv_cache_budget_bytes:
+            tokens = " + ".join(str(len(ids)) for ids in prompts)
+            raise invalid_request(title, names.rows,
+                                  f"{names.rows} x ({names.prompt} + {names.new_tokens}) = {rows} x ({tokens} + "
+                                  f"{max_new_tokens}) tokens: a KV cache of {sum(kv_bytes) / 2**20:.1f} MiB, over the "
                                   f"budget of {self.kv_cache_budget_bytes / 2**20:.0f} MiB")
-        return RolloutJob(prompt=prompt, num_samples=rows, temperatures=tuple(temperatures),
-                          max_new_tokens=max_new_tokens, top_p=top_p, kv_cache_bytes=kv_bytes)
+        return [RolloutJob(prompt_ids=tuple(ids), num_samples=rows, max_new_tokens=max_new_tokens, kv_cache_bytes=kv,
+                           **sampling) for ids, kv in zip(prompts, kv_bytes)]
 
     async def _rollouts(self, job: RolloutJob) -> RolloutResult:
         """Queue the job for the model thread and wait for it; a caller that gives up (its client hung
@@ -540,8 +820,9 @@ class RlvrPolicy:
             self.prompt_tokenizer = load_tokenizer(path)  # the event loop's own: pricing never shares the model's
             self.context_tokens = getattr(self.model.config, "max_position_embeddings", None)
             self.kv_bytes_per_token = kv_cache_bytes_per_token(self.model.config, self.model.dtype)
-            warm_up = RolloutJob(prompt=render_prompt(self.tokenizer, WARM_UP_QUESTION), num_samples=1,
-                                 temperatures=(0.0,), max_new_tokens=4, top_p=1.0, kv_cache_bytes=0)
+            self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
+            warm_up = RolloutJob(prompt_ids=tuple(self._rendered("warm-up", "question", WARM_UP_QUESTION)),
+                                 num_samples=1, temperatures=(0.0,), max_new_tokens=4, top_p=1.0, kv_cache_bytes=0)
             self._generate([warm_up], observe=False)
             DOOR.loaded = True
             logger.info("rlvr_policy: %s loaded on %s and warmed up", self.model_tag, device)
@@ -583,13 +864,15 @@ class RlvrPolicy:
         for i, job in enumerate(jobs):
             groups.setdefault(job.sampling_key(), []).append(i)
         results: list[RolloutResult | None] = [None] * len(jobs)
-        for (num_samples, temperatures, max_new_tokens, top_p), members in groups.items():
+        for (num_samples, temperatures, max_new_tokens, top_p, at_answer, stop, own), members in groups.items():
             config = SamplingConfig(max_new_tokens=max_new_tokens, temperatures=list(temperatures), top_p=top_p,
-                                    seed=next(self._seeds), max_batch_rows=MAX_BATCH_ROWS,
-                                    should_stop=lambda p, members=members: jobs[members[p]].cancelled.is_set())
+                                    seed=own.seed if own is not None else next(self._seeds),
+                                    max_batch_rows=MAX_BATCH_ROWS, stop_at_final_answer=at_answer, stop_strings=stop,
+                                    should_stop=lambda p, members=members: jobs[members[p]].cancelled.is_set(),
+                                    on_tokens=_token_router([jobs[i].on_tokens for i in members], num_samples))
             started = time.perf_counter()
-            rollouts = generate_rollouts(self.model, self.tokenizer, [jobs[i].prompt for i in members], num_samples,
-                                         config)
+            rollouts = generate_rollouts(self.model, self.tokenizer, [list(jobs[i].prompt_ids) for i in members],
+                                         num_samples, config)
             elapsed = time.perf_counter() - started
             if observe:
                 GENERATION_SECONDS.observe(elapsed)
@@ -597,6 +880,7 @@ class RlvrPolicy:
                 ROLLOUTS_GENERATED.inc(len(rollouts) - cancelled)
                 ROLLOUTS_CANCELLED.inc(cancelled)
             lengths = rollouts.completion_lengths.tolist()
+            token_ids = rollouts.completion_token_lists()
             for n, i in enumerate(members):
                 rows = range(n * num_samples, (n + 1) * num_samples)
                 results[i] = RolloutResult(
@@ -605,6 +889,8 @@ class RlvrPolicy:
                     completion_tokens=[int(lengths[r]) for r in rows],
                     generation_s=elapsed,
                     batch_requests=len(jobs),
+                    token_ids=[token_ids[r] for r in rows],
+                    logprobs=[rollouts.logprobs[r, : lengths[r]].tolist() for r in rows],
                 )
         if observe:
             PASS_REQUESTS.observe(len(jobs))
@@ -629,7 +915,7 @@ class RlvrPolicy:
         received_at, status, why = datetime.now(timezone.utc), 200, None
         try:
             yield record
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: a stream closed by its response
             status, why = cancelled_status()
             raise
         except BaseException as err:
@@ -659,6 +945,23 @@ class RlvrPolicy:
             logger.exception("rlvr_policy: could not append to the traffic log in %s", self.traffic.folder)
 
 
+def _token_router(sinks: list, num_samples: int):
+    """The engine's ``on_tokens`` for one call: each step's (row, token) pairs to their prompt's sink as
+    (sample, token) pairs; None when no prompt of the call streams."""
+    if not any(sinks):
+        return None
+
+    def route(rows: list[int], tokens: list[int]) -> None:
+        by_prompt: dict[int, list[tuple[int, int]]] = {}
+        for row, token in zip(rows, tokens):
+            if sinks[row // num_samples] is not None:
+                by_prompt.setdefault(row // num_samples, []).append((row % num_samples, token))
+        for prompt, pairs in by_prompt.items():
+            sinks[prompt](pairs)
+
+    return route
+
+
 def _generation_fields(result: RolloutResult) -> dict:
     return {"completions": result.texts, "finish_reasons": result.finish_reasons,
             "completion_tokens": result.completion_tokens, "generation_s": round(result.generation_s, 4),
@@ -674,6 +977,24 @@ async def _openapi_view(_request) -> JSONResponse:
     return JSONResponse(_openapi())
 
 
+async def _models_view(_request) -> JSONResponse:
+    return JSONResponse(bentoml.get_current_service().openai_models().model_dump())
+
+
+async def _chat_view(request: Request) -> Response:
+    return await bentoml.get_current_service().openai_completions(request, chat=True)
+
+
+async def _completions_view(request: Request) -> Response:
+    return await bentoml.get_current_service().openai_completions(request, chat=False)
+
+
 RlvrPolicy.add_asgi_middleware(RequestGuard, door=DOOR)
 # Matched before BentoML's own /docs.json, which flattens every union to its first member (OpenAPI 3.0).
-RlvrPolicy.mount_asgi_app(Starlette(routes=[Route("/docs.json", _openapi_view)]), path="/")
+# The /v1 routes are plain Starlette ones: BentoML's API layer would answer 400s in its own shape.
+RlvrPolicy.mount_asgi_app(Starlette(routes=[
+    Route("/docs.json", _openapi_view),
+    Route("/v1/models", _models_view),
+    Route("/v1/chat/completions", _chat_view, methods=["POST"]),
+    Route("/v1/completions", _completions_view, methods=["POST"]),
+]), path="/")
