@@ -8,7 +8,7 @@ export RLVR_GSM8K_DIR ?= $(abspath $(CURDIR)/../shared/data/gsm8k)
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup test-tools run test ui clean
+.PHONY: setup test-tools run test ui mlflow clean
 
 setup: $(VENV)/.installed
 
@@ -44,6 +44,13 @@ test: setup test-tools
 
 ui: setup $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/dagster dev -w workspace.yaml
+
+# The MLflow UI on the project's store (runs, registry, artifacts), on loopback only.
+MLFLOW_PORT ?= 5000
+mlflow: setup
+	mkdir -p $(RLVR_HOME)/mlartifacts
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(RLVR_HOME)/mlflow.db \
+	  --artifacts-destination $(RLVR_HOME)/mlartifacts --host 127.0.0.1 --port $(MLFLOW_PORT) --workers 1
 
 clean:
 	rm -rf $(RLVR_HOME)
