@@ -44,7 +44,8 @@ def main() -> None:
     parser.add_argument("--no-keep-freed-memory", action="store_true", help="leave glibc's malloc at its defaults")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
-        "--from-config", action="store_true",
+        "--from-config",
+        action="store_true",
         help="random weights built from the folder's config (it needs only config and tokenizer files): "
         "timings depend on shapes only, completions are noise and run to the token budget",
     )
@@ -57,10 +58,7 @@ def main() -> None:
         model, tokenizer = model.to(args.device), load_tokenizer(args.model)
     else:
         model, tokenizer = load_policy(args.model, args.device)
-    problems = [
-        {"prompt": render_prompt(tokenizer, q), "answer_value": a, "problem_id": f"bench-{i}"}
-        for i, (q, a) in enumerate(QUESTIONS)
-    ]
+    problems = [{"prompt": render_prompt(tokenizer, q), "answer_value": a, "problem_id": f"bench-{i}"} for i, (q, a) in enumerate(QUESTIONS)]
     config = GRPOConfig(
         group_size=args.group,
         prompts_per_step=args.prompts,

@@ -33,13 +33,18 @@ from rlvr.prompts import build_messages, render_prompt
 from rlvr.rollout import SamplingConfig
 
 QUESTIONS = [  # the first GSM8k train problems
-    ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-     "How many clips did Natalia sell altogether in April and May?", 72.0),
-    ("Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
-     "How much did she earn?", 10.0),
-    ("Betty is saving money for a new wallet which costs $100. Betty has only half of the money she needs. "
-     "Her parents decided to give her $15 for that purpose, and her grandparents twice as much as her parents. "
-     "How much more money does Betty need to buy the wallet?", 5.0),
+    (
+        "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+        "How many clips did Natalia sell altogether in April and May?",
+        72.0,
+    ),
+    ("Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?", 10.0),
+    (
+        "Betty is saving money for a new wallet which costs $100. Betty has only half of the money she needs. "
+        "Her parents decided to give her $15 for that purpose, and her grandparents twice as much as her parents. "
+        "How much more money does Betty need to buy the wallet?",
+        5.0,
+    ),
     ("James writes a 3-page letter to 2 different friends twice a week. How many pages does he write a year?", 624.0),
 ]
 
@@ -58,8 +63,15 @@ def run_rlvr(args, stop_at_final_answer: bool, compute_dtype: str = "float32") -
         return scores, {"correct": scores}
 
     config = GRPOConfig(
-        group_size=args.group, prompts_per_step=args.prompts, lr=args.lr, lr_decay="constant", total_steps=args.steps,
-        aggregation="token-mean", beta=0.0, micro_batch_size=args.prompts * args.group, skip_zero_variance=False,
+        group_size=args.group,
+        prompts_per_step=args.prompts,
+        lr=args.lr,
+        lr_decay="constant",
+        total_steps=args.steps,
+        aggregation="token-mean",
+        beta=0.0,
+        micro_batch_size=args.prompts * args.group,
+        skip_zero_variance=False,
         compute_dtype=compute_dtype,
         sampling=SamplingConfig(max_new_tokens=args.tokens, temperatures=[1.0], stop_at_final_answer=stop_at_final_answer),
     )
@@ -106,16 +118,27 @@ def run_trl(args, gradient_checkpointing: bool, bf16: bool | None) -> list[dict]
 
     with tempfile.TemporaryDirectory() as out:
         config = TRLConfig(
-            output_dir=out, per_device_train_batch_size=args.prompts * args.group, num_generations=args.group,
-            max_completion_length=args.tokens, temperature=1.0, beta=0.0, learning_rate=args.lr,
-            lr_scheduler_type="constant", max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[],
-            use_cpu=True, gradient_checkpointing=gradient_checkpointing, shuffle_dataset=False, seed=0,
+            output_dir=out,
+            per_device_train_batch_size=args.prompts * args.group,
+            num_generations=args.group,
+            max_completion_length=args.tokens,
+            temperature=1.0,
+            beta=0.0,
+            learning_rate=args.lr,
+            lr_scheduler_type="constant",
+            max_steps=args.steps,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            use_cpu=True,
+            gradient_checkpointing=gradient_checkpointing,
+            shuffle_dataset=False,
+            seed=0,
             **({} if bf16 is None else {"bf16": bf16}),
         )
         if bf16 is None:
             assert config.bf16, "TRL's default precision changed: relabel the rows"
-        trainer = TRLTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset,
-                             processing_class=tokenizer, callbacks=[Timer()])
+        trainer = TRLTrainer(model=model, reward_funcs=[reward], args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[Timer()])
         trainer.train()
     return steps
 
@@ -124,26 +147,28 @@ def summarize(name: str, steps: list[dict]) -> dict:
     counted = steps[1:] or steps  # the first step warms up
     step_s = statistics.median(s["step_s"] for s in counted)
     tokens_per_s = sum(s["tokens"] for s in counted) / sum(s["step_s"] for s in counted)
-    return {"trainer": name, "median_step_s": round(step_s, 2), "tokens_per_s": round(tokens_per_s, 2),
-            "mean_tokens_per_step": round(statistics.mean(s["tokens"] for s in counted), 1), "steps_counted": len(counted)}
+    return {
+        "trainer": name,
+        "median_step_s": round(step_s, 2),
+        "tokens_per_s": round(tokens_per_s, 2),
+        "mean_tokens_per_step": round(statistics.mean(s["tokens"] for s in counted), 1),
+        "steps_counted": len(counted),
+    }
 
 
 # (name, precision, runner): TRL's bf16=None is its default (bf16 mixed precision unless fp16)
 ROWS = [
-    ("TRL GRPOTrainer (defaults: bf16 mixed precision, gradient checkpointing on)", "bf16",
-     lambda args: run_trl(args, gradient_checkpointing=True, bf16=None)),
-    ("TRL GRPOTrainer (bf16, gradient checkpointing off)", "bf16",
-     lambda args: run_trl(args, gradient_checkpointing=False, bf16=True)),
-    ("TRL GRPOTrainer (fp32: bf16=False, gradient checkpointing on)", "fp32",
-     lambda args: run_trl(args, gradient_checkpointing=True, bf16=False)),
-    ("TRL GRPOTrainer (fp32: bf16=False, gradient checkpointing off)", "fp32",
-     lambda args: run_trl(args, gradient_checkpointing=False, bf16=False)),
-    ("rlvr-ops (default: fp32, stop after the #### line)", "fp32",
-     lambda args: run_rlvr(args, stop_at_final_answer=True)),
-    ("rlvr-ops (fp32, stop at final answer off)", "fp32",
-     lambda args: run_rlvr(args, stop_at_final_answer=False)),
-    ("rlvr-ops (compute_dtype=bfloat16: bf16 rollouts, bf16 autocast update)", "bf16",
-     lambda args: run_rlvr(args, stop_at_final_answer=True, compute_dtype="bfloat16")),
+    ("TRL GRPOTrainer (defaults: bf16 mixed precision, gradient checkpointing on)", "bf16", lambda args: run_trl(args, gradient_checkpointing=True, bf16=None)),
+    ("TRL GRPOTrainer (bf16, gradient checkpointing off)", "bf16", lambda args: run_trl(args, gradient_checkpointing=False, bf16=True)),
+    ("TRL GRPOTrainer (fp32: bf16=False, gradient checkpointing on)", "fp32", lambda args: run_trl(args, gradient_checkpointing=True, bf16=False)),
+    ("TRL GRPOTrainer (fp32: bf16=False, gradient checkpointing off)", "fp32", lambda args: run_trl(args, gradient_checkpointing=False, bf16=False)),
+    ("rlvr-ops (default: fp32, stop after the #### line)", "fp32", lambda args: run_rlvr(args, stop_at_final_answer=True)),
+    ("rlvr-ops (fp32, stop at final answer off)", "fp32", lambda args: run_rlvr(args, stop_at_final_answer=False)),
+    (
+        "rlvr-ops (compute_dtype=bfloat16: bf16 rollouts, bf16 autocast update)",
+        "bf16",
+        lambda args: run_rlvr(args, stop_at_final_answer=True, compute_dtype="bfloat16"),
+    ),
 ]
 
 
@@ -178,8 +203,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     for r in results:
         same = "" if r in trl else f"{r['tokens_per_s'] / fastest_trl[r['precision']]:.2f}x"
-        print(f"| {r['trainer']} | {r['median_step_s']} | {r['mean_tokens_per_step']} | {r['tokens_per_s']} | "
-              f"{r['tokens_per_s'] / baseline:.2f}x | {same} |")
+        print(f"| {r['trainer']} | {r['median_step_s']} | {r['mean_tokens_per_step']} | {r['tokens_per_s']} | {r['tokens_per_s'] / baseline:.2f}x | {same} |")
     print(json.dumps(results))
 
 

@@ -67,8 +67,17 @@ def task_folder(gsm8k_dir: Path, scratch: Path) -> Path:
     return scratch
 
 
-def run_harness(url: str, model: str, tokenizer_dir: Path, limit: int, *, max_gen_toks: int = MAX_NEW_TOKENS,
-                concurrency: int = 4, gsm8k_dir: Path = DEFAULT_GSM8K_DIR, output_dir: Path) -> list[dict]:
+def run_harness(
+    url: str,
+    model: str,
+    tokenizer_dir: Path,
+    limit: int,
+    *,
+    max_gen_toks: int = MAX_NEW_TOKENS,
+    concurrency: int = 4,
+    gsm8k_dir: Path = DEFAULT_GSM8K_DIR,
+    output_dir: Path,
+) -> list[dict]:
     """lm-eval's gsm8k on the first ``limit`` test problems through ``url``/v1/completions: per problem,
     its doc, prompt, stop strings, response, and each filter's answer and verdict."""
     from lm_eval import simple_evaluate
@@ -77,16 +86,29 @@ def run_harness(url: str, model: str, tokenizer_dir: Path, limit: int, *, max_ge
     tasks = TaskManager(include_path=str(task_folder(gsm8k_dir, output_dir / "tasks")), include_defaults=False)
     out = simple_evaluate(
         model="local-completions",
-        model_args={"model": model, "base_url": f"{url}/v1/completions", "tokenizer_backend": "huggingface",
-                    "tokenizer": str(tokenizer_dir), "tokenized_requests": False, "num_concurrent": concurrency,
-                    "max_gen_toks": max_gen_toks, "timeout": 600, "max_retries": 1},
-        tasks=[TASK], task_manager=tasks, limit=limit, log_samples=True)
+        model_args={
+            "model": model,
+            "base_url": f"{url}/v1/completions",
+            "tokenizer_backend": "huggingface",
+            "tokenizer": str(tokenizer_dir),
+            "tokenized_requests": False,
+            "num_concurrent": concurrency,
+            "max_gen_toks": max_gen_toks,
+            "timeout": 600,
+            "max_retries": 1,
+        },
+        tasks=[TASK],
+        task_manager=tasks,
+        limit=limit,
+        log_samples=True,
+    )
     by_doc: dict[int, dict] = {}
     for sample in out["samples"][TASK]:
         prompt, gen_kwargs = sample["arguments"][0]
         (response,) = sample["resps"][0]
-        row = by_doc.setdefault(sample["doc_id"], {"doc_id": sample["doc_id"], "doc": sample["doc"], "prompt": prompt,
-                                                   "until": gen_kwargs["until"], "response": response})
+        row = by_doc.setdefault(
+            sample["doc_id"], {"doc_id": sample["doc_id"], "doc": sample["doc"], "prompt": prompt, "until": gen_kwargs["until"], "response": response}
+        )
         name = "strict" if sample["filter"] == "strict-match" else "flexible"
         row[name], row[f"{name}_correct"] = sample["filtered_resps"][0], bool(sample["exact_match"])
     return [by_doc[i] for i in sorted(by_doc)]
@@ -107,9 +129,13 @@ def run_ours(url: str, docs: list[dict], concurrency: int) -> list[dict]:
         if status != 200:
             raise RuntimeError(f"/solve answered {status}: {out}")
         text = out["reasoning"]
-        return {"text": text, "gold": problem.answer_text, "gold_value": problem.answer_value,
-                **grade_completion(text, problem.answer_value),
-                **grade_lm_eval(text, doc["answer"])}
+        return {
+            "text": text,
+            "gold": problem.answer_text,
+            "gold_value": problem.answer_value,
+            **grade_completion(text, problem.answer_value),
+            **grade_lm_eval(text, doc["answer"]),
+        }
 
     with ThreadPoolExecutor(concurrency) as pool:
         return list(pool.map(solve, docs))
@@ -138,36 +164,50 @@ def compare(harness: list[dict], ours: list[dict]) -> dict:
             if h[f"{m}_correct"] == o[f"correct_{m}"]:
                 continue
             extraction = c[f"correct_{m}"] != h[f"{m}_correct"]  # one text, two graders, two verdicts
-            disagreements.append({
-                "doc_id": h["doc_id"], "metric": m, "gold": o["gold"],
-                "harness": "correct" if h[f"{m}_correct"] else "wrong", "ours": "correct" if o[f"correct_{m}"] else "wrong",
-                "reason": "different extraction" if extraction else "different text",
-                "harness_answer": h[m], "our_answer_on_harness_text": c[f"extracted_{m}"],
-                "our_answer": o[f"extracted_{m}"], "harness_text": h["response"], "our_text": o["text"],
-            })
+            disagreements.append(
+                {
+                    "doc_id": h["doc_id"],
+                    "metric": m,
+                    "gold": o["gold"],
+                    "harness": "correct" if h[f"{m}_correct"] else "wrong",
+                    "ours": "correct" if o[f"correct_{m}"] else "wrong",
+                    "reason": "different extraction" if extraction else "different text",
+                    "harness_answer": h[m],
+                    "our_answer_on_harness_text": c[f"extracted_{m}"],
+                    "our_answer": o[f"extracted_{m}"],
+                    "harness_text": h["response"],
+                    "our_text": o["text"],
+                }
+            )
     mismatched = [h["doc_id"] for h in harness if lm_eval_gsm8k_answers(h["response"]) != harness_answers(h)]
     return {"problems": n, "table": table, "disagreements": disagreements, "reimplementation_mismatches": mismatched}
 
 
 def report(result: dict, timings: dict) -> str:
-    lines = [f"GSM8k test, first {result['problems']} problems, greedy; {timings}", "",
-             "| text (prompt) | grading | strict | flexible |", "|---|---|---|---|"]
-    prompts = {"harness": "lm-eval gsm8k: 5-shot `Question: ... Answer:`, raw, /v1/completions",
-               "our": "ours: zero-shot training prompt in the chat template, /solve k=1"}
+    lines = [f"GSM8k test, first {result['problems']} problems, greedy; {timings}", "", "| text (prompt) | grading | strict | flexible |", "|---|---|---|---|"]
+    prompts = {
+        "harness": "lm-eval gsm8k: 5-shot `Question: ... Answer:`, raw, /v1/completions",
+        "our": "ours: zero-shot training prompt in the chat template, /solve k=1",
+    }
     for name, row in result["table"].items():
         text, grading = name.split(", ")
-        lines.append(f"| {prompts[text.split()[0]]} | {grading.replace(' grading', '')} | {row['strict']} | "
-                     f"{row['flexible']} |")
-    lines += ["", "Harness vs ours (diagonal): harness text + harness grading against our text + our grading.",
-              f"rlvr.answers.lm_eval_gsm8k_answers against the harness's own extraction: "
-              f"{result['problems'] - len(result['reimplementation_mismatches'])}/{result['problems']} responses agree"
-              + (f" (differ: {result['reimplementation_mismatches']})" if result["reimplementation_mismatches"] else ""),
-              "", f"Disagreements ({len(result['disagreements'])}):"]
+        lines.append(f"| {prompts[text.split()[0]]} | {grading.replace(' grading', '')} | {row['strict']} | {row['flexible']} |")
+    lines += [
+        "",
+        "Harness vs ours (diagonal): harness text + harness grading against our text + our grading.",
+        f"rlvr.answers.lm_eval_gsm8k_answers against the harness's own extraction: "
+        f"{result['problems'] - len(result['reimplementation_mismatches'])}/{result['problems']} responses agree"
+        + (f" (differ: {result['reimplementation_mismatches']})" if result["reimplementation_mismatches"] else ""),
+        "",
+        f"Disagreements ({len(result['disagreements'])}):",
+    ]
     clip = lambda text: json.dumps(text[-160:] if len(text) > 160 else text, ensure_ascii=False)
     for d in result["disagreements"]:
-        lines.append(f"- doc {d['doc_id']} {d['metric']}: harness {d['harness']} (answer {d['harness_answer']!r}), "
-                     f"ours {d['ours']} (answer {d['our_answer']!r}), gold {d['gold']}: {d['reason']} "
-                     f"(our rules on the harness text: {d['our_answer_on_harness_text']!r})")
+        lines.append(
+            f"- doc {d['doc_id']} {d['metric']}: harness {d['harness']} (answer {d['harness_answer']!r}), "
+            f"ours {d['ours']} (answer {d['our_answer']!r}), gold {d['gold']}: {d['reason']} "
+            f"(our rules on the harness text: {d['our_answer_on_harness_text']!r})"
+        )
         lines.append(f"    harness text ...{clip(d['harness_text'])}")
         lines.append(f"    our text     ...{clip(d['our_text'])}")
     return "\n".join(lines)
@@ -186,14 +226,12 @@ def main() -> int:
         scratch = Path(scratch)
         tag = store_policy(args.checkpoint, {"model_version": "bench"}, home=scratch / "bentoml")
         bento = build_bento(tag, home=scratch / "bentoml")
-        with ServedBento(bento.tag, scratch / "bentoml", scratch / "traffic", batching=True, threads=args.threads,
-                         log_path=scratch / "serve.log") as served:
+        with ServedBento(bento.tag, scratch / "bentoml", scratch / "traffic", batching=True, threads=args.threads, log_path=scratch / "serve.log") as served:
             served.wait_ready(600)
             with urllib.request.urlopen(f"{served.url}/v1/models", timeout=30) as resp:
                 model = json.loads(resp.read())["data"][0]["id"]
             started = time.perf_counter()
-            harness = run_harness(served.url, model, args.checkpoint, args.limit, concurrency=args.concurrency,
-                                  gsm8k_dir=args.gsm8k_dir, output_dir=scratch)
+            harness = run_harness(served.url, model, args.checkpoint, args.limit, concurrency=args.concurrency, gsm8k_dir=args.gsm8k_dir, output_dir=scratch)
             harness_s = time.perf_counter() - started
             started = time.perf_counter()
             ours = run_ours(served.url, [h["doc"] for h in harness], args.concurrency)

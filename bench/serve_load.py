@@ -105,11 +105,15 @@ class ServedBento:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**bentoml_env(home), "RLVR_TRAFFIC_DIR": str(traffic_dir), "RLVR_BATCHING": "1" if batching else "0",
-               "OMP_NUM_THREADS": str(threads)}
+        env = {**bentoml_env(home), "RLVR_TRAFFIC_DIR": str(traffic_dir), "RLVR_BATCHING": "1" if batching else "0", "OMP_NUM_THREADS": str(threads)}
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen([bentoml_cli(), "serve", tag, "--port", str(self.port), "--host", "127.0.0.1"],
-                                     env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [bentoml_cli(), "serve", tag, "--port", str(self.port), "--host", "127.0.0.1"],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -143,8 +147,7 @@ class ServedBento:
 def raw_client(port: int, body: bytes, send: int | None = None) -> socket.socket:
     """A connection that sent a ``/solve`` request's headers and the first ``send`` bytes of its body (all by default)."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=30)
-    head = (f"POST /solve HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    head = (f"POST /solve HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     sock.sendall(head + body[: len(body) if send is None else send])
     return sock
 
@@ -175,8 +178,16 @@ def disconnecting_client(port: int, body: dict, after_s: float) -> int:
         return response_status(sock, after_s)
 
 
-def run_load(url: str, bodies: list[dict], concurrency: int, timeout_s: float, max_total_s: float,
-             slow_clients: int = 0, disconnects: list[dict] | None = None, disconnect_after_s: float = 1.0) -> dict:
+def run_load(
+    url: str,
+    bodies: list[dict],
+    concurrency: int,
+    timeout_s: float,
+    max_total_s: float,
+    slow_clients: int = 0,
+    disconnects: list[dict] | None = None,
+    disconnect_after_s: float = 1.0,
+) -> dict:
     """Send ``bodies`` from ``concurrency`` threads; stop sending after ``max_total_s``. Meanwhile
     the ``disconnects`` requests go one after another from the start, each hanging up after
     ``disconnect_after_s``, and ``slow_clients`` slow-body connections stay open until both are done."""
@@ -211,9 +222,16 @@ def run_load(url: str, bodies: list[dict], concurrency: int, timeout_s: float, m
             status, out = post(url + "/solve", body, timeout_s)
             latency = time.perf_counter() - t0
             with lock:
-                results.append({"index": index, "status": status, "latency_s": latency, "prompt": body["question"],
-                                "request_id": out.get("request_id") if isinstance(out, dict) else None,
-                                "error": None if status == 200 else out})
+                results.append(
+                    {
+                        "index": index,
+                        "status": status,
+                        "latency_s": latency,
+                        "prompt": body["question"],
+                        "request_id": out.get("request_id") if isinstance(out, dict) else None,
+                        "error": None if status == 200 else out,
+                    }
+                )
 
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
     for t in threads:
@@ -225,12 +243,10 @@ def run_load(url: str, bodies: list[dict], concurrency: int, timeout_s: float, m
     stop.set()
     for t in hostile:
         t.join()
-    return {"wall_s": wall_s, "results": results, "not_sent": len(pending), "slow_answers": slow_answers,
-            "hangups": hangups}
+    return {"wall_s": wall_s, "results": results, "not_sent": len(pending), "slow_answers": slow_answers, "hangups": hangups}
 
 
-def summarize(name: str, load: dict, traffic_dir: Path, seen_by_server: dict[str, float] | None = None,
-              earlier: set[str] = frozenset()) -> dict:
+def summarize(name: str, load: dict, traffic_dir: Path, seen_by_server: dict[str, float] | None = None, earlier: set[str] = frozenset()) -> dict:
     """The configuration's numbers; ``seen_by_server``: the ``rlvr_requests_total`` counts the load added;
     ``earlier``: request ids of the records written before it (the warm-up's)."""
     ok = [r for r in load["results"] if r["status"] == 200]
@@ -241,22 +257,24 @@ def summarize(name: str, load: dict, traffic_dir: Path, seen_by_server: dict[str
     latencies = [r["latency_s"] for r in ok]
     wall = load["wall_s"]
     passes = [rec["batch_requests"] for rec in measured]
-    mislogged = [f"measured {r['request_id']}: {records.get(r['request_id'], {}).get('status')}"
-                 for r in ok if records.get(r["request_id"], {}).get("status") != 200]
+    mislogged = [
+        f"measured {r['request_id']}: {records.get(r['request_id'], {}).get('status')}" for r in ok if records.get(r["request_id"], {}).get("status") != 200
+    ]
     by_prompt = {rec["prompt"]: rec for rec in all_records}
     for hangup in load["hangups"]:
         record = by_prompt.get(hangup["prompt"])
         expected = hangup["status"] or 499  # 499 when it hung up before any answer
         if record is None or record["status"] != expected:
-            mislogged.append(f"{hangup['prompt']}: client saw {hangup['status']}, log says "
-                             f"{None if record is None else record['status']}")
+            mislogged.append(f"{hangup['prompt']}: client saw {hangup['status']}, log says {None if record is None else record['status']}")
     accounted = {r["request_id"] for r in load["results"]} | {r["prompt"] for r in load["results"] + load["hangups"]}
-    mislogged += [f"unaccounted record {rec['request_id']} ({rec['status']})" for rec in all_records
-                  if rec["request_id"] not in accounted and rec["prompt"] not in accounted]
+    mislogged += [
+        f"unaccounted record {rec['request_id']} ({rec['status']})"
+        for rec in all_records
+        if rec["request_id"] not in accounted and rec["prompt"] not in accounted
+    ]
     if seen_by_server is not None:
         seen_by_clients: dict[str, float] = {}
-        for status in [r["status"] for r in load["results"]] + load["slow_answers"] + [
-                h["status"] or 499 for h in load["hangups"]]:
+        for status in [r["status"] for r in load["results"]] + load["slow_answers"] + [h["status"] or 499 for h in load["hangups"]]:
             seen_by_clients[str(status)] = seen_by_clients.get(str(status), 0) + 1
         seen_by_server = {k: v for k, v in seen_by_server.items() if v}
         if seen_by_clients != seen_by_server:
@@ -303,12 +321,13 @@ def main() -> int:
         tag = store_policy(args.checkpoint, {"model_version": "bench"}, {"source": str(args.checkpoint)}, home=home)
         built = build_bento(tag, home=home)
         print(f"built {built.tag} ({built.size_bytes / 1e6:.0f} MB) from {args.checkpoint}", flush=True)
-        bodies = [{"question": q, "k": args.k, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
-                  for q in questions(args.requests)]
+        bodies = [{"question": q, "k": args.k, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens} for q in questions(args.requests)]
         warm_up = [{"question": q, "k": args.k, "max_new_tokens": 2} for q in questions(12)]
         long_tokens = min(MAX_NEW_TOKENS, MAX_COMPLETION_TOKENS // args.k)  # running when its client hangs up
-        hang_ups = [{"question": f"{q} [hang-up {i}]", "k": args.k, "temperature": 1.0, "max_new_tokens": long_tokens}
-                    for i, q in enumerate(questions(args.disconnects))]
+        hang_ups = [
+            {"question": f"{q} [hang-up {i}]", "k": args.k, "temperature": 1.0, "max_new_tokens": long_tokens}
+            for i, q in enumerate(questions(args.disconnects))
+        ]
         summaries = []
         for name in args.configs.split(","):
             traffic = work / f"traffic-{name}"
@@ -319,24 +338,33 @@ def main() -> int:
                 run_load(server.url, warm_up, 1, args.timeout_s, args.max_total_s)
                 earlier = {r["request_id"] for r in read_traffic(traffic).records}
                 before = requests_by_status(server.url + "/metrics")
-                load = run_load(server.url, bodies, args.concurrency, args.timeout_s, args.max_total_s,
-                                args.slow_clients, hang_ups, args.disconnect_after_s)
+                load = run_load(server.url, bodies, args.concurrency, args.timeout_s, args.max_total_s, args.slow_clients, hang_ups, args.disconnect_after_s)
                 time.sleep(1.0)  # the hung-up requests' records and counts land
                 after = requests_by_status(server.url + "/metrics")
-                summaries.append(summarize(f"batching {name}", load, traffic,
-                                           {k: after.get(k, 0) - before.get(k, 0) for k in after}, earlier))
+                summaries.append(summarize(f"batching {name}", load, traffic, {k: after.get(k, 0) - before.get(k, 0) for k in after}, earlier))
                 print(json.dumps(summaries[-1]), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     hostile = args.slow_clients or args.disconnects
-    print(f"\n{args.requests} /solve requests (k={args.k}, T={args.temperature}, "
-          f"max_new_tokens={args.max_new_tokens}), {args.concurrency} concurrent clients, "
-          f"OMP_NUM_THREADS={args.threads}"
-          + (f"; {args.slow_clients} slow-body clients, {args.disconnects} hang-ups after "
-             f"{args.disconnect_after_s:g} s" if hostile else "") + "\n")
-    columns = ["config", "requests_ok", "errors", "wall_s", "requests_per_s", "completion_tokens_per_s",
-               "latency_p50_s", "latency_p95_s", "mean_requests_per_pass"]
+    print(
+        f"\n{args.requests} /solve requests (k={args.k}, T={args.temperature}, "
+        f"max_new_tokens={args.max_new_tokens}), {args.concurrency} concurrent clients, "
+        f"OMP_NUM_THREADS={args.threads}"
+        + (f"; {args.slow_clients} slow-body clients, {args.disconnects} hang-ups after {args.disconnect_after_s:g} s" if hostile else "")
+        + "\n"
+    )
+    columns = [
+        "config",
+        "requests_ok",
+        "errors",
+        "wall_s",
+        "requests_per_s",
+        "completion_tokens_per_s",
+        "latency_p50_s",
+        "latency_p95_s",
+        "mean_requests_per_pass",
+    ]
     titles = ["config", "ok", "errors", "wall s", "req/s", "completion tok/s", "p50 s", "p95 s", "requests/pass"]
     if hostile:
         columns += ["slow_client_answers", "disconnects", "lost_or_mislogged"]
@@ -347,9 +375,11 @@ def main() -> int:
         print("| " + " | ".join(str(s[k]) for k in columns) + " |")
     if len(summaries) == 2 and summaries[0]["requests_per_s"] and summaries[0]["completion_tokens_per_s"]:
         off, on = summaries
-        print(f"\nthroughput {on['config']} / {off['config']}: "
-              f"{on['requests_per_s'] / off['requests_per_s']:.2f}x requests/s, "
-              f"{on['completion_tokens_per_s'] / off['completion_tokens_per_s']:.2f}x tokens/s")
+        print(
+            f"\nthroughput {on['config']} / {off['config']}: "
+            f"{on['requests_per_s'] / off['requests_per_s']:.2f}x requests/s, "
+            f"{on['completion_tokens_per_s'] / off['completion_tokens_per_s']:.2f}x tokens/s"
+        )
     if args.out:
         args.out.write_text(json.dumps(summaries, indent=2))
     return 1 if any(s["errors"] or s["lost_or_mislogged"] for s in summaries) else 0

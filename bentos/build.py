@@ -70,8 +70,7 @@ def store_policy(
     from bentoml._internal.models import ModelStore  # an explicit store: the global one is fixed at first use
 
     store = ModelStore(str(bentoml_home(home) / "models"))
-    with bentoml.models.create(MODEL_NAME, labels=dict(labels), metadata=dict(metadata or {}),
-                               _model_store=store) as model:
+    with bentoml.models.create(MODEL_NAME, labels=dict(labels), metadata=dict(metadata or {}), _model_store=store) as model:
         shutil.copytree(checkpoint_dir, model.path, dirs_exist_ok=True)
     return str(model.tag)
 
@@ -99,20 +98,17 @@ def build_bento(
     if version:
         command += ["--version", version]
     command.append(str(PROJECT_ROOT))
-    result = subprocess.run(command, cwd=PROJECT_ROOT, env=bentoml_env(home), capture_output=True, text=True,
-                            timeout=timeout_s)
+    result = subprocess.run(command, cwd=PROJECT_ROOT, env=bentoml_env(home), capture_output=True, text=True, timeout=timeout_s)
     found = _TAG_LINE.search(result.stdout)
     if result.returncode != 0 or found is None:
-        raise RuntimeError(f"bentoml build failed (exit {result.returncode}):\n{result.stdout[-4000:]}\n"
-                           f"{result.stderr[-4000:]}")
+        raise RuntimeError(f"bentoml build failed (exit {result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
     tag = found.group(1)
     name, bento_version = tag.split(":", 1)
     path = home / "bentos" / name / bento_version
     model_path = home / "models" / Path(*model_tag.split(":", 1))  # referenced by the Bento, shipped with it
     size = sum(f.stat().st_size for folder in (path, model_path) for f in folder.rglob("*") if f.is_file())
     rlvr_home = Settings.from_env().home  # traffic logs go under it
-    return BuiltBento(tag=tag, path=path, size_bytes=size,
-                      serve_command=f"BENTOML_HOME={home} RLVR_HOME={rlvr_home} bentoml serve {tag} --port 3000")
+    return BuiltBento(tag=tag, path=path, size_bytes=size, serve_command=f"BENTOML_HOME={home} RLVR_HOME={rlvr_home} bentoml serve {tag} --port 3000")
 
 
 def bentoml_env(home: Path) -> dict[str, str]:

@@ -69,14 +69,12 @@ def finish_reason(engine_reason: str, stopped: bool) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
-    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens)
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
 
 
 def chat_logprobs(tokens: list[str], logprobs: list[float]) -> ChatLogprobs:
     """Each generated token (the end token included) with its log-prob and UTF-8 bytes; no alternatives."""
-    return ChatLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(t.encode()))
-                                 for t, lp in zip(tokens, logprobs)])
+    return ChatLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in zip(tokens, logprobs)])
 
 
 def completion_logprobs(tokens: list[str], logprobs: list[float], text_start: int = 0) -> CompletionLogprobs:
@@ -85,16 +83,14 @@ def completion_logprobs(tokens: list[str], logprobs: list[float], text_start: in
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
-    return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs,
-                              top_logprobs=[{t: lp} for t, lp in zip(tokens, logprobs)], text_offset=offsets)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, top_logprobs=[{t: lp} for t, lp in zip(tokens, logprobs)], text_offset=offsets)
 
 
 def sse(payload: dict) -> bytes:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
-def chunk(chat: bool, response_id: str, created: int, model: str, index: int, text: str | None = None,
-          finish: str | None = None, role: bool = False) -> dict:
+def chunk(chat: bool, response_id: str, created: int, model: str, index: int, text: str | None = None, finish: str | None = None, role: bool = False) -> dict:
     """One streamed chunk of one choice: its first (chat: the role), a text delta, or its finish reason."""
     if chat:
         delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
@@ -108,8 +104,14 @@ def chunk(chat: bool, response_id: str, created: int, model: str, index: int, te
 
 def usage_chunk(chat: bool, response_id: str, created: int, model: str, used: Usage) -> dict:
     """The last chunk when ``stream_options.include_usage``: no choices, the request's usage."""
-    return {"id": response_id, "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created, "model": model, "choices": [], "usage": used.model_dump()}
+    return {
+        "id": response_id,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": used.model_dump(),
+    }
 
 
 class TextStream:
@@ -141,7 +143,7 @@ class TextStream:
     def _send(self, text: str) -> str:
         if not text.startswith(self.sent) or len(text) <= len(self.sent):
             return ""
-        delta, self.sent = text[len(self.sent):], text
+        delta, self.sent = text[len(self.sent) :], text
         return delta
 
 

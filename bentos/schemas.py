@@ -72,8 +72,9 @@ def _completion_tokens_bounded(rows_field: str, *tokens_fields: str):
     def check(value: int | None, info: ValidationInfo) -> int | None:
         rows = info.data.get(rows_field)  # absent when it failed its own validation
         if value is not None and rows is not None and rows * value > MAX_COMPLETION_TOKENS:
-            raise ValueError(f"{rows_field} x {info.field_name} = {rows} x {value} = {rows * value} completion "
-                             f"tokens; at most {MAX_COMPLETION_TOKENS} per request")
+            raise ValueError(
+                f"{rows_field} x {info.field_name} = {rows} x {value} = {rows * value} completion tokens; at most {MAX_COMPLETION_TOKENS} per request"
+            )
         return value
 
     return field_validator(*(tokens_fields or ("max_new_tokens",)))(check)
@@ -90,11 +91,7 @@ class GenerateRequest(_Request):
     )
     max_new_tokens: NewTokens = DEFAULT_MAX_NEW_TOKENS
     top_p: TopP = 1.0
-    ground_truth: (
-        Annotated[str, Field(min_length=1, max_length=MAX_GROUND_TRUTH_CHARS)]
-        | Annotated[float, Field(allow_inf_nan=False)]
-        | None
-    ) = None
+    ground_truth: Annotated[str, Field(min_length=1, max_length=MAX_GROUND_TRUTH_CHARS)] | Annotated[float, Field(allow_inf_nan=False)] | None = None
     reward: RewardName = Field(default=DEFAULT_REWARD, description="the reward that grades against ground_truth")
 
     _blank_refused = field_validator("prompt", "ground_truth")(_not_blank)
@@ -126,8 +123,7 @@ class Rollout(BaseModel):
     text: str
     answer: str | None = Field(description="the extracted final answer (normalized), None when there is none")
     reward: float | None = Field(description="None without ground_truth")
-    finish_reason: Literal["eos", "answer", "length"] = Field(
-        description="eos, answer (stopped after the '#### <number>' line) or length")
+    finish_reason: Literal["eos", "answer", "length"] = Field(description="eos, answer (stopped after the '#### <number>' line) or length")
     completion_tokens: int
     temperature: float
 
@@ -136,9 +132,7 @@ class GenerateResponse(BaseModel):
     request_id: str
     model_version: str
     rollouts: list[Rollout]
-    best_index: int = Field(
-        description="highest reward (first on ties); without ground_truth the first rollout giving the majority answer"
-    )
+    best_index: int = Field(description="highest reward (first on ties); without ground_truth the first rollout giving the majority answer")
     best_response: str
     best_reward: float | None
     mean_reward: float | None
@@ -188,11 +182,17 @@ NO_ALTERNATIVES = "the engine records the sampled token's log-prob, not its alte
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
 RawPrompt = Annotated[str, Field(min_length=1, max_length=MAX_RAW_PROMPT_CHARS)]
-PromptInput = (RawPrompt | Annotated[list[RawPrompt], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
-               | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)])
-StopInput = (Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
-             | Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
-                         Field(max_length=MAX_STOP_STRINGS)] | None)
+PromptInput = (
+    RawPrompt
+    | Annotated[list[RawPrompt], Field(min_length=1, max_length=MAX_PROMPTS)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+)
+StopInput = (
+    Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+    | Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]], Field(max_length=MAX_STOP_STRINGS)]
+    | None
+)
 TextPart = dict[Literal["type", "text"], str]
 
 
@@ -204,8 +204,7 @@ def _prompts(value) -> list[str] | list[list[int]]:
     """``prompt``: a string, a list of strings, a list of token ids or a list of such lists."""
     if isinstance(value, str) or _is_token_ids(value):
         prompts = [value]
-    elif isinstance(value, list) and value and (all(isinstance(v, str) for v in value)
-                                                or all(_is_token_ids(v) for v in value)):
+    elif isinstance(value, list) and value and (all(isinstance(v, str) for v in value) or all(_is_token_ids(v) for v in value)):
         prompts = value
     else:
         raise ValueError("prompt is a string, a list of strings, a list of token ids or a list of lists of token ids")
@@ -236,11 +235,11 @@ def _message_text(value) -> str:
     newlines, as vLLM joins them."""
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and all(isinstance(p, dict) and p.keys() == {"type", "text"} and p["type"] == "text"
-                                       and isinstance(p["text"], str) for p in value):
+    if isinstance(value, list) and all(
+        isinstance(p, dict) and p.keys() == {"type", "text"} and p["type"] == "text" and isinstance(p["text"], str) for p in value
+    ):
         return "\n".join(p["text"] for p in value)
-    raise ValueError("content is a string or a list of text parts {\"type\": \"text\", \"text\": ...} "
-                     "(images, audio and files are not supported)")
+    raise ValueError('content is a string or a list of text parts {"type": "text", "text": ...} (images, audio and files are not supported)')
 
 
 def _unsupported_unless(allowed, why: str, *fields: str):
@@ -262,28 +261,27 @@ class _OpenAIRequest(_Request):
     """What ``/v1/chat/completions`` and ``/v1/completions`` share. Unknown fields get a 400 naming them."""
 
     model: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)] | None = Field(
-        default=None, description="the id of /v1/models (its tag or name also served); null: the served policy")
+        default=None, description="the id of /v1/models (its tag or name also served); null: the served policy"
+    )
     n: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] = Field(default=1, description="choices per prompt")
     temperature: Temperature = Field(default=1.0, description="0 = greedy")
     top_p: TopP = 1.0
     stop: Annotated[list[str], PlainValidator(_stop_strings, json_schema_input_type=StopInput)] = Field(
-        default_factory=list, description="each choice ends where one of these first appears (not included; finish_reason stop)")
+        default_factory=list, description="each choice ends where one of these first appears (not included; finish_reason stop)"
+    )
     seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = Field(
-        default=None, description="the same seed and request give the same sampled choices, batched or not")
+        default=None, description="the same seed and request give the same sampled choices, batched or not"
+    )
     stream: bool = Field(default=False, description="server-sent events, one chunk per decode step, then [DONE]")
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(allow_inf_nan=False)] = Field(default=0.0, description="only 0")
     frequency_penalty: Annotated[float, Field(allow_inf_nan=False)] = Field(default=0.0, description="only 0")
     logit_bias: dict[str, float] | None = Field(default=None, description="only null or {}")
-    user: Annotated[str, Field(max_length=MAX_NAME_CHARS)] | None = Field(
-        default=None, description="kept in the traffic log")
+    user: Annotated[str, Field(max_length=MAX_NAME_CHARS)] | None = Field(default=None, description="kept in the traffic log")
 
-    _no_penalties = _unsupported_unless(lambda v, _: v == 0, "the engine samples without penalties (only 0)",
-                                        "presence_penalty", "frequency_penalty")
-    _no_logit_bias = _unsupported_unless(lambda v, _: not v, "the engine samples without logit biases",
-                                         "logit_bias")
-    _options_with_stream = _unsupported_unless(lambda v, data: v is None or data.get("stream") is True,
-                                               "stream_options needs stream: true", "stream_options")
+    _no_penalties = _unsupported_unless(lambda v, _: v == 0, "the engine samples without penalties (only 0)", "presence_penalty", "frequency_penalty")
+    _no_logit_bias = _unsupported_unless(lambda v, _: not v, "the engine samples without logit biases", "logit_bias")
+    _options_with_stream = _unsupported_unless(lambda v, data: v is None or data.get("stream") is True, "stream_options needs stream: true", "stream_options")
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -302,14 +300,13 @@ class ChatCompletionRequest(_OpenAIRequest):
     max_tokens: NewTokens | None = Field(default=None, description=f"default {DEFAULT_CHAT_MAX_TOKENS}")
     max_completion_tokens: NewTokens | None = Field(default=None, description="max_tokens' newer name")
     logprobs: bool = Field(default=False, description="each generated token's log-prob (not with stream)")
-    top_logprobs: Annotated[int, Field(ge=0, json_schema_extra={"maximum": 0})] | None = Field(
-        default=None, description=f"only 0: {NO_ALTERNATIVES}")
+    top_logprobs: Annotated[int, Field(ge=0, json_schema_extra={"maximum": 0})] | None = Field(default=None, description=f"only 0: {NO_ALTERNATIVES}")
 
     _bounded = _completion_tokens_bounded("n", "max_tokens", "max_completion_tokens")
-    _one_name = _unsupported_unless(lambda v, data: v is None or data.get("max_tokens") is None,
-                                    "give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
-    _no_stream_logprobs = _unsupported_unless(lambda v, data: not v or not data.get("stream"),
-                                              "log-probs are not streamed", "logprobs")
+    _one_name = _unsupported_unless(
+        lambda v, data: v is None or data.get("max_tokens") is None, "give max_tokens or max_completion_tokens, not both", "max_completion_tokens"
+    )
+    _no_stream_logprobs = _unsupported_unless(lambda v, data: not v or not data.get("stream"), "log-probs are not streamed", "logprobs")
     _no_alternatives = _unsupported_unless(lambda v, _: not v, NO_ALTERNATIVES, "top_logprobs")
 
     @field_validator("messages")
@@ -331,18 +328,17 @@ class CompletionRequest(_OpenAIRequest):
     prompt: Annotated[list[str] | list[list[int]], PlainValidator(_prompts, json_schema_input_type=PromptInput)]
     max_tokens: NewTokens = DEFAULT_COMPLETION_MAX_TOKENS
     logprobs: Annotated[int, Field(ge=0, json_schema_extra={"maximum": 0})] | None = Field(
-        default=None, description=f"0: each generated token's log-prob; more: not supported ({NO_ALTERNATIVES})")
+        default=None, description=f"0: each generated token's log-prob; more: not supported ({NO_ALTERNATIVES})"
+    )
     echo: bool = Field(default=False, description="only false")
     best_of: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | None = Field(default=None, description="only n")
     suffix: str | None = Field(default=None, description="only null")
 
     _bounded = _completion_tokens_bounded("n", "max_tokens")
-    _no_stream_logprobs = _unsupported_unless(lambda v, data: v is None or not data.get("stream"),
-                                              "log-probs are not streamed", "logprobs")
+    _no_stream_logprobs = _unsupported_unless(lambda v, data: v is None or not data.get("stream"), "log-probs are not streamed", "logprobs")
     _no_alternatives = _unsupported_unless(lambda v, _: not v, NO_ALTERNATIVES, "logprobs")
     _no_echo = _unsupported_unless(lambda v, _: not v, "the prompt is not echoed (nor scored)", "echo")
-    _no_best_of = _unsupported_unless(lambda v, data: v is None or v == data.get("n"),
-                                      "choices are not ranked (best_of must equal n)", "best_of")
+    _no_best_of = _unsupported_unless(lambda v, data: v is None or v == data.get("n"), "choices are not ranked (best_of must equal n)", "best_of")
     _no_suffix = _unsupported_unless(lambda v, _: not v, "no insertion (suffix)", "suffix")
 
 
@@ -354,8 +350,7 @@ class Usage(BaseModel):
 
 class TokenLogprob(BaseModel):
     token: str
-    logprob: float = Field(description="under the distribution it was sampled from (temperature applied, before "
-                                       "top-p; greedy: the model's own)")
+    logprob: float = Field(description="under the distribution it was sampled from (temperature applied, before top-p; greedy: the model's own)")
     bytes: list[int]
     top_logprobs: list[dict] = Field(default_factory=list, description=f"always empty: {NO_ALTERNATIVES}")
 
@@ -451,12 +446,12 @@ class ErrorResponse(BaseModel):
 
 OPENAI_ERRORS = {  # the /v1 endpoints' own
     400: "Invalid request: `error.param` names the field (a value out of its bounds, something the engine cannot do, "
-         "or the request's cost on the loaded model over a limit)",
+    "or the request's cost on the loaded model over a limit)",
     404: "No such model: `model` is not the served policy (see /v1/models)",
 }
 ERRORS = {
     400: "Invalid request: each error in `detail` names its field in `loc` (a value out of its bounds, or the "
-         "request's cost on the loaded model over a limit: prompt tokens, context, KV-cache budget)",
+    "request's cost on the loaded model over a limit: prompt tokens, context, KV-cache budget)",
     408: f"The body did not arrive within {BODY_TIMEOUT_S:g} s",
     413: f"The body is over {MAX_BODY_BYTES} bytes",
     415: "The body is not application/json",
@@ -469,11 +464,19 @@ ERRORS = {
 def openapi_document(title: str, version: str, description: str) -> dict:
     """The service's OpenAPI 3.1 document: the public endpoints with the request, response and error
     schemas pydantic validates and serializes with (JSON Schema 2020-12, as 3.1 takes it), and the probes."""
-    models = [(GenerateRequest, "validation"), (GenerateResponse, "serialization"), (SolveRequest, "validation"),
-              (SolveResponse, "serialization"), (ErrorResponse, "serialization"),
-              (ChatCompletionRequest, "validation"), (ChatCompletion, "serialization"),
-              (CompletionRequest, "validation"), (Completion, "serialization"), (ModelList, "serialization"),
-              (OpenAIErrorResponse, "serialization")]
+    models = [
+        (GenerateRequest, "validation"),
+        (GenerateResponse, "serialization"),
+        (SolveRequest, "validation"),
+        (SolveResponse, "serialization"),
+        (ErrorResponse, "serialization"),
+        (ChatCompletionRequest, "validation"),
+        (ChatCompletion, "serialization"),
+        (CompletionRequest, "validation"),
+        (Completion, "serialization"),
+        (ModelList, "serialization"),
+        (OpenAIErrorResponse, "serialization"),
+    ]
     refs, schemas = models_json_schema(models, ref_template="#/components/schemas/{model}")
 
     def json_body(model, mode: str) -> dict:
@@ -481,8 +484,10 @@ def openapi_document(title: str, version: str, description: str) -> dict:
 
     def errors(openai: bool = False) -> dict:
         shape = OpenAIErrorResponse if openai else ErrorResponse
-        out = {str(code): {"description": text, "content": json_body(shape, "serialization")}
-               for code, text in {**ERRORS, **(OPENAI_ERRORS if openai else {})}.items()}
+        out = {
+            str(code): {"description": text, "content": json_body(shape, "serialization")}
+            for code, text in {**ERRORS, **(OPENAI_ERRORS if openai else {})}.items()
+        }
         out["503"]["headers"] = {"Retry-After": {"description": "seconds", "schema": {"type": "integer"}}}
         out["504"]["content"] = json_body(ErrorResponse, "serialization")  # BentoML's own timeout answer
         return out
@@ -490,35 +495,49 @@ def openapi_document(title: str, version: str, description: str) -> dict:
     def post(model_in, model_out, summary: str, openai: bool = False) -> dict:
         ok = json_body(model_out, "serialization")
         if openai:
-            ok["text/event-stream"] = {"schema": {  # each event (OpenAPI 3.1)
-                "type": "object", "required": ["data"],
-                "properties": {"data": {"type": "string", "description": "with stream: true, one chunk's JSON per "
-                                        "event (chat.completion.chunk or text_completion; an error's last), then [DONE]"}}}}
-        return {"post": {"summary": summary, "operationId": summary.split()[0].lower(),
-                         "requestBody": {"required": True, "content": json_body(model_in, "validation")},
-                         "responses": {"200": {"description": "OK", "content": ok}, **errors(openai)}}}
+            ok["text/event-stream"] = {
+                "schema": {  # each event (OpenAPI 3.1)
+                    "type": "object",
+                    "required": ["data"],
+                    "properties": {
+                        "data": {
+                            "type": "string",
+                            "description": "with stream: true, one chunk's JSON per "
+                            "event (chat.completion.chunk or text_completion; an error's last), then [DONE]",
+                        }
+                    },
+                }
+            }
+        return {
+            "post": {
+                "summary": summary,
+                "operationId": summary.split()[0].lower(),
+                "requestBody": {"required": True, "content": json_body(model_in, "validation")},
+                "responses": {"200": {"description": "OK", "content": ok}, **errors(openai)},
+            }
+        }
 
     def probe(summary: str, media_type: str = "text/plain", not_ready: bool = False) -> dict:
         responses = {"200": {"description": "OK", "content": {media_type: {"schema": {"type": "string"}}}}}
         if not_ready:
-            responses["503"] = {"description": "not ready: loading, or every slot is taken",
-                                "content": {"text/plain": {"schema": {"type": "string"}}}}
+            responses["503"] = {"description": "not ready: loading, or every slot is taken", "content": {"text/plain": {"schema": {"type": "string"}}}}
         return {"get": {"summary": summary, "operationId": summary.split()[0].lower(), "responses": responses}}
 
     return {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version, "description": description},
         "paths": {
-            "/generate": post(GenerateRequest, GenerateResponse, "Generate rollouts of one prompt, graded against "
-                                                                 "ground_truth when given"),
+            "/generate": post(GenerateRequest, GenerateResponse, "Generate rollouts of one prompt, graded against ground_truth when given"),
             "/solve": post(SolveRequest, SolveResponse, "Solve a math word problem by majority vote over k samples"),
-            "/v1/chat/completions": post(ChatCompletionRequest, ChatCompletion, "Chat: OpenAI-compatible chat "
-                                                                               "completions", openai=True),
-            "/v1/completions": post(CompletionRequest, Completion, "Completions: OpenAI-compatible completions of "
-                                                                   "raw prompts", openai=True),
-            "/v1/models": {"get": {"summary": "Models: the served policy", "operationId": "models",
-                                   "responses": {"200": {"description": "OK",
-                                                         "content": json_body(ModelList, "serialization")}}}},
+            "/v1/chat/completions": post(ChatCompletionRequest, ChatCompletion, "Chat: OpenAI-compatible chat completions", openai=True),
+            "/v1/completions": post(CompletionRequest, Completion, "Completions: OpenAI-compatible completions of raw prompts", openai=True),
+            "/v1/models": {
+                "get": {
+                    "summary": "Models: the served policy",
+                    "operationId": "models",
+                    "responses": {"200": {"description": "OK", "content": json_body(ModelList, "serialization")}},
+                }
+            },
             "/healthz": probe("Healthz: alive (loading has not failed)"),
             "/livez": probe("Livez: alive (loading has not failed)"),
             "/readyz": probe("Readyz: loaded, warmed up and not saturated", not_ready=True),

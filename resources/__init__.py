@@ -11,6 +11,20 @@ from resources.warehouse import Append, Replace, Upsert, Warehouse
 from rlvr.settings import Settings
 
 __all__ = [
-    "Append", "BentoBuilder", "CHAMPION", "ComputeResource", "CoreConfig", "EvalProtocol", "Evaluation", "Evaluator",
-    "MLflowResource", "ModelStore", "Replace", "Settings", "StoredModel", "Upsert", "Warehouse", "config_from",
+    "Append",
+    "BentoBuilder",
+    "CHAMPION",
+    "ComputeResource",
+    "CoreConfig",
+    "EvalProtocol",
+    "Evaluation",
+    "Evaluator",
+    "MLflowResource",
+    "ModelStore",
+    "Replace",
+    "Settings",
+    "StoredModel",
+    "Upsert",
+    "Warehouse",
+    "config_from",
 ]

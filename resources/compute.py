@@ -15,8 +15,11 @@ class ComputeResource(ConfigurableResource):
     """Picks the torch device and dtype for training and inference."""
 
     device: str = Field(default="auto", description="'auto' (CUDA when available), 'cpu', 'cuda' or 'cuda:N'")
-    dtype: str = Field(default="auto", description="inference dtype (evaluation, serving): 'auto' (bfloat16 on GPU, float32 on "
-                                                   "CPU), 'float32', 'bfloat16' or 'float16'; training keeps float32 weights")
+    dtype: str = Field(
+        default="auto",
+        description="inference dtype (evaluation, serving): 'auto' (bfloat16 on GPU, float32 on "
+        "CPU), 'float32', 'bfloat16' or 'float16'; training keeps float32 weights",
+    )
 
     def torch_device(self):
         import torch

@@ -58,8 +58,7 @@ class Evaluator(ConfigurableResource):
     warehouse: Warehouse
     compute: ComputeResource
 
-    def evaluate(self, role: str, policy_version: str, path: Path, protocol: EvalProtocol, problems: list[dict],
-                 log=None) -> Evaluation:
+    def evaluate(self, role: str, policy_version: str, path: Path, protocol: EvalProtocol, problems: list[dict], log=None) -> Evaluation:
         """``policy_version`` (checkpoint at ``path``) under ``protocol``: from ``eval_results`` when
         stored, else computed now and stored with its ``role`` (base, trained, champion)."""
         key = eval_id(policy_version, protocol, problems)
@@ -71,7 +70,10 @@ class Evaluator(ConfigurableResource):
         model, tokenizer = self.compute.inference_policy(path)
         results = evaluate_policy(model, tokenizer, problems, protocol.to_core(), _progress(role, log))
         frame = pd.DataFrame(results).assign(
-            eval_id=key, policy_role=role, policy_version=policy_version, split=protocol.split,
+            eval_id=key,
+            policy_role=role,
+            policy_version=policy_version,
+            split=protocol.split,
             evaluated_at=pd.Timestamp.now(tz="UTC"),
         )
         self.warehouse.upsert("eval_results", frame, key="eval_id")

@@ -61,9 +61,15 @@ class TrainingJob:
         problems = self.scratch / "problems.parquet"
         pd.DataFrame(self.rows).to_parquet(problems, index=False)
         return {
-            "run_id": self.run_id, "start": str(self.start), "problems": str(problems), "config": asdict(self.config),
-            "rewards": dict(self.rewards), "device": self.device, "scratch": str(self.scratch),
-            "checkpoint_dir": str(self.scratch / "checkpoints"), "export_dir": str(self.scratch / "export"),
+            "run_id": self.run_id,
+            "start": str(self.start),
+            "problems": str(problems),
+            "config": asdict(self.config),
+            "rewards": dict(self.rewards),
+            "device": self.device,
+            "scratch": str(self.scratch),
+            "checkpoint_dir": str(self.scratch / "checkpoints"),
+            "export_dir": str(self.scratch / "export"),
             "reward_payloads": {name: base64.b64encode(pickled_reward(name)).decode() for name in self.rewards},
         }
 
@@ -81,8 +87,7 @@ class TrainingLauncher(ConfigurableResource):
 
     def command(self, nproc: int) -> list[str]:
         """The torchrun command line of a run of ``nproc`` processes on this node."""
-        return [self.python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                "-m", WORKER_MODULE]
+        return [self.python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", WORKER_MODULE]
 
     def train(self, context: Any, job: TrainingJob, nproc: int, restart: bool = False) -> list[tuple[int, dict]]:
         """Run ``job`` on ``nproc`` processes; returns (step, metrics) of the steps run. ``restart``
@@ -96,8 +101,7 @@ class TrainingLauncher(ConfigurableResource):
         shutil.rmtree(job.scratch / "digests", ignore_errors=True)
         path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))  # the worker imports what this process can
         try:
-            invocation = PipesSubprocessClient().run(context=context, command=self.command(nproc), extras=job.extras(),
-                                                     env={"PYTHONPATH": path})
+            invocation = PipesSubprocessClient().run(context=context, command=self.command(nproc), extras=job.extras(), env={"PYTHONPATH": path})
         except DagsterPipesExecutionError as err:
             report = rank_errors(errors, nproc)
             hint = " (set restart: true to start it afresh)" if "cannot resume" in report else ""

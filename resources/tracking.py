@@ -70,8 +70,7 @@ class MLflowResource(ConfigurableResource):
         from mlflow.tracking.context.registry import resolve_tags  # the user/source tags mlflow.start_run adds
 
         client = self.client()
-        run = client.create_run(self.experiment_id(), run_name=run_name,
-                                tags=resolve_tags({k: str(v) for k, v in (tags or {}).items()}))
+        run = client.create_run(self.experiment_id(), run_name=run_name, tags=resolve_tags({k: str(v) for k, v in (tags or {}).items()}))
         try:
             yield TrackedRun(client, run.info.run_id)
         except BaseException:
@@ -90,9 +89,9 @@ class MLflowResource(ConfigurableResource):
         """The most recent finished evaluation run of ``policy_version``: its protocol and metrics."""
         runs = self.client().search_runs(
             [self.experiment_id()],
-            f"tags.`rlvr.kind` = 'evaluation' AND tags.`{POLICY_VERSION_TAG}` = '{policy_version}' "
-            f"AND attributes.status = 'FINISHED'",
-            order_by=["attributes.start_time DESC"], max_results=1,
+            f"tags.`rlvr.kind` = 'evaluation' AND tags.`{POLICY_VERSION_TAG}` = '{policy_version}' AND attributes.status = 'FINISHED'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
         )
         if not runs or EVAL_PROTOCOL_TAG not in runs[0].data.tags:
             return None
@@ -132,17 +131,20 @@ class TrackedRun:
 
         flat = [Param(key, str(value)) for key, value in params.items()]
         for start in range(0, len(flat), BATCH):
-            self.client.log_batch(self.run_id, params=flat[start:start + BATCH])
+            self.client.log_batch(self.run_id, params=flat[start : start + BATCH])
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """The numeric values of ``metrics`` (booleans and others skipped); ``@`` in a name becomes ``_at_``."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        rows = [Metric(key.replace("@", "_at_"), float(value), now, step or 0) for key, value in metrics.items()
-                if isinstance(value, (int, float)) and not isinstance(value, bool)]
+        rows = [
+            Metric(key.replace("@", "_at_"), float(value), now, step or 0)
+            for key, value in metrics.items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        ]
         for start in range(0, len(rows), 1000):
-            self.client.log_batch(self.run_id, metrics=rows[start:start + 1000])
+            self.client.log_batch(self.run_id, metrics=rows[start : start + 1000])
 
     def log_artifacts(self, folder: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifacts(self.run_id, str(folder), artifact_path)
@@ -192,8 +194,7 @@ class PolicyRegistry:
         metrics = evaluation.metrics
         lineage = {
             **{key: trained.manifest.get(key) for key in ("data_hash", "data_source", "base_policy_version", "training_config", "dagster_run_id")},
-            **{f"eval.{name}": metrics.get(f"trained.{name}") for name in
-               ("pass_at_1_strict", "pass_at_1_flexible", "format_compliance", "num_problems")},
+            **{f"eval.{name}": metrics.get(f"trained.{name}") for name in ("pass_at_1_strict", "pass_at_1_flexible", "format_compliance", "num_problems")},
             "eval.mlflow_run_id": evaluation.run_id,
         }
         return self.register(trained.version, f"runs:/{run_id}/checkpoint", run_id, lineage)

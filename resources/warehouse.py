@@ -26,7 +26,7 @@ SCHEMAS = {
   mean_reward DOUBLE, best_reward DOUBLE, source_file VARCHAR, source_offset BIGINT)""",
     "serving_traffic_cursor": 'CREATE TABLE IF NOT EXISTS serving_traffic_cursor (file VARCHAR PRIMARY KEY, "offset" BIGINT)',
     "drift_history": "CREATE TABLE IF NOT EXISTS drift_history (reported_at TIMESTAMPTZ, run_id VARCHAR, metric VARCHAR, "
-                     "value DOUBLE, threshold DOUBLE, drifted BOOLEAN)",
+    "value DOUBLE, threshold DOUBLE, drifted BOOLEAN)",
 }
 
 
@@ -109,8 +109,7 @@ class Warehouse(DuckDBResource):
 
     def table_exists(self, table: str) -> bool:
         with self.get_connection() as conn:
-            return bool(conn.execute(
-                "SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [table]).fetchone()[0])
+            return bool(conn.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [table]).fetchone()[0])
 
     def query(self, sql: str, params: list | None = None) -> pd.DataFrame:
         with self.get_connection() as conn:
@@ -123,16 +122,14 @@ class Warehouse(DuckDBResource):
         """Rows of ``gsm8k_problems`` in ``split``, ordered by id, the first ``limit`` only when given."""
         if not self.table_exists("gsm8k_problems"):
             raise Failure(description="gsm8k_problems does not exist: materialize gsm8k_problems first")
-        frame = self.query(
-            f"SELECT * FROM gsm8k_problems WHERE split = ? ORDER BY problem_id {f'LIMIT {int(limit)}' if limit else ''}", [split])
+        frame = self.query(f"SELECT * FROM gsm8k_problems WHERE split = ? ORDER BY problem_id {f'LIMIT {int(limit)}' if limit else ''}", [split])
         if frame.empty:
             raise Failure(description=f"gsm8k_problems has no rows in split {split!r}: materialize gsm8k_problems first")
         return frame.to_dict(orient="records")
 
     def reference_questions(self, size: int) -> list[str]:
         """``size`` train questions in a fixed pseudo-random order (by hash of the problem id): the drift reference."""
-        return self.query("SELECT question FROM gsm8k_problems WHERE split = 'train' ORDER BY hash(problem_id) LIMIT ?",
-                          [size])["question"].tolist()
+        return self.query("SELECT question FROM gsm8k_problems WHERE split = 'train' ORDER BY hash(problem_id) LIMIT ?", [size])["question"].tolist()
 
     def eval_results(self, eval_id: str) -> pd.DataFrame | None:
         """The stored per-problem rows of one evaluation (ordered by problem), or None."""
@@ -149,14 +146,14 @@ class Warehouse(DuckDBResource):
             "SELECT *, length(completion) AS completion_chars, well_formed::DOUBLE AS well_formed FROM eval_results "
             "WHERE policy_version = ? AND eval_id = "
             "(SELECT eval_id FROM eval_results WHERE policy_version = ? ORDER BY evaluated_at DESC LIMIT 1)",
-            [policy_version, policy_version])
+            [policy_version, policy_version],
+        )
         return frame if len(frame) else None
 
     def training_run_summary(self, run_id: str) -> dict:
         """Finish reasons of a training run's rollouts, its mean value per reward and its reward rows."""
         finish = self.query("SELECT finish_reason, count(*) AS n FROM rollouts WHERE run_id = ? GROUP BY 1", [run_id])
-        rewards = self.query("SELECT reward_name, avg(value) AS mean, count(*) AS n FROM rewards WHERE run_id = ? GROUP BY 1",
-                             [run_id])
+        rewards = self.query("SELECT reward_name, avg(value) AS mean, count(*) AS n FROM rewards WHERE run_id = ? GROUP BY 1", [run_id])
         return {
             "finish_reasons": {r: int(n) for r, n in zip(finish["finish_reason"], finish["n"])},
             "reward_means": {r: float(m) for r, m in zip(rewards["reward_name"], rewards["mean"])},
@@ -184,8 +181,7 @@ class Warehouse(DuckDBResource):
         """The most recent ``rows`` successful requests, newest first (none before the first ingestion)."""
         if not self.table_exists("serving_traffic"):
             return pd.DataFrame(columns=list(TRAFFIC_COLUMNS))
-        return self.query('SELECT * FROM serving_traffic WHERE status = 200 ORDER BY "timestamp" DESC, record_id DESC LIMIT ?',
-                          [rows])
+        return self.query('SELECT * FROM serving_traffic WHERE status = 200 ORDER BY "timestamp" DESC, record_id DESC LIMIT ?', [rows])
 
     def append_drift_history(self, frame: pd.DataFrame) -> pd.DataFrame:
         """Append a report's rows to ``drift_history``; returns the whole history, oldest first."""

@@ -33,9 +33,7 @@ _NUMBER_START_RE = re.compile(
     r"(?:\s*/\s*(?P<denominator>" + _DIGITS + r"))?"
 )
 # A number in running text (flexible mode); a minus right after a word or bracket is a subtraction.
-_NUMBER_TOKEN_RE = re.compile(
-    r"(?:(?<![\w)\]}])-)?(?:\$\s?-?)?(?:" + _DIGITS + r")(?:[eE][-+]?\d{1,2})?(?:\s*/\s*(?:" + _DIGITS + r"))?"
-)
+_NUMBER_TOKEN_RE = re.compile(r"(?:(?<![\w)\]}])-)?(?:\$\s?-?)?(?:" + _DIGITS + r")(?:[eE][-+]?\d{1,2})?(?:\s*/\s*(?:" + _DIGITS + r"))?")
 # After a number: a digit, an operator or a hyphen not joining two letters means it was not alone.
 _NOT_A_UNIT_RE = re.compile(r"[\d+*/^=!?<>×÷·\\{}\[\]|#@&~]|(?<![^\W\d_])-|-(?![^\W\d_])")
 _FIRST_WORD_RE = re.compile(r"\s*([^\W\d_]+)")
@@ -139,7 +137,7 @@ def hash_answer_text(text: str) -> str | None:
     start = text.rfind("####")
     if start < 0:
         return None
-    return text[start + 4:].split("\n", 1)[0].strip() or None
+    return text[start + 4 :].split("\n", 1)[0].strip() or None
 
 
 def last_boxed(text: str) -> str | None:
@@ -218,7 +216,7 @@ def _read_number(text: str) -> tuple[Fraction, str] | None:
         value /= divisor
     if "-" in (found["sign"], found["currency_sign"]):
         value = -value
-    return value, text[found.end():]
+    return value, text[found.end() :]
 
 
 def _parse_fraction(text: str) -> Fraction | None:

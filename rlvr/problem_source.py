@@ -33,9 +33,7 @@ def load_problems(config: ProblemSource) -> tuple[list[gsm8k.Problem], dict[str,
         raise gsm8k.DataSourceError(f"limit must be at least 1, got {config.limit}")
     if config.source in ("gsm_symbolic", "reasoning_gym"):
         task = "gsm_symbolic" if config.source == "gsm_symbolic" else config.task
-        problems = gsm8k.generate_reasoning_gym(
-            task, config.generated_train_size, config.generated_test_size, config.seed, config.task_config or None
-        )
+        problems = gsm8k.generate_reasoning_gym(task, config.generated_train_size, config.generated_test_size, config.seed, config.task_config or None)
         return problems, {"train": config.generated_train_size, "test": config.generated_test_size}
     if config.source == "local":
         problems = gsm8k.load_local(config.local_dir, limit=config.limit)

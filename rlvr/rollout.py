@@ -107,18 +107,14 @@ class Rollouts:
         return [ids[:n].tolist() for ids, n in zip(self.completion_ids, self.completion_lengths.tolist())]
 
 
-def generate_rollouts(
-    model: Any, tokenizer: Any, prompts: list[str] | list[list[int]], num_samples: int = 1,
-    config: SamplingConfig | None = None
-) -> Rollouts:
+def generate_rollouts(model: Any, tokenizer: Any, prompts: list[str] | list[list[int]], num_samples: int = 1, config: SamplingConfig | None = None) -> Rollouts:
     """Sample ``num_samples`` completions for each prompt: texts, or token ids taken as they are
     (see the module docstring)."""
     return concat_rollouts(list(stream_rollouts(model, tokenizer, prompts, num_samples, config)))
 
 
 def stream_rollouts(
-    model: Any, tokenizer: Any, prompts: list[str] | list[list[int]], num_samples: int = 1,
-    config: SamplingConfig | None = None
+    model: Any, tokenizer: Any, prompts: list[str] | list[list[int]], num_samples: int = 1, config: SamplingConfig | None = None
 ) -> Iterator[Rollouts]:
     """Like :func:`generate_rollouts`, yielding chunks of at most ``config.max_batch_rows`` rows.
 
@@ -146,8 +142,7 @@ def stream_rollouts(
         if config.should_stop is not None:  # the chunk's prompt i is prompt start + i of the call
             chunk_config = replace(chunk_config, should_stop=lambda i, start=start: config.should_stop(start + i))
         if config.on_tokens is not None:  # and its row r is row start * num_samples + r
-            chunk_config = replace(chunk_config, on_tokens=lambda rows, tokens, base=start * num_samples:
-                                   config.on_tokens([base + r for r in rows], tokens))
+            chunk_config = replace(chunk_config, on_tokens=lambda rows, tokens, base=start * num_samples: config.on_tokens([base + r for r in rows], tokens))
         chunk = _decode_chunk(model, tokenizer, chunk_ids, num_samples, chunk_config, generator)
         chunk.group_index += start
         yield chunk
@@ -178,9 +173,7 @@ def concat_rollouts(chunks: list[Rollouts]) -> Rollouts:
     )
 
 
-def sample_tokens(
-    logits: torch.Tensor, temperatures: torch.Tensor, top_p: float, generator: torch.Generator | None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, top_p: float, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row; return (tokens, their log-probs).
 
     Row r samples from softmax(logits_r / T_r) truncated to its top-p nucleus, or takes the argmax
@@ -276,10 +269,7 @@ def _decode_loop(
     # bf16 SDPA on CPU is slow on the preallocated cache's strided views
     use_fast_attention(model, use_float32_attention(model, config.fast_paths))
     cache = DynamicCache(config=model.config)
-    logits = last_position_logits(
-        model,
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache
-    )
+    logits = last_position_logits(model, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache)
     if group > 1:
         cache.batch_repeat_interleave(group)
         logits = logits.repeat_interleave(group, dim=0)
@@ -335,9 +325,7 @@ def _decode_loop(
     mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
     completion_ids = tokens_out[:, :width].cpu().masked_fill(mask == 0, pad_id)
     logprobs = logprobs_out[:, :width].cpu() * mask
-    texts = tokenizer.batch_decode(
-        [ids[:n].tolist() for ids, n in zip(completion_ids, lengths.tolist())], skip_special_tokens=True
-    )
+    texts = tokenizer.batch_decode([ids[:n].tolist() for ids, n in zip(completion_ids, lengths.tolist())], skip_special_tokens=True)
     return Rollouts(
         prompt_ids=[list(prompt_ids[i // group]) for i in range(num_rows)],
         completion_ids=completion_ids,
@@ -357,9 +345,7 @@ def last_position_logits(model: Any, **inputs: Any) -> torch.Tensor:
     return model(**inputs, use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
-def _model_decode_step(
-    model: Any, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache
-) -> torch.Tensor:
+def _model_decode_step(model: Any, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
     """One decode step through the model's own forward (for models :func:`fused_decoder` does not take)."""
     return last_position_logits(
         model,
@@ -418,10 +404,7 @@ class PreallocatedLayer(DynamicLayer):
 def preallocate(cache: DynamicCache, extra: int) -> None:
     """Give each filled full-attention layer of ``cache`` room for ``extra`` more positions
     (sliding-window and other special layers are left as they are)."""
-    cache.layers = [
-        PreallocatedLayer(layer, extra) if type(layer) is DynamicLayer and layer.is_initialized else layer
-        for layer in cache.layers
-    ]
+    cache.layers = [PreallocatedLayer(layer, extra) if type(layer) is DynamicLayer and layer.is_initialized else layer for layer in cache.layers]
 
 
 def _mark_answers(
@@ -473,8 +456,7 @@ def _stop_at_strings(
     live = (~done).nonzero().flatten()
     if live.numel() == 0:
         return done
-    tails = tokenizer.batch_decode(tokens_out[rows[live], max(0, t + 1 - window) : t + 1].tolist(),
-                                   skip_special_tokens=True)
+    tails = tokenizer.batch_decode(tokens_out[rows[live], max(0, t + 1 - window) : t + 1].tolist(), skip_special_tokens=True)
     hits = [i for i, tail in zip(live.tolist(), tails) if any(s in tail for s in stop_strings)]
     if not hits:
         return done
@@ -485,9 +467,7 @@ def _stop_at_strings(
     return done
 
 
-def _stop_cancelled(
-    should_stop: Callable[[int], bool], rows: torch.Tensor, group: int, done: torch.Tensor, finish: list[str]
-) -> torch.Tensor:
+def _stop_cancelled(should_stop: Callable[[int], bool], rows: torch.Tensor, group: int, done: torch.Tensor, finish: list[str]) -> torch.Tensor:
     """``done`` plus the live rows of every prompt ``should_stop`` names (finish reason ``"cancelled"``)."""
     prompts = (rows // group).tolist()
     stopped = {p for p in set(prompts) if should_stop(p)}

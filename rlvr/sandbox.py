@@ -39,8 +39,25 @@ from typing import Iterable
 _KILL = shutil.which("kill", path="/usr/bin:/bin")
 _SANDBOX_UIDS = (1 << 20, 1 << 31)  # far above real users; a random one per run, so runs never share one
 _STDLIB_PRELOAD = (  # imported before dropping root when the stdlib would be unreadable (no chroot)
-    "math", "cmath", "re", "json", "string", "itertools", "functools", "collections", "heapq", "bisect",
-    "fractions", "decimal", "statistics", "random", "datetime", "operator", "copy", "typing", "array",
+    "math",
+    "cmath",
+    "re",
+    "json",
+    "string",
+    "itertools",
+    "functools",
+    "collections",
+    "heapq",
+    "bisect",
+    "fractions",
+    "decimal",
+    "statistics",
+    "random",
+    "datetime",
+    "operator",
+    "copy",
+    "typing",
+    "array",
 )
 
 
@@ -58,8 +75,7 @@ class SandboxLimits:
     max_output_chars: int = 1 << 16  # how much of stdout and stderr is read back
 
     def __post_init__(self):
-        for name in ("cpu_time_s", "wall_time_s", "memory_mb", "file_size_mb", "disk_mb",
-                     "max_processes", "max_open_files", "max_output_chars"):
+        for name in ("cpu_time_s", "wall_time_s", "memory_mb", "file_size_mb", "disk_mb", "max_processes", "max_open_files", "max_output_chars"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxLimits.{name} must be positive, got {getattr(self, name)!r}")
 
@@ -136,8 +152,10 @@ def as_test_cases(tests: Iterable) -> list[CodeTest]:
 
 def outputs_match(actual: str, expected: str) -> bool:
     """Compare program output line by line, ignoring trailing whitespace and trailing blank lines."""
+
     def lines(text: str) -> list[str]:
         return [line.rstrip() for line in text.rstrip().splitlines()]
+
     return lines(actual) == lines(expected)
 
 
@@ -164,8 +182,7 @@ def run_tests(code: str, tests: Iterable, limits: SandboxLimits | None = None) -
     return CodeTestReport(passed=passed, total=len(cases), outcomes=tuple(outcomes), isolation=isolation)
 
 
-def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None,
-               use_namespaces: bool = True) -> SandboxResult:
+def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None, use_namespaces: bool = True) -> SandboxResult:
     """Run ``code`` as ``__main__`` in a fresh sandbox and return what it printed.
 
     ``use_namespaces=False`` skips the mount/network namespaces (to test the fallback, or on hosts
@@ -185,20 +202,32 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None,
         if uid is not None:
             os.chown(root, uid, uid)
         args = [
-            "-" if uid is None else str(uid), "1" if use_namespaces else "0", str(status_write), code_path,
-            root, str(math.ceil(limits.cpu_time_s)), str(limits.memory_mb << 20),
-            str(limits.file_size_mb << 20), str(limits.disk_mb), str(limits.max_processes),
-            str(limits.max_open_files), ",".join(_STDLIB_PRELOAD),
+            "-" if uid is None else str(uid),
+            "1" if use_namespaces else "0",
+            str(status_write),
+            code_path,
+            root,
+            str(math.ceil(limits.cpu_time_s)),
+            str(limits.memory_mb << 20),
+            str(limits.file_size_mb << 20),
+            str(limits.disk_mb),
+            str(limits.max_processes),
+            str(limits.max_open_files),
+            ",".join(_STDLIB_PRELOAD),
         ]
-        with tempfile.TemporaryFile() as stdin_file, tempfile.TemporaryFile() as out, \
-                tempfile.TemporaryFile() as err:
+        with tempfile.TemporaryFile() as stdin_file, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
             stdin_file.write(stdin.encode("utf-8", "replace"))
             stdin_file.seek(0)
             start = time.monotonic()
             process = subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _CHILD, *args],
-                stdin=stdin_file, stdout=out, stderr=err, cwd=workdir, env=_child_env(),
-                start_new_session=True, pass_fds=(status_write,),
+                stdin=stdin_file,
+                stdout=out,
+                stderr=err,
+                cwd=workdir,
+                env=_child_env(),
+                start_new_session=True,
+                pass_fds=(status_write,),
             )
             os.close(status_write)
             status_write = -1
@@ -218,8 +247,7 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None,
             if fd >= 0:
                 os.close(fd)
         shutil.rmtree(workdir, ignore_errors=True)
-    return SandboxResult(stdout=stdout, stderr=stderr, returncode=returncode, timed_out=timed_out,
-                         wall_time_s=wall_time_s, isolation=isolation)
+    return SandboxResult(stdout=stdout, stderr=stderr, returncode=returncode, timed_out=timed_out, wall_time_s=wall_time_s, isolation=isolation)
 
 
 def _child_env() -> dict[str, str]:
@@ -236,8 +264,7 @@ def _kill_group(pgid: int) -> None:
 def _kill_uid(uid: int) -> None:
     """Kill every process of the sandbox uid (those that left the process group included)."""
     if _KILL:  # kill(-1) run as the uid signals exactly the processes that uid owns
-        subprocess.run([_KILL, "-KILL", "-1"], user=uid, group=uid, extra_groups=[],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={}, timeout=10)
+        subprocess.run([_KILL, "-KILL", "-1"], user=uid, group=uid, extra_groups=[], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={}, timeout=10)
 
 
 def _read_back(file, max_chars: int) -> str:

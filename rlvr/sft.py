@@ -36,11 +36,18 @@ _CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8k's calculator annotations: 48/2 
 
 PROFILES: dict[str, dict] = {
     # the embedded 135M model on 2 CPU cores: a short cold start (about a minute)
-    "default": {"total_steps": 8, "batch_size": 8, "micro_batch_size": 4, "lr": 2e-5, "warmup_steps": 1,
-                "max_completion_tokens": 256},
+    "default": {"total_steps": 8, "batch_size": 8, "micro_batch_size": 4, "lr": 2e-5, "warmup_steps": 1, "max_completion_tokens": 256},
     # one GPU: two epochs of GSM8k's 7,473 train solutions in bf16 compute
-    "full": {"total_steps": 470, "batch_size": 32, "micro_batch_size": 32, "lr": 1e-5, "warmup_steps": 20,
-             "compute_dtype": "bfloat16", "checkpoint_every": 100, "max_completion_tokens": 384},
+    "full": {
+        "total_steps": 470,
+        "batch_size": 32,
+        "micro_batch_size": 32,
+        "lr": 1e-5,
+        "warmup_steps": 20,
+        "compute_dtype": "bfloat16",
+        "checkpoint_every": 100,
+        "max_completion_tokens": 384,
+    },
 }
 
 
@@ -88,8 +95,9 @@ def build_sft_config(profile: str, overrides: dict | None = None) -> SFTConfig:
     return SFTConfig(**{**PROFILES[profile], **(overrides or {})})
 
 
-def train_sft(start: Path, rows: Sequence[dict], config: SFTConfig, checkpoint_dir: Path, device: Any = None,
-              on_step: Callable[[int, dict], None] | None = None):
+def train_sft(
+    start: Path, rows: Sequence[dict], config: SFTConfig, checkpoint_dir: Path, device: Any = None, on_step: Callable[[int, dict], None] | None = None
+):
     """Fine-tune the checkpoint at ``start`` on the problem ``rows``' reference solutions; resumes from
     the latest checkpoint in ``checkpoint_dir``. Returns a :class:`rlvr.training_run.TrainedPolicy`."""
     from rlvr.policy import load_policy
@@ -118,19 +126,22 @@ def sft_examples(rows: Sequence[dict], tokenizer: Any) -> list[dict]:
     for row in rows:
         prompt = render_prompt(tokenizer, row["question"])
         target = sft_target(row["solution"], row["answer_text"]) + end
-        examples.append({
-            "problem_id": row.get("problem_id"),
-            "prompt_ids": tokenizer(prompt, add_special_tokens=False)["input_ids"],
-            "target_ids": tokenizer(target, add_special_tokens=False)["input_ids"],
-        })
+        examples.append(
+            {
+                "problem_id": row.get("problem_id"),
+                "prompt_ids": tokenizer(prompt, add_special_tokens=False)["input_ids"],
+                "target_ids": tokenizer(target, add_special_tokens=False)["input_ids"],
+            }
+        )
     return examples
 
 
 class SFTTrainer:
     """Fine-tunes ``model`` in place on :func:`sft_examples`; ``on_step(step, metrics)`` after each step."""
 
-    def __init__(self, model: Any, tokenizer: Any, config: SFTConfig, checkpoint_dir: str | Path | None = None,
-                 on_step: Callable[[int, dict], None] | None = None):
+    def __init__(
+        self, model: Any, tokenizer: Any, config: SFTConfig, checkpoint_dir: str | Path | None = None, on_step: Callable[[int, dict], None] | None = None
+    ):
         self.config, self.tokenizer, self.on_step = config, tokenizer, on_step
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         fast, device = config.fast_paths, next(model.parameters()).device
@@ -144,9 +155,13 @@ class SFTTrainer:
         self.device = device
         params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            [{"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
-             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-            lr=config.lr, betas=config.betas, fused=device.type in ("cpu", "cuda"),
+            [
+                {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            ],
+            lr=config.lr,
+            betas=config.betas,
+            fused=device.type in ("cpu", "cuda"),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_multiplier, config=config))
         self.step_count = 0
@@ -163,8 +178,7 @@ class SFTTrainer:
             batch = step_problems(examples, self.step_count, self.config.batch_size, self.config.seed)
             metrics = self.step(batch)
             if self.checkpoint_dir is not None and (
-                self.step_count == self.config.total_steps
-                or (self.config.checkpoint_every and self.step_count % self.config.checkpoint_every == 0)
+                self.step_count == self.config.total_steps or (self.config.checkpoint_every and self.step_count % self.config.checkpoint_every == 0)
             ):
                 metrics["checkpoint"] = str(self.save_checkpoint())
             history.append(metrics)
@@ -180,8 +194,7 @@ class SFTTrainer:
         tokens = sum(min(len(e["target_ids"]), config.max_completion_tokens) for e in batch)
         loss_sum = 0.0
         for start in range(0, len(batch), config.micro_batch_size):
-            packed = pack_examples(batch[start : start + config.micro_batch_size], config.max_completion_tokens,
-                                   self.tokenizer.pad_token_id or 0, self.device)
+            packed = pack_examples(batch[start : start + config.micro_batch_size], config.max_completion_tokens, self.tokenizer.pad_token_id or 0, self.device)
             with self._autocast():
                 logprobs, _ = self.scorer(packed)
             loss = -(logprobs * packed.mask).sum() / tokens
@@ -194,14 +207,29 @@ class SFTTrainer:
         self.scheduler.step()
         self.step_count += 1
         elapsed = time.perf_counter() - started
-        return {"step": self.step_count, "loss": loss_sum, "grad_norm": grad_norm,
-                "lr": self.optimizer.param_groups[0]["lr"], "tokens": tokens, "tokens_per_s": tokens / elapsed,
-                "truncated": truncated, "step_time_s": elapsed}
+        return {
+            "step": self.step_count,
+            "loss": loss_sum,
+            "grad_norm": grad_norm,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "tokens": tokens,
+            "tokens_per_s": tokens / elapsed,
+            "truncated": truncated,
+            "step_time_s": elapsed,
+        }
 
     def save_checkpoint(self) -> Path:
-        return ckpt.save_checkpoint(self.checkpoint_dir, self.step_count, self.policy, self.tokenizer, self.optimizer,
-                                    self.scheduler, [ckpt.capture_rng_state()], config=asdict(self.config),
-                                    keep=self.config.keep_checkpoints)
+        return ckpt.save_checkpoint(
+            self.checkpoint_dir,
+            self.step_count,
+            self.policy,
+            self.tokenizer,
+            self.optimizer,
+            self.scheduler,
+            [ckpt.capture_rng_state()],
+            config=asdict(self.config),
+            keep=self.config.keep_checkpoints,
+        )
 
     def resume(self) -> bool:
         """Load the latest checkpoint, if any: weights, optimizer, scheduler and step."""
@@ -224,12 +252,15 @@ def pack_examples(examples: Sequence[dict], max_completion_tokens: int, pad_id: 
     mask = torch.zeros((len(examples), width), dtype=torch.float32)
     for i, (example, target) in enumerate(zip(examples, targets)):
         prompt = example["prompt_ids"]
-        prompt_ids[i, prompt_width - len(prompt):] = torch.tensor(prompt)
-        prompt_mask[i, prompt_width - len(prompt):] = 1
+        prompt_ids[i, prompt_width - len(prompt) :] = torch.tensor(prompt)
+        prompt_mask[i, prompt_width - len(prompt) :] = 1
         target_ids[i, : len(target)] = torch.tensor(target)
         mask[i, : len(target)] = 1
     return PackedRows(
-        prompt_ids=prompt_ids.to(device), prompt_mask=prompt_mask.to(device),
-        prompt_index=torch.arange(len(examples), device=device), targets=target_ids.to(device),
-        mask=mask.to(device), temperatures=torch.ones(len(examples), device=device),
+        prompt_ids=prompt_ids.to(device),
+        prompt_mask=prompt_mask.to(device),
+        prompt_index=torch.arange(len(examples), device=device),
+        targets=target_ids.to(device),
+        mask=mask.to(device),
+        temperatures=torch.ones(len(examples), device=device),
     )

@@ -92,9 +92,26 @@ def read_traffic(folder: str | Path, cursor: dict[str, int] | None = None) -> Tr
 
 
 TRAFFIC_COLUMNS = (
-    "record_id", "timestamp", "request_id", "endpoint", "model_version", "status", "latency_s", "prompt",
-    "answer", "vote_share", "num_completions", "well_formed", "completion_chars", "completion_tokens",
-    "truncated", "ground_truth", "mean_reward", "best_reward", "source_file", "source_offset",
+    "record_id",
+    "timestamp",
+    "request_id",
+    "endpoint",
+    "model_version",
+    "status",
+    "latency_s",
+    "prompt",
+    "answer",
+    "vote_share",
+    "num_completions",
+    "well_formed",
+    "completion_chars",
+    "completion_tokens",
+    "truncated",
+    "ground_truth",
+    "mean_reward",
+    "best_reward",
+    "source_file",
+    "source_offset",
 )
 
 

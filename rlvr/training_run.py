@@ -54,8 +54,9 @@ def train_grpo(
     model, tokenizer = load_policy(start, device)  # float32 master weights (GRPOConfig.compute_dtype: mixed precision)
     problems = gsm8k_prompts(rows, tokenizer)
     with RewardPool(workers=REWARD_WORKERS) as pool:
-        trainer = GRPOTrainer(model, tokenizer, config, pool.reward_fn(rewards), checkpoint_dir=checkpoint_dir, on_step=on_step,
-                              records_per_rank=records_per_rank)
+        trainer = GRPOTrainer(
+            model, tokenizer, config, pool.reward_fn(rewards), checkpoint_dir=checkpoint_dir, on_step=on_step, records_per_rank=records_per_rank
+        )
         history = trainer.train(problems)
     return TrainedPolicy(trainer.policy, tokenizer, history, trainer.step_count)
 
@@ -71,16 +72,36 @@ def training_tables(records: list[dict], run_id: str, weights: Mapping[str, floa
     rollouts, rewards = [], []
     for r in records:
         completion_id = f"{run_id}:{r['step']}:{r['group_index']}:{r['sample_index']}"
-        rollouts.append({
-            "run_id": run_id, "completion_id": completion_id, "step": r["step"], "problem_id": r["problem_id"],
-            "group_index": r["group_index"], "sample_index": r["sample_index"], "temperature": r["temperature"],
-            "prompt": r["prompt"], "completion": r["completion"], "prompt_tokens": r["prompt_tokens"],
-            "completion_tokens": r["completion_tokens"], "finish_reason": r["finish_reason"],
-            "policy_version": r["policy_version"], "trained": r["trained"],
-        })
+        rollouts.append(
+            {
+                "run_id": run_id,
+                "completion_id": completion_id,
+                "step": r["step"],
+                "problem_id": r["problem_id"],
+                "group_index": r["group_index"],
+                "sample_index": r["sample_index"],
+                "temperature": r["temperature"],
+                "prompt": r["prompt"],
+                "completion": r["completion"],
+                "prompt_tokens": r["prompt_tokens"],
+                "completion_tokens": r["completion_tokens"],
+                "finish_reason": r["finish_reason"],
+                "policy_version": r["policy_version"],
+                "trained": r["trained"],
+            }
+        )
         for name, value in {**r["rewards"], "total": r["reward"]}.items():
-            rewards.append({"run_id": run_id, "completion_id": completion_id, "step": r["step"], "reward_name": name,
-                            "value": value, "weight": weights.get(name, 1.0), "advantage": r["advantage"]})
+            rewards.append(
+                {
+                    "run_id": run_id,
+                    "completion_id": completion_id,
+                    "step": r["step"],
+                    "reward_name": name,
+                    "value": value,
+                    "weight": weights.get(name, 1.0),
+                    "advantage": r["advantage"],
+                }
+            )
     return pd.DataFrame(rollouts), pd.DataFrame(rewards)
 
 

@@ -62,10 +62,7 @@ def gsm8k_problems(context: AssetExecutionContext, config: GSM8kSourceConfig, du
     if failed:
         for result in results:
             yield result
-        raise Failure(
-            description="gsm8k_problems failed its checks, the previous table was kept: "
-            + "; ".join(f"{o.name}: {o.description}" for o in failed)
-        )
+        raise Failure(description="gsm8k_problems failed its checks, the previous table was kept: " + "; ".join(f"{o.name}: {o.description}" for o in failed))
     frame = pd.DataFrame([p.as_row() for p in problems])
     duckdb.replace_tables({"gsm8k_problems": frame})
     counts = frame.groupby("split").size().to_dict()
@@ -77,9 +74,7 @@ def gsm8k_problems(context: AssetExecutionContext, config: GSM8kSourceConfig, du
             "source": config.source,
             **{f"{split}_rows": int(n) for split, n in counts.items()},
             "preview": MetadataValue.md(frame.head(5)[["problem_id", "split", "question", "answer_text", "num_steps"]].to_markdown(index=False)),
-            "solution_length_words": MetadataValue.md(
-                histogram_markdown(frame["solution"].str.split().str.len(), "Reference solution length (words)")
-            ),
+            "solution_length_words": MetadataValue.md(histogram_markdown(frame["solution"].str.split().str.len(), "Reference solution length (words)")),
             "num_steps": MetadataValue.md(histogram_markdown(frame["num_steps"], "Reasoning steps per problem", discrete=True)),
         },
         check_results=results,

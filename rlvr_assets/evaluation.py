@@ -19,9 +19,7 @@ from rlvr.evaluation.runner import summarize
 
 
 @asset(group_name="evaluation", kinds={"duckdb", "pytorch"}, owners=["team:rlvr-eval"], deps=["gsm8k_problems", "base_policy"])
-def baseline_eval(
-    context: AssetExecutionContext, config: EvalProtocol, duckdb: Warehouse, model_store: ModelStore, evaluator: Evaluator
-) -> MaterializeResult:
+def baseline_eval(context: AssetExecutionContext, config: EvalProtocol, duckdb: Warehouse, model_store: ModelStore, evaluator: Evaluator) -> MaterializeResult:
     """The base policy evaluated under the protocol, computed once per base-policy version and
     reused while only the trained policy changes. Rows in ``eval_results`` (role ``base``)."""
     base = model_store.require("base_policy")
@@ -62,16 +60,23 @@ def eval_report(
     base_eval = evaluator.evaluate("base", base.version, base.path, config, problems, context.log)
     trained_eval = evaluator.evaluate("trained", trained.version, trained.path, config, problems, context.log)
     training_run = trained.manifest.get("mlflow_run_id")
-    report = evaluation_report(base_eval.results, trained_eval.results, config.to_core(), trained.version, base.version,
-                               config.split, mlflow.metric_history(training_run, TRAINING_CURVES))
+    report = evaluation_report(
+        base_eval.results,
+        trained_eval.results,
+        config.to_core(),
+        trained.version,
+        base.version,
+        config.split,
+        mlflow.metric_history(training_run, TRAINING_CURVES),
+    )
 
-    tags = {"rlvr.kind": "evaluation", POLICY_VERSION_TAG: trained.version, "rlvr.training_run_id": training_run or "",
-            "dagster.run_id": context.run.run_id}
+    tags = {"rlvr.kind": "evaluation", POLICY_VERSION_TAG: trained.version, "rlvr.training_run_id": training_run or "", "dagster.run_id": context.run.run_id}
     with mlflow.start_run(f"eval-{trained.version}", tags) as run:
         run.log_params({f"eval.{name}": value for name, value in config.model_dump().items()})
         run.log_metrics(report.metrics())
-        run.log_files({**report.figures, "report.md": report.markdown,
-                       "eval_results.csv": pd.DataFrame(trained_eval.results).to_csv(index=False)}, artifact_path="report")
+        run.log_files(
+            {**report.figures, "report.md": report.markdown, "eval_results.csv": pd.DataFrame(trained_eval.results).to_csv(index=False)}, artifact_path="report"
+        )
         run.set_tags({EVAL_PROTOCOL_TAG: json.dumps(config.model_dump(), sort_keys=True)})  # what the promotion gate reads
     return MaterializeResult(
         metadata={

@@ -72,8 +72,7 @@ def _train(job: dict, rank: int, scratch: Path, pipes: PipesContext | None) -> N
                 f"zero-variance groups {metrics['frac_zero_variance_groups']:.0%}, {metrics['tokens_per_s']:.0f} tok/s"
             )
 
-    trained = train_grpo(Path(job["start"]), rows, config, job["rewards"], Path(job["checkpoint_dir"]),
-                         job.get("device"), on_step, records_per_rank=True)
+    trained = train_grpo(Path(job["start"]), rows, config, job["rewards"], Path(job["checkpoint_dir"]), job.get("device"), on_step, records_per_rank=True)
     digests = scratch / "digests"
     digests.mkdir(parents=True, exist_ok=True)
     _write_atomically(digests / f"rank-{rank}.txt", weights_digest(trained.policy).encode())

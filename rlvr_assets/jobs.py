@@ -9,19 +9,27 @@ TRAINING_PATH = AssetSelection.groups("data", "models", "training", "evaluation"
 RETRAINING = AssetSelection.assets("rollouts", "rewards", "grpo_checkpoint", "eval_report", "champion_policy", "bento")
 
 pipeline_job = define_asset_job(
-    "rlvr_pipeline", selection=TRAINING_PATH, tags=DUCKDB_WRITER,
+    "rlvr_pipeline",
+    selection=TRAINING_PATH,
+    tags=DUCKDB_WRITER,
     description="GSM8k tables -> base policy -> GRPO -> evaluation -> promotion gate -> Bento.",
 )
 monitoring_job = define_asset_job(
-    "monitoring", selection=AssetSelection.groups("monitoring"), tags=DUCKDB_WRITER,
+    "monitoring",
+    selection=AssetSelection.groups("monitoring"),
+    tags=DUCKDB_WRITER,
     description="Ingest the service's traffic logs and measure drift.",
 )
 retraining_job = define_asset_job(
-    "retraining", selection=RETRAINING, tags=DUCKDB_WRITER,
+    "retraining",
+    selection=RETRAINING,
+    tags=DUCKDB_WRITER,
     config={"ops": {"grpo_training": {"config": {"init_from": "champion"}}}},
     description="GRPO from the current champion -> evaluation -> promotion gate -> Bento (rebuilt only when promoted).",
 )
 champion_evaluation_job = define_asset_job(
-    "champion_evaluation", selection=AssetSelection.assets("eval_report", "champion_policy"), tags=DUCKDB_WRITER,
+    "champion_evaluation",
+    selection=AssetSelection.assets("eval_report", "champion_policy"),
+    tags=DUCKDB_WRITER,
     description="Re-evaluate the latest trained policy and re-run the promotion gate.",
 )

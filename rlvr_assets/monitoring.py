@@ -27,14 +27,16 @@ def serving_traffic(context: AssetExecutionContext, config: TrafficConfig, duckd
     new_rows = duckdb.ingest_traffic(batch)
     if batch.malformed:
         context.log.warning(f"{len(batch.malformed)} malformed traffic lines skipped, e.g. {batch.malformed[:3]}")
-    return MaterializeResult(metadata={
-        "new_rows": new_rows,
-        "dagster/row_count": duckdb.row_count("serving_traffic"),
-        "malformed_lines": len(batch.malformed),
-        "malformed_examples": MetadataValue.json(batch.malformed[:20]),
-        "files": len(batch.cursor),
-        "table": f"{duckdb.database}:serving_traffic",
-    })
+    return MaterializeResult(
+        metadata={
+            "new_rows": new_rows,
+            "dagster/row_count": duckdb.row_count("serving_traffic"),
+            "malformed_lines": len(batch.malformed),
+            "malformed_examples": MetadataValue.json(batch.malformed[:20]),
+            "files": len(batch.cursor),
+            "table": f"{duckdb.database}:serving_traffic",
+        }
+    )
 
 
 class DriftConfig(config_from(DriftThresholds)):
@@ -46,8 +48,7 @@ class DriftConfig(config_from(DriftThresholds)):
     use_embeddings: bool = Field(default=True, description="also measure embedding drift (all-MiniLM-L6-v2)")
 
 
-@asset(group_name="monitoring", kinds={"duckdb"}, owners=["team:rlvr-serving"], deps=["serving_traffic", "gsm8k_problems"],
-       freshness_policy=DAILY)
+@asset(group_name="monitoring", kinds={"duckdb"}, owners=["team:rlvr-serving"], deps=["serving_traffic", "gsm8k_problems"], freshness_policy=DAILY)
 def drift_report(context: AssetExecutionContext, config: DriftConfig, duckdb: Warehouse) -> MaterializeResult:
     """Drift of the recent traffic window from the training reference. Inputs: PSI and KS of prompt
     features against train questions, and embedding distance (MMD, mean cosine). Outputs against
@@ -55,23 +56,33 @@ def drift_report(context: AssetExecutionContext, config: DriftConfig, duckdb: Wa
     (traffic with ground truth); vote share against the previous window. ``drifted`` in the
     metadata drives the drift sensor; every run appends to ``drift_history``."""
     window = duckdb.recent_traffic(config.window * 2)
-    current, previous = window.head(config.window), window.iloc[config.window:]
+    current, previous = window.head(config.window), window.iloc[config.window :]
     if len(current) < config.min_requests:
-        return MaterializeResult(metadata={"drifted": False, "requests": len(current),
-                                           "status": f"insufficient traffic: {len(current)} < {config.min_requests} requests"})
+        return MaterializeResult(
+            metadata={"drifted": False, "requests": len(current), "status": f"insufficient traffic: {len(current)} < {config.min_requests} requests"}
+        )
     served = next(iter(current["model_version"].mode()), None)  # the policy most of the window was served by
-    report = traffic_drift(duckdb.reference_questions(config.reference_size), current, previous, duckdb.latest_evaluation(served),
-                           config.to_core(), embed_texts if config.use_embeddings else None, min_previous=config.min_requests)
+    report = traffic_drift(
+        duckdb.reference_questions(config.reference_size),
+        current,
+        previous,
+        duckdb.latest_evaluation(served),
+        config.to_core(),
+        embed_texts if config.use_embeddings else None,
+        min_previous=config.min_requests,
+    )
     history = duckdb.append_drift_history(report.history_rows(context.run.run_id, datetime.now(timezone.utc)))
     curves = history_curves(history, [c.name for c in report.checks if c.threshold is not None])
-    return MaterializeResult(metadata={
-        "drifted": bool(report.drifted),
-        "drift_reasons": MetadataValue.json(report.reasons()),
-        "requests": len(current),
-        "served_model_version": served or "",
-        "window_start": str(current["timestamp"].min()),
-        "window_end": str(current["timestamp"].max()),
-        "metrics": MetadataValue.md(report.table()),
-        "drift_over_time": MetadataValue.md(plots.figure_markdown(plots.curves_figure(curves, "drift metrics by report"), "drift over time")),
-        **{name.replace("/", "_"): float(value) for name, value in report.metrics.items() if np.isfinite(value)},
-    })
+    return MaterializeResult(
+        metadata={
+            "drifted": bool(report.drifted),
+            "drift_reasons": MetadataValue.json(report.reasons()),
+            "requests": len(current),
+            "served_model_version": served or "",
+            "window_start": str(current["timestamp"].min()),
+            "window_end": str(current["timestamp"].max()),
+            "metrics": MetadataValue.md(report.table()),
+            "drift_over_time": MetadataValue.md(plots.figure_markdown(plots.curves_figure(curves, "drift metrics by report"), "drift over time")),
+            **{name.replace("/", "_"): float(value) for name, value in report.metrics.items() if np.isfinite(value)},
+        }
+    )

@@ -63,10 +63,8 @@ def champion_policy(
         path = stored.path if stored is not None else mlflow.download_checkpoint(current.source)
         champion = evaluator.evaluate("champion", current.tags[POLICY_VERSION_TAG], path, protocol, problems, context.log)
     version = registry.register_trained(trained, evaluation)
-    decision = decide_promotion(
-        champion.correct if champion else None, challenger.correct, margin=config.margin, alpha=config.alpha,
-        champion_id=current and f"registry version {current.version}", challenger_id=f"registry version {version}",
-    )
+    ids = {"champion_id": current and f"registry version {current.version}", "challenger_id": f"registry version {version}"}
+    decision = decide_promotion(champion.correct if champion else None, challenger.correct, margin=config.margin, alpha=config.alpha, **ids)
     registry.record_decision(version, decision.promote, decision.reason)
     champion_version = registry.version_for(CHAMPION)
     stored = model_store.get("grpo_checkpoint", champion_version.tags[POLICY_VERSION_TAG])
@@ -75,8 +73,12 @@ def champion_policy(
         passed=decision.promote,
         severity=AssetCheckSeverity.WARN,
         description=decision.reason,
-        metadata={"challenger_registry_version": version, "champion_registry_version": str(champion_version.version),
-                  "delta": decision.delta or 0.0, "p_value": 1.0 if decision.p_value is None else decision.p_value},
+        metadata={
+            "challenger_registry_version": version,
+            "champion_registry_version": str(champion_version.version),
+            "delta": decision.delta or 0.0,
+            "p_value": 1.0 if decision.p_value is None else decision.p_value,
+        },
     )
     yield MaterializeResult(
         metadata={

@@ -7,8 +7,7 @@ from resources.tracking import POLICY_VERSION_TAG
 from rlvr_assets.freshness import WEEKLY
 
 
-@asset(group_name="serving", kinds={"bentoml"}, owners=["team:rlvr-serving"], deps=["champion_policy"],
-       output_required=False, freshness_policy=WEEKLY)
+@asset(group_name="serving", kinds={"bentoml"}, owners=["team:rlvr-serving"], deps=["champion_policy"], output_required=False, freshness_policy=WEEKLY)
 def bento(context: AssetExecutionContext, model_store: ModelStore, mlflow: MLflowResource, bento_builder: BentoBuilder):
     """The champion policy in the BentoML model store (its MLflow lineage as labels) and a Bento
     built around it, offline. Not rebuilt while the BentoML store holds a Bento of the champion, so
@@ -23,22 +22,28 @@ def bento(context: AssetExecutionContext, model_store: ModelStore, mlflow: MLflo
         return
     stored = model_store.get("grpo_checkpoint", version)
     path = stored.path if stored is not None else mlflow.download_checkpoint(champion.source)
-    model_tag = bento_builder.store_model(path, {
-        "model_version": version,
-        "registered_model": mlflow.registered_model,
-        "registry_version": str(champion.version),
-        "mlflow_run_id": champion.run_id or "",
-        "data_hash": champion.tags.get("data_hash", ""),
-        "base_policy_version": champion.tags.get("base_policy_version", ""),
-    }, metadata={"source": champion.source})
+    model_tag = bento_builder.store_model(
+        path,
+        {
+            "model_version": version,
+            "registered_model": mlflow.registered_model,
+            "registry_version": str(champion.version),
+            "mlflow_run_id": champion.run_id or "",
+            "data_hash": champion.tags.get("data_hash", ""),
+            "base_policy_version": champion.tags.get("base_policy_version", ""),
+        },
+        metadata={"source": champion.source},
+    )
     built = bento_builder.build(model_tag, labels={"model_version": version, "registry_version": str(champion.version)})
     context.log.info(f"built {built.tag}; serve it with: {built.serve_command}")
-    yield MaterializeResult(metadata={
-        "bento_tag": built.tag,
-        "model_tag": model_tag,
-        "model_version": version,
-        "size_mb": round(built.size_bytes / 2**20, 1),
-        "serve_command": MetadataValue.md(f"```\n{built.serve_command}\n```"),
-        "containerize_command": MetadataValue.md(f"```\n{bento_builder.containerize_command(built.tag)}\n```"),
-        "path": MetadataValue.path(str(built.path)),
-    })
+    yield MaterializeResult(
+        metadata={
+            "bento_tag": built.tag,
+            "model_tag": model_tag,
+            "model_version": version,
+            "size_mb": round(built.size_bytes / 2**20, 1),
+            "serve_command": MetadataValue.md(f"```\n{built.serve_command}\n```"),
+            "containerize_command": MetadataValue.md(f"```\n{bento_builder.containerize_command(built.tag)}\n```"),
+            "path": MetadataValue.path(str(built.path)),
+        }
+    )

@@ -26,8 +26,9 @@ class SFTRunConfig(Config):
 
 
 @asset(group_name="models", kinds={"pytorch", "mlflow"}, deps=["gsm8k_problems", "base_policy"], owners=["team:rlvr-training"])
-def sft_policy(context: AssetExecutionContext, config: SFTRunConfig, duckdb: Warehouse, model_store: ModelStore,
-               mlflow: MLflowResource, compute: ComputeResource) -> MaterializeResult:
+def sft_policy(
+    context: AssetExecutionContext, config: SFTRunConfig, duckdb: Warehouse, model_store: ModelStore, mlflow: MLflowResource, compute: ComputeResource
+) -> MaterializeResult:
     """The base policy fine-tuned on worked solutions (loss on the solution tokens only), as a
     checkpoint in the model store and an MLflow run; resumable when the Dagster run is re-executed."""
     try:
@@ -38,8 +39,10 @@ def sft_policy(context: AssetExecutionContext, config: SFTRunConfig, duckdb: War
     run_id = context.run.root_run_id or context.run.run_id
     lineage = {"base_policy_version": base.version, "parent_version": base.version, "data_hash": problems_hash(rows)}
     work_dir = f"sft-runs/{run_id}"
-    with mlflow.start_run(f"sft-{run_id[:8]}", {"rlvr.kind": "sft", "dagster.run_id": context.run.run_id,
-                                                "rlvr.profile": config.profile, **{f"rlvr.{k}": v for k, v in lineage.items()}}) as run:
+    with mlflow.start_run(
+        f"sft-{run_id[:8]}",
+        {"rlvr.kind": "sft", "dagster.run_id": context.run.run_id, "rlvr.profile": config.profile, **{f"rlvr.{k}": v for k, v in lineage.items()}},
+    ) as run:
         run.log_params(flat_params({"sft": asdict(sft_config)}))
 
         def on_step(step: int, metrics: dict) -> None:
@@ -47,15 +50,31 @@ def sft_policy(context: AssetExecutionContext, config: SFTRunConfig, duckdb: War
             context.log.info(f"SFT step {step}/{sft_config.total_steps}: loss {metrics['loss']:.4f}, {metrics['tokens_per_s']:.0f} tok/s")
 
         trained = train_sft(base.path, rows, sft_config, model_store.work_dir(work_dir), compute.torch_device(), on_step)
-        stored = model_store.put("sft_policy", trained.export, metadata={
-            **lineage, "data_source": rows[0]["source"], "sft_config": asdict(sft_config), "steps": trained.steps,
-            "final_metrics": trained.history[-1] if trained.history else {}, "mlflow_run_id": run.run_id})
+        stored = model_store.put(
+            "sft_policy",
+            trained.export,
+            metadata={
+                **lineage,
+                "data_source": rows[0]["source"],
+                "sft_config": asdict(sft_config),
+                "steps": trained.steps,
+                "final_metrics": trained.history[-1] if trained.history else {},
+                "mlflow_run_id": run.run_id,
+            },
+        )
         run.log_artifacts(stored.path, "checkpoint")
         run.set_tags({POLICY_VERSION_TAG: stored.version})
     model_store.remove_work_dir(work_dir)
     losses = [m["loss"] for m in trained.history]
-    return MaterializeResult(metadata={
-        "path": MetadataValue.path(str(stored.path)), "version": stored.version, "parent_base_policy": base.version,
-        "steps": trained.steps, "mlflow_run_id": run.run_id, "sft_config": MetadataValue.json(asdict(sft_config)),
-        "loss_curve": MetadataValue.md(" → ".join(f"{loss:.3f}" for loss in losses)),
-        **({"final_loss": losses[-1]} if losses else {})})
+    return MaterializeResult(
+        metadata={
+            "path": MetadataValue.path(str(stored.path)),
+            "version": stored.version,
+            "parent_base_policy": base.version,
+            "steps": trained.steps,
+            "mlflow_run_id": run.run_id,
+            "sft_config": MetadataValue.json(asdict(sft_config)),
+            "loss_curve": MetadataValue.md(" → ".join(f"{loss:.3f}" for loss in losses)),
+            **({"final_loss": losses[-1]} if losses else {}),
+        }
+    )

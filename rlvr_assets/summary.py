@@ -27,8 +27,10 @@ def main() -> None:
     report = instance.get_latest_materialization_event(AssetKey("eval_report"))
     if report is not None and report.asset_materialization is not None:
         meta = report.asset_materialization.metadata
-        print(f"evaluation: pass@1 (strict) {meta['pass@1_strict'].value:.1%} on {int(meta['num_problems'].value)} problems, "
-              f"{meta['delta_pass@1_strict'].value:+.1%} vs the base policy (McNemar p = {meta['mcnemar_p_value'].value:.3g})")
+        print(
+            f"evaluation: pass@1 (strict) {meta['pass@1_strict'].value:.1%} on {int(meta['num_problems'].value)} problems, "
+            f"{meta['delta_pass@1_strict'].value:+.1%} vs the base policy (McNemar p = {meta['mcnemar_p_value'].value:.3g})"
+        )
     bento = instance.get_latest_materialization_event(AssetKey("bento"))
     if bento is not None and bento.asset_materialization is not None:
         command = bento.asset_materialization.metadata["serve_command"].value.strip("`\n ")

@@ -6,7 +6,7 @@ are produced by one step (a multi-asset) while the graph still reads rollouts ->
 
 import json
 from dataclasses import asdict
-from typing import Optional
+from typing import Iterator, Optional
 
 from dagster import AssetExecutionContext, AssetSpec, Config, Failure, MaterializeResult, MetadataValue, multi_asset
 from pydantic import Field
@@ -20,10 +20,12 @@ from rlvr.rewards import DEFAULT_GSM8K_REWARD, CompositeReward
 from rlvr.training_run import problems_hash, sample_completions
 
 GPU_TAGS = {  # each training run asks the Kubernetes run launcher for a GPU (deploy/k8s)
-    "dagster-k8s/config": json.dumps({
-        "container_config": {"resources": {"requests": {"nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": "1"}}},
-        "pod_spec_config": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
-    })
+    "dagster-k8s/config": json.dumps(
+        {
+            "container_config": {"resources": {"requests": {"nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": "1"}}},
+            "pod_spec_config": {"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]},
+        }
+    )
 }
 GRPOOverrides = config_from(GRPOConfig, overrides=True)
 
@@ -35,11 +37,13 @@ class GRPORunConfig(Config):
     overrides: GRPOOverrides = Field(
         default_factory=GRPOOverrides,
         description="GRPOConfig fields set on top of the profile, e.g. {'total_steps': 20, 'lr': 1e-6, "
-                    "'sampling': {'max_new_tokens': 256}}; nested sampling / lora merge into the profile's",
+        "'sampling': {'max_new_tokens': 256}}; nested sampling / lora merge into the profile's",
     )
     rewards: dict[str, float] = Field(default=dict(DEFAULT_GSM8K_REWARD), description="reward name -> weight (a weighted mean, in [0, 1])")
-    init_from: str = Field(default="base", description="'base' (the base_policy asset), 'sft' (the sft_policy asset: the cold start) "
-                                                       "or 'champion' (the registry's champion, for retraining)")
+    init_from: str = Field(
+        default="base",
+        description="'base' (the base_policy asset), 'sft' (the sft_policy asset: the cold start) or 'champion' (the registry's champion, for retraining)",
+    )
     split: str = Field(default="train", description="split of gsm8k_problems to train on")
     limit: Optional[int] = Field(default=None, description="train on the first N problems of the split only")
     sample_completions: int = Field(default=64, description="completions logged to MLflow as a table")
@@ -54,13 +58,31 @@ class GRPORunConfig(Config):
 
 @multi_asset(
     specs=[
-        AssetSpec("rollouts", group_name="training", kinds={"duckdb"}, deps=["gsm8k_problems", "base_policy", "sft_policy"], owners=["team:rlvr-training"],
-                  description="One row per sampled completion of the GRPO run: step, problem, group and sample index, temperature, "
-                              "prompt and completion, token counts, finish reason, policy version."),
-        AssetSpec("rewards", group_name="training", kinds={"duckdb"}, deps=["rollouts"], owners=["team:rlvr-training"],
-                  description="One row per (completion, reward function): value, weight and the group-relative advantage."),
-        AssetSpec("grpo_checkpoint", group_name="training", kinds={"pytorch", "mlflow"}, deps=["rewards"], owners=["team:rlvr-training"],
-                  description="The GRPO-trained policy as a standard HF checkpoint in the model store; each run is an MLflow run."),
+        AssetSpec(
+            "rollouts",
+            group_name="training",
+            kinds={"duckdb"},
+            deps=["gsm8k_problems", "base_policy", "sft_policy"],
+            owners=["team:rlvr-training"],
+            description="One row per sampled completion of the GRPO run: step, problem, group and sample index, temperature, "
+            "prompt and completion, token counts, finish reason, policy version.",
+        ),
+        AssetSpec(
+            "rewards",
+            group_name="training",
+            kinds={"duckdb"},
+            deps=["rollouts"],
+            owners=["team:rlvr-training"],
+            description="One row per (completion, reward function): value, weight and the group-relative advantage.",
+        ),
+        AssetSpec(
+            "grpo_checkpoint",
+            group_name="training",
+            kinds={"pytorch", "mlflow"},
+            deps=["rewards"],
+            owners=["team:rlvr-training"],
+            description="The GRPO-trained policy as a standard HF checkpoint in the model store; each run is an MLflow run.",
+        ),
     ],
     op_tags=GPU_TAGS,
 )
@@ -83,11 +105,12 @@ def grpo_training(
     start = start_policy(config.init_from, base, model_store, mlflow)
     rows, run_id = duckdb.problems(config.split, config.limit), context.run.root_run_id or context.run.run_id
     lineage = {"base_policy_version": base.version, "parent_version": start.version, "data_hash": problems_hash(rows)}
-    tags = {"rlvr.kind": "training", "dagster.run_id": context.run.run_id, "rlvr.init_from": config.init_from,
-            "rlvr.profile": config.profile, "rlvr.nproc": str(nproc), **{f"rlvr.{k}": v for k, v in lineage.items()}}
+    tags = {"rlvr.kind": "training", "dagster.run_id": context.run.run_id, "rlvr.init_from": config.init_from}
+    tags |= {"rlvr.profile": config.profile, "rlvr.nproc": str(nproc), **{f"rlvr.{k}": v for k, v in lineage.items()}}
     work_dir = f"grpo-runs/{run_id}"  # the run's resume points, per-step rows and export, until it completes
-    job = TrainingJob(run_id, start.path, rows, grpo_config, config.rewards, model_store.work_dir(work_dir),
-                      str(compute.torch_device()) if nproc == 1 else None)
+    job = TrainingJob(
+        run_id, start.path, rows, grpo_config, config.rewards, model_store.work_dir(work_dir), str(compute.torch_device()) if nproc == 1 else None
+    )
     with mlflow.start_run(f"grpo-{run_id[:8]}", tags) as run:
         run.log_params(flat_params({"grpo": asdict(grpo_config), "rewards": config.rewards, "nproc": nproc}))
         try:
@@ -98,27 +121,74 @@ def grpo_training(
                 duckdb.write(Upsert("rollouts", rollouts, "completion_id"), Upsert("rewards", rewards, "completion_id"))
         for step, metrics in history:
             run.log_metrics(metrics, step=step)
-        stored = model_store.put("grpo_checkpoint", launcher.exported(job.scratch), metadata={
-            **lineage, "data_source": rows[0]["source"], "training_config": asdict(grpo_config), "rewards": config.rewards,
-            "steps": grpo_config.total_steps, "nproc": nproc, "final_metrics": history[-1][1] if history else {},
-            "mlflow_run_id": run.run_id, "dagster_run_id": context.run.run_id})
+        stored = model_store.put(
+            "grpo_checkpoint",
+            launcher.exported(job.scratch),
+            metadata={
+                **lineage,
+                "data_source": rows[0]["source"],
+                "training_config": asdict(grpo_config),
+                "rewards": config.rewards,
+                "steps": grpo_config.total_steps,
+                "nproc": nproc,
+                "final_metrics": history[-1][1] if history else {},
+                "mlflow_run_id": run.run_id,
+                "dagster_run_id": context.run.run_id,
+            },
+        )
         run.log_artifacts(stored.path, "checkpoint")
         run.log_table(sample_completions(rollouts, rewards, config.sample_completions), "sample_completions.json")
         run.set_tags({POLICY_VERSION_TAG: stored.version})
     model_store.remove_work_dir(work_dir)
 
+    yield from materializations(duckdb, run_id, config.rewards, stored, base, grpo_config, nproc, run.run_id, history)
+
+
+def materializations(
+    duckdb: Warehouse,
+    run_id: str,
+    weights: dict,
+    stored: StoredModel,
+    base: StoredModel,
+    grpo_config: GRPOConfig,
+    nproc: int,
+    mlflow_run_id: str,
+    history: list,
+) -> Iterator[MaterializeResult]:
+    """The run's three materializations: row counts and reward means from DuckDB, the checkpoint's lineage and curve."""
     summary, last = duckdb.training_run_summary(run_id), history[-1][1] if history else {}
-    yield MaterializeResult(asset_key="rollouts", metadata={
-        "dagster/row_count": sum(summary["finish_reasons"].values()), "run_id": run_id, "table": f"{duckdb.database}:rollouts",
-        "finish_reasons": MetadataValue.json(summary["finish_reasons"])})
-    yield MaterializeResult(asset_key="rewards", metadata={
-        "dagster/row_count": summary["reward_rows"], "run_id": run_id, "table": f"{duckdb.database}:rewards",
-        **{f"mean_{name}": summary["reward_means"][name] for name in config.rewards if name in summary["reward_means"]}})
-    yield MaterializeResult(asset_key="grpo_checkpoint", metadata={
-        "path": MetadataValue.path(str(stored.path)), "version": stored.version, "parent_base_policy": base.version,
-        "steps": grpo_config.total_steps, "nproc": nproc, "mlflow_run_id": run.run_id, "training_config": MetadataValue.json(asdict(grpo_config)),
-        **{f"final_{k}": float(v) for k, v in last.items()},
-        "reward_curve": MetadataValue.md(" → ".join(f"{m['reward_mean']:.3f}" for _, m in history))})
+    yield MaterializeResult(
+        asset_key="rollouts",
+        metadata={
+            "dagster/row_count": sum(summary["finish_reasons"].values()),
+            "run_id": run_id,
+            "table": f"{duckdb.database}:rollouts",
+            "finish_reasons": MetadataValue.json(summary["finish_reasons"]),
+        },
+    )
+    yield MaterializeResult(
+        asset_key="rewards",
+        metadata={
+            "dagster/row_count": summary["reward_rows"],
+            "run_id": run_id,
+            "table": f"{duckdb.database}:rewards",
+            **{f"mean_{name}": summary["reward_means"][name] for name in weights if name in summary["reward_means"]},
+        },
+    )
+    yield MaterializeResult(
+        asset_key="grpo_checkpoint",
+        metadata={
+            "path": MetadataValue.path(str(stored.path)),
+            "version": stored.version,
+            "parent_base_policy": base.version,
+            "steps": grpo_config.total_steps,
+            "nproc": nproc,
+            "mlflow_run_id": mlflow_run_id,
+            "training_config": MetadataValue.json(asdict(grpo_config)),
+            **{f"final_{k}": float(v) for k, v in last.items()},
+            "reward_curve": MetadataValue.md(" → ".join(f"{m['reward_mean']:.3f}" for _, m in history)),
+        },
+    )
 
 
 def start_policy(init_from: str, base: StoredModel, model_store: ModelStore, mlflow: MLflowResource) -> StoredModel:

@@ -7,8 +7,12 @@ from dagster import AssetKey, DefaultSensorStatus, RunRequest, SensorEvaluationC
 DRIFT_REPORT = AssetKey("drift_report")
 
 
-@sensor(job_name="retraining", minimum_interval_seconds=60, default_status=DefaultSensorStatus.RUNNING,
-        description="Retrains when drift_report flags drift; consecutive drifted reports are one episode, one run.")
+@sensor(
+    job_name="retraining",
+    minimum_interval_seconds=60,
+    default_status=DefaultSensorStatus.RUNNING,
+    description="Retrains when drift_report flags drift; consecutive drifted reports are one episode, one run.",
+)
 def drift_sensor(context: SensorEvaluationContext):
     """Walks new ``drift_report`` materializations in order. A drifted report opens an episode (and
     requests one run, keyed by the episode); further drifted reports belong to it; a clean report
@@ -22,11 +26,17 @@ def drift_sensor(context: SensorEvaluationContext):
         if drifted and state["episode"] is None:
             state["episode"] = record.storage_id
             reasons = metadata["drift_reasons"].value if "drift_reasons" in metadata else []
-            requests.append(RunRequest(
-                run_key=f"drift-episode-{record.storage_id}",
-                tags={"rlvr/trigger": "drift", "rlvr/drift_episode": str(record.storage_id),
-                      "rlvr/drift_reasons": "; ".join(reasons)[:1000], "rlvr/drift_report_run": record.run_id},
-            ))
+            requests.append(
+                RunRequest(
+                    run_key=f"drift-episode-{record.storage_id}",
+                    tags={
+                        "rlvr/trigger": "drift",
+                        "rlvr/drift_episode": str(record.storage_id),
+                        "rlvr/drift_reasons": "; ".join(reasons)[:1000],
+                        "rlvr/drift_report_run": record.run_id,
+                    },
+                )
+            )
         elif not drifted and "drifted" in metadata:
             state["episode"] = None
     state["after_cursor"] = records.cursor if records.records else state.get("after_cursor")

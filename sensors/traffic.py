@@ -17,8 +17,12 @@ def traffic_state(folder: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(folder.glob(f"{FILE_PREFIX}*{FILE_SUFFIX}"))}
 
 
-@sensor(job_name="monitoring", minimum_interval_seconds=60, default_status=DefaultSensorStatus.RUNNING,
-        description="Ingests new traffic (serving_traffic, drift_report) when the traffic log folder grows.")
+@sensor(
+    job_name="monitoring",
+    minimum_interval_seconds=60,
+    default_status=DefaultSensorStatus.RUNNING,
+    description="Ingests new traffic (serving_traffic, drift_report) when the traffic log folder grows.",
+)
 def traffic_sensor(context: SensorEvaluationContext):
     state = traffic_state(Settings.from_env().traffic_dir)
     before = json.loads(context.cursor) if context.cursor else {}

@@ -103,6 +103,7 @@ def test_huge_numbers_are_no_answer():
 
 # ---- strict extraction: what a careful grader reads on the "####" line ---------------------------
 
+
 @pytest.mark.parametrize(
     "completion, expected",
     [

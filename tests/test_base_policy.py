@@ -26,7 +26,7 @@ def test_embedded_policy_is_a_standard_checkpoint_that_generates(embedded_policy
         saved_logits = model(**ids).logits[0, -1]
         gguf_model, _ = load_source(resolve_source(EMBEDDED_MODEL))
         gguf_logits = gguf_model(**ids).logits[0, -1]
-    text = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    text = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
     assert len(text.split()) >= 5 and text.isascii()
     # the stored checkpoint computes exactly what transformers' own GGUF load computes
     torch.testing.assert_close(saved_logits, gguf_logits)

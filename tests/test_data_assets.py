@@ -50,9 +50,7 @@ def test_full_local_source_materializes_with_checks(tmp_path, gsm8k_dir, instanc
     assert metadata["train_rows"].value == 7473 and metadata["dagster/row_count"].value == 8792
     assert metadata["num_steps"].value.startswith("![")
     with duckdb.connect(str(db), read_only=True) as conn:
-        row = conn.execute(
-            "SELECT answer_text, answer_value, num_steps FROM gsm8k_problems WHERE problem_id = 'local-train-00000'"
-        ).fetchone()
+        row = conn.execute("SELECT answer_text, answer_value, num_steps FROM gsm8k_problems WHERE problem_id = 'local-train-00000'").fetchone()
     assert row == ("72", 72.0, 2)
     # idempotent: a second run replaces, never appends
     assert run(db, instance, source="local", local_dir=str(gsm8k_dir)).success

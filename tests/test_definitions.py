@@ -41,7 +41,9 @@ def test_jobs_sensors_and_schedules():
     assert sensors["drift_sensor"].job_name == "retraining" and sensors["traffic_sensor"].job_name == "monitoring"
     assert all(s.default_status == DefaultSensorStatus.RUNNING for s in sensors.values())
     assert {s.name: s.default_status for s in defs.schedules} == {
-        "weekly_retraining": DefaultScheduleStatus.STOPPED, "daily_champion_evaluation": DefaultScheduleStatus.STOPPED}
+        "weekly_retraining": DefaultScheduleStatus.STOPPED,
+        "daily_champion_evaluation": DefaultScheduleStatus.STOPPED,
+    }
 
 
 def test_training_runs_ask_kubernetes_for_a_gpu():

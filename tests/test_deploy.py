@@ -48,9 +48,7 @@ SERVICE_METRICS = {
     "bentoml_service_request_in_progress": "gauge",
 }
 EXPORTED_SERIES = {
-    series
-    for name, kind in SERVICE_METRICS.items()
-    for series in ([f"{name}_bucket", f"{name}_sum", f"{name}_count"] if kind == "histogram" else [name])
+    series for name, kind in SERVICE_METRICS.items() for series in ([f"{name}_bucket", f"{name}_sum", f"{name}_count"] if kind == "histogram" else [name])
 }
 PROMETHEUS_SERIES = {"up"}  # written by Prometheus itself for every target
 
@@ -111,8 +109,15 @@ def test_compose_rejects_a_broken_file(compose_bin, tmp_path):
 
 def test_compose_runs_the_whole_stack(compose_model):
     assert set(compose_model["services"]) == {
-        "postgres", "data-init", "code-location", "webserver", "daemon", "mlflow", "policy",
-        "prometheus", "grafana",
+        "postgres",
+        "data-init",
+        "code-location",
+        "webserver",
+        "daemon",
+        "mlflow",
+        "policy",
+        "prometheus",
+        "grafana",
     }
 
 
@@ -262,11 +267,7 @@ def test_code_location_image_context_holds_every_package():
     """The build context is an allowlist: every package pyproject.toml installs must be on it."""
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     packages = [p.rstrip("*") for p in pyproject["tool"]["setuptools"]["packages"]["find"]["include"]]
-    allowed = {
-        line[1:].strip("/")
-        for line in (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
-        if line.startswith("!")
-    }
+    allowed = {line[1:].strip("/") for line in (DOCKER / "Dockerfile.dockerignore").read_text().splitlines() if line.startswith("!")}
     readme = pyproject["project"]["readme"]
     assert {*packages, "pyproject.toml", readme, "requirements.lock"} <= allowed
     for word, args in _instructions(DOCKER / "Dockerfile"):
@@ -278,11 +279,7 @@ def test_code_location_image_context_holds_every_package():
 
 def test_image_pins_follow_the_lock_file():
     """Dagster and its integrations in the images are the versions requirements.lock pins."""
-    lock = dict(
-        line.split("==", 1)
-        for line in (ROOT / "requirements.lock").read_text().splitlines()
-        if "==" in line and not line.startswith("#")
-    )
+    lock = dict(line.split("==", 1) for line in (ROOT / "requirements.lock").read_text().splitlines() if "==" in line and not line.startswith("#"))
     library_version = lock["dagster-duckdb"]  # Dagster's integrations share one version line
     for dockerfile in (DOCKER / "Dockerfile", DOCKER / "Dockerfile.dagster"):
         pins = re.findall(r"\b(dagster[a-z-]*)==([0-9][^\s\"]*)", dockerfile.read_text())
@@ -320,7 +317,11 @@ def test_manifests_validate_strictly(version):
 
     resources = _k8s_resources()
     assert {r["kind"] for r in resources.values()} >= {
-        "Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap", "PersistentVolumeClaim",
+        "Deployment",
+        "Service",
+        "HorizontalPodAutoscaler",
+        "ConfigMap",
+        "PersistentVolumeClaim",
     }
     for resource in resources.values():
         # Raises on a schema violation, and on a kind/apiVersion it has no schema for.
@@ -529,9 +530,14 @@ def test_dashboard_queries_parse_and_use_only_service_metrics():
         used |= names
     # Every metric of the service is on the dashboard.
     assert used >= {
-        "rlvr_requests_total", "rlvr_rollouts_generated_total", "rlvr_reward_bucket", "rlvr_vote_share_bucket",
-        "rlvr_generation_seconds_bucket", "bentoml_service_request_duration_seconds_bucket",
-        "bentoml_service_request_total", "bentoml_service_request_in_progress",
+        "rlvr_requests_total",
+        "rlvr_rollouts_generated_total",
+        "rlvr_reward_bucket",
+        "rlvr_vote_share_bucket",
+        "rlvr_generation_seconds_bucket",
+        "bentoml_service_request_duration_seconds_bucket",
+        "bentoml_service_request_total",
+        "bentoml_service_request_in_progress",
     }
 
 

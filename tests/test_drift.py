@@ -118,8 +118,15 @@ def test_evaluate_drift_thresholds_by_family_and_skips_unthresholded_metrics():
 def test_output_drift_against_the_evaluation_and_the_previous_window():
     lengths = list(range(10))
     evaluation = pd.DataFrame({"well_formed": [1.0] * 9 + [0.0], "completion_chars": lengths, "reward_total": [0.8] * 10})
-    current = pd.DataFrame({"well_formed": [1.0] * 6 + [0.0] * 4, "completion_chars": lengths, "vote_share": [0.5] * 10,
-                            "ground_truth": ["7"] * 4 + [None] * 6, "mean_reward": [0.5] * 4 + [0.1] * 6})
+    current = pd.DataFrame(
+        {
+            "well_formed": [1.0] * 6 + [0.0] * 4,
+            "completion_chars": lengths,
+            "vote_share": [0.5] * 10,
+            "ground_truth": ["7"] * 4 + [None] * 6,
+            "mean_reward": [0.5] * 4 + [0.1] * 6,
+        }
+    )
     previous = pd.DataFrame({"vote_share": [1.0] * 10})
     metrics = output_drift(current, evaluation, previous)
     assert metrics["format_compliance_drop"] == pytest.approx(0.3)
@@ -137,8 +144,7 @@ def test_output_drift_against_the_evaluation_and_the_previous_window():
 def test_traffic_drift_reports_every_check_and_its_history():
     questions = [f"Tom has {i} apples and buys {i + 3} more. How many apples does he have now?" for i in range(60)]
     off_topic = [f"Write a poem about the sea at night, verse {i}, in the style of a sailor's song." for i in range(60)]
-    window = pd.DataFrame({"prompt": off_topic, "well_formed": 1.0, "completion_chars": 40.0, "vote_share": 1.0,
-                           "ground_truth": None, "mean_reward": None})
+    window = pd.DataFrame({"prompt": off_topic, "well_formed": 1.0, "completion_chars": 40.0, "vote_share": 1.0, "ground_truth": None, "mean_reward": None})
     same = traffic_drift(questions, window.assign(prompt=questions))
     assert not same.drifted and same.metrics["psi/num_words"] == 0.0
     report = traffic_drift(questions, window, thresholds=DriftThresholds(psi=0.25))
@@ -169,16 +175,14 @@ def test_embedding_drift_on_synthetic_vectors():
 
 
 GSM8K_LIKE = [
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-    "How many clips did she sell in April and May?",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did she sell in April and May?",
     "Weng earns $12 an hour for babysitting. Yesterday, she did 50 minutes of babysitting. How much did she earn?",
     "Betty needs $100 for a new wallet. She has half of the money, her parents give her $15 and her "
     "grandparents twice as much. How much more money does she need?",
     "James writes a 3-page letter to 2 different friends twice a week. How many pages does he write a year?",
     "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it take?",
     "Mark has a garden with 10 yellow flowers and 80% more purple ones. How many flowers does Mark have?",
-    "Albert buys 2 large pizzas with 16 slices each and 2 small pizzas with 8 slices each. "
-    "How many slices does he eat if he eats them all?",
+    "Albert buys 2 large pizzas with 16 slices each and 2 small pizzas with 8 slices each. How many slices does he eat if he eats them all?",
     "A bakery sells 120 muffins a day at $2 each. How much money does it make in a week?",
 ]
 UNRELATED = [

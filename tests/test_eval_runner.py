@@ -29,8 +29,7 @@ def test_grade_samples_majority_and_maj_at_k():
 def test_evaluate_and_summarize_with_a_tiny_model(tiny_llama_dir):
     model, tokenizer = load_policy(tiny_llama_dir)
     problems = [
-        {"problem_id": f"p{i}", "question": f"What is {i} + {i}?", "answer_value": 2.0 * i, "answer_text": str(2 * i), "num_steps": 1 + i % 2}
-        for i in range(5)
+        {"problem_id": f"p{i}", "question": f"What is {i} + {i}?", "answer_value": 2.0 * i, "answer_text": str(2 * i), "num_steps": 1 + i % 2} for i in range(5)
     ]
     seen = []
     config = EvalConfig(max_new_tokens=8, num_samples=3, ks=[1, 3], batch_rows=4)
@@ -65,9 +64,20 @@ def test_significance_verdict():
 
 def test_evaluation_report_of_two_result_sets():
     def results(correct):
-        return [{"problem_id": f"p{i}", "num_steps": 1 + i % 3, "correct_strict": ok, "correct_flexible": ok, "well_formed": True,
-                 "truncated": False, "completion_tokens": 10, "reward_total": float(ok), "reward_math_answer": float(ok)}
-                for i, ok in enumerate(correct)]
+        return [
+            {
+                "problem_id": f"p{i}",
+                "num_steps": 1 + i % 3,
+                "correct_strict": ok,
+                "correct_flexible": ok,
+                "well_formed": True,
+                "truncated": False,
+                "completion_tokens": 10,
+                "reward_total": float(ok),
+                "reward_math_answer": float(ok),
+            }
+            for i, ok in enumerate(correct)
+        ]
 
     base, trained = results([i < 5 for i in range(40)]), results([i < 30 for i in range(40)])
     report = evaluation_report(base, trained, EvalConfig(), "t1", "b1", "test", {"reward_mean": [(1, 0.2), (2, 0.4)]})

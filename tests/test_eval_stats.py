@@ -44,13 +44,7 @@ def test_pass_at_1_is_the_fraction_correct():
 
 
 def test_pass_at_k_per_problem_matches_scalar_and_exact_combinatorics():
-    cases = [
-        (n, c, k)
-        for n in (1, 2, 5, 16, 200)
-        for c in range(0, n + 1, max(1, n // 7))
-        for k in sorted({1, 2, n // 2, n})
-        if 1 <= k <= n
-    ]
+    cases = [(n, c, k) for n in (1, 2, 5, 16, 200) for c in range(0, n + 1, max(1, n // 7)) for k in sorted({1, 2, n // 2, n}) if 1 <= k <= n]
     for n, c, k in cases:
         exact = 1 - math.comb(n - c, k) / math.comb(n, k)
         assert pass_at_k(n, c, k) == pytest.approx(exact, abs=1e-10)

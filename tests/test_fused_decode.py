@@ -45,8 +45,11 @@ def decode_both_ways(model, steps: int = 6) -> tuple[list[torch.Tensor], list[to
                     logits = decoder(step_tokens, position, attention_mask, cache)
                 else:
                     logits = last_position_logits(
-                        model, input_ids=step_tokens[:, None], attention_mask=attention_mask,
-                        position_ids=position[:, None], past_key_values=cache,
+                        model,
+                        input_ids=step_tokens[:, None],
+                        attention_mask=attention_mask,
+                        position_ids=position[:, None],
+                        past_key_values=cache,
                     )
                 out.append(logits.float())
                 position = position + 1

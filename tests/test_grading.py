@@ -121,8 +121,7 @@ def test_evaluate_policy_reports_lm_eval_columns(monkeypatch):
     ]
     monkeypatch.setattr(runner, "render_prompt", lambda tokenizer, question: question)
     monkeypatch.setattr(runner, "RewardPool", _NoRewards)
-    monkeypatch.setattr(runner, "stream_rollouts", lambda *args, **kwargs: iter(
-        [_Chunk(texts, ["eos"] * 3, torch.tensor([4, 5, 4]))]))
+    monkeypatch.setattr(runner, "stream_rollouts", lambda *args, **kwargs: iter([_Chunk(texts, ["eos"] * 3, torch.tensor([4, 5, 4]))]))
     results = runner.evaluate_policy(None, None, problems, runner.EvalConfig())
     assert [(r["correct_strict"], r["correct_lm_eval_strict"], r["correct_lm_eval_flexible"]) for r in results] == [
         (True, True, True),
@@ -206,8 +205,9 @@ def test_a_plain_number_is_never_refused_nor_parsed(sympy_forbidden):
     assert wrong.value == 0.0 and "refused" not in wrong.details
 
 
-@pytest.mark.parametrize("answer", ["2^3", "2^{10}", "e^{1000}", "\\frac{3}{4}", "\\sqrt{16}", "5!", "x^2+y^2", "(a+b)^2",
-                                    "2^{3} \\cdot 3^{2}", "1.5 \\times 10^{6}", "e^{i\\pi}"])
+@pytest.mark.parametrize(
+    "answer", ["2^3", "2^{10}", "e^{1000}", "\\frac{3}{4}", "\\sqrt{16}", "5!", "x^2+y^2", "(a+b)^2", "2^{3} \\cdot 3^{2}", "1.5 \\times 10^{6}", "e^{i\\pi}"]
+)
 def test_legitimate_expressions_pass_the_guard(answer):
     assert explosive_reason(answer) is None
 

@@ -59,14 +59,16 @@ def one_thread():
 @pytest.mark.parametrize("lora", [None, LoRAConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj", "lm_head"])])
 def test_killed_run_resumes_to_identical_weights(tmp_path, lora):
     tokenizer = char_tokenizer(COPY_DIGIT_CHARS)
-    straight = GRPOTrainer(
-        tiny_llama(len(tokenizer), seed=0), tokenizer, config(lora=lora), reward, checkpoint_dir=tmp_path / "a"
-    )
+    straight = GRPOTrainer(tiny_llama(len(tokenizer), seed=0), tokenizer, config(lora=lora), reward, checkpoint_dir=tmp_path / "a")
     straight_history = straight.train(PROBLEMS)
 
     first = GRPOTrainer(
-        tiny_llama(len(tokenizer), seed=0), tokenizer, config(lora=lora), reward,
-        checkpoint_dir=tmp_path / "b", on_step=kill_after(3),
+        tiny_llama(len(tokenizer), seed=0),
+        tokenizer,
+        config(lora=lora),
+        reward,
+        checkpoint_dir=tmp_path / "b",
+        on_step=kill_after(3),
     )
     with pytest.raises(Killed):
         first.train(PROBLEMS)
@@ -154,7 +156,13 @@ def test_a_checkpoint_of_another_world_size_is_not_resumed(tmp_path):
 def test_records_per_rank_reach_on_step_on_every_rank():
     tokenizer = char_tokenizer(COPY_DIGIT_CHARS)
     seen = []
-    trainer = GRPOTrainer(tiny_llama(len(tokenizer)), tokenizer, config(total_steps=1, checkpoint_every=0), reward,
-                          on_step=lambda step, metrics, records: seen.append(records), records_per_rank=True)
+    trainer = GRPOTrainer(
+        tiny_llama(len(tokenizer)),
+        tokenizer,
+        config(total_steps=1, checkpoint_every=0),
+        reward,
+        on_step=lambda step, metrics, records: seen.append(records),
+        records_per_rank=True,
+    )
     trainer.train(PROBLEMS)
     assert len(seen) == 1 and len(seen[0]) == 6 * 8 and {r["rank"] for r in seen[0]} == {0}

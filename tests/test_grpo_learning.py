@@ -113,7 +113,7 @@ def test_rows_without_signal_cost_no_update():
     cfg = config(total_steps=1, mask_truncated=True)
     trainer = GRPOTrainer(model, tokenizer, cfg, copy_digit_reward, on_step=lambda *args: seen.append(args))
     metrics = trainer.train(PROBLEMS)[0]
-    (step, logged, records), = seen
+    ((step, logged, records),) = seen
     assert step == 1 and logged is metrics and len(records) == 16 * 16
     truncated = [r for r in records if r["finish_reason"] == "length"]
     assert 0 < len(truncated) < len(records) and metrics["truncation_rate"] == len(truncated) / len(records)

@@ -81,9 +81,7 @@ def test_gspo_uses_one_clipped_ratio_per_sequence():
 
 
 def test_kl_k3_by_hand_and_unbiased():
-    assert kl_k3(torch.log(torch.tensor(0.5)), torch.log(torch.tensor(0.25))).item() == pytest.approx(
-        0.5 - math.log(0.5) - 1
-    )
+    assert kl_k3(torch.log(torch.tensor(0.5)), torch.log(torch.tensor(0.25))).item() == pytest.approx(0.5 - math.log(0.5) - 1)
     assert kl_k3(torch.tensor([-1.3]), torch.tensor([-1.3])).item() == 0.0
     # E_{x ~ π}[k3(x)] = KL(π || π_ref), exactly, over a whole vocabulary
     pi = torch.softmax(torch.tensor([1.0, 0.2, -0.5, 2.0]), 0)
@@ -119,10 +117,7 @@ def test_token_logprobs_and_entropy():
     tokens = torch.randint(0, 7, (3, 4))
     temperatures = torch.tensor([0.5, 0.0, 2.0])
     expected = torch.stack(
-        [
-            torch.log_softmax(logits[i] / (t if t > 0 else 1.0), -1).gather(1, tokens[i, :, None]).squeeze(1)
-            for i, t in enumerate(temperatures.tolist())
-        ]
+        [torch.log_softmax(logits[i] / (t if t > 0 else 1.0), -1).gather(1, tokens[i, :, None]).squeeze(1) for i, t in enumerate(temperatures.tolist())]
     )
     torch.testing.assert_close(token_logprobs(logits, tokens, temperatures), expected)
     assert entropy_from_logits(torch.zeros(2, 7)).tolist() == pytest.approx([math.log(7)] * 2)

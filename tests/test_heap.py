@@ -6,9 +6,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only"
-)
+pytestmark = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only")
 
 # Page faults of allocating and filling a 64 MiB tensor, freed after each round: 40 rounds with
 # glibc's defaults, then 40 after keep_freed_memory(). Run in a child process: the setting is

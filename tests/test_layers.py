@@ -30,11 +30,7 @@ def imports(path: Path) -> set[str]:
 def test_no_layer_imports_what_sits_above_it(layer):
     files = sorted((ROOT / layer).rglob("*.py"))
     assert files, f"no Python files under {layer}/"
-    offences = {
-        str(path.relative_to(ROOT)): sorted(imports(path) & set(FORBIDDEN[layer]))
-        for path in files
-        if imports(path) & set(FORBIDDEN[layer])
-    }
+    offences = {str(path.relative_to(ROOT)): sorted(imports(path) & set(FORBIDDEN[layer])) for path in files if imports(path) & set(FORBIDDEN[layer])}
     assert not offences, f"{layer}/ may not import {FORBIDDEN[layer]}: {offences}"
 
 

@@ -26,10 +26,19 @@ OFF_TOPIC = [
 def traffic_record(prompt, well_formed=True, vote_share=0.75, model_version="v1"):
     completion = "Step one.\n#### 12" if well_formed else "I think the answer is twelve."
     return {
-        "timestamp": "2026-11-22T10:00:00.000+00:00", "request_id": f"r{random.random()}", "endpoint": "/solve",
-        "model_version": model_version, "status": 200, "latency_s": 0.3, "prompt": prompt, "answer": "12",
-        "answers": ["12"] * 4, "vote_share": vote_share, "completions": [completion] * 4,
-        "completion_tokens": [9] * 4, "finish_reasons": ["answer"] * 4,
+        "timestamp": "2026-11-22T10:00:00.000+00:00",
+        "request_id": f"r{random.random()}",
+        "endpoint": "/solve",
+        "model_version": model_version,
+        "status": 200,
+        "latency_s": 0.3,
+        "prompt": prompt,
+        "answer": "12",
+        "answers": ["12"] * 4,
+        "vote_share": vote_share,
+        "completions": [completion] * 4,
+        "completion_tokens": [9] * 4,
+        "finish_reasons": ["answer"] * 4,
     }
 
 
@@ -45,17 +54,31 @@ def env(tmp_path, gsm8k_dir, monkeypatch):
     traffic = tmp_path / "traffic"
     resources = {"duckdb": Warehouse(database=str(tmp_path / "rlvr.duckdb"))}
     with DagsterInstance.ephemeral() as instance:
-        assert materialize([data.gsm8k_problems], resources=resources, instance=instance,
-                           run_config={"ops": {"gsm8k_problems": {"config": {"local_dir": str(gsm8k_dir), "limit": 400}}}}).success
-        yield {"instance": instance, "resources": resources, "traffic": traffic, "db": tmp_path / "rlvr.duckdb",
-               "questions": [json.loads(line)["question"] for line in (gsm8k_dir / "test.jsonl").read_text().splitlines()]}
+        assert materialize(
+            [data.gsm8k_problems],
+            resources=resources,
+            instance=instance,
+            run_config={"ops": {"gsm8k_problems": {"config": {"local_dir": str(gsm8k_dir), "limit": 400}}}},
+        ).success
+        yield {
+            "instance": instance,
+            "resources": resources,
+            "traffic": traffic,
+            "db": tmp_path / "rlvr.duckdb",
+            "questions": [json.loads(line)["question"] for line in (gsm8k_dir / "test.jsonl").read_text().splitlines()],
+        }
 
 
 def ingest_and_report(env, **drift_config):
-    config = {"ops": {"serving_traffic": {"config": {"folder": str(env["traffic"])}},
-                      "drift_report": {"config": {"window": 120, "min_requests": 20, "reference_size": 400, **drift_config}}}}
-    result = materialize([monitoring.serving_traffic, monitoring.drift_report], resources=env["resources"],
-                         run_config=config, instance=env["instance"], selection=None)
+    config = {
+        "ops": {
+            "serving_traffic": {"config": {"folder": str(env["traffic"])}},
+            "drift_report": {"config": {"window": 120, "min_requests": 20, "reference_size": 400, **drift_config}},
+        }
+    }
+    result = materialize(
+        [monitoring.serving_traffic, monitoring.drift_report], resources=env["resources"], run_config=config, instance=env["instance"], selection=None
+    )
     assert result.success
     return {k: v.value for k, v in result.asset_materializations_for_node("drift_report")[0].metadata.items()}
 

@@ -12,8 +12,7 @@ from resources.tracking import CHAMPION, POLICY_VERSION_TAG
 from rlvr.rewards import register_reward
 from rlvr_assets import data, evaluation, models, registry, serving, training
 
-TRAINING = [data.gsm8k_problems, models.base_policy, training.grpo_training, evaluation.baseline_eval,
-            evaluation.eval_report, registry.champion_policy]
+TRAINING = [data.gsm8k_problems, models.base_policy, training.grpo_training, evaluation.baseline_eval, evaluation.eval_report, registry.champion_policy]
 PROTOCOL = {"limit": 4, "max_new_tokens": 8, "batch_rows": 8}
 
 
@@ -31,15 +30,27 @@ def resources_for(home):
 
 
 def run_config(gsm8k_dir, model_dir, steps=2, init_from="base", seed=0):
-    return {"ops": {
-        "gsm8k_problems": {"config": {"local_dir": str(gsm8k_dir), "limit": 12}},
-        "base_policy": {"config": {"model": str(model_dir)}},
-        "grpo_training": {"config": {"init_from": init_from, "overrides": {
-            "total_steps": steps, "prompts_per_step": 2, "group_size": 2, "seed": seed, "checkpoint_every": 1,
-            "sampling": {"max_new_tokens": 8}}}},
-        "baseline_eval": {"config": PROTOCOL},
-        "eval_report": {"config": PROTOCOL},
-    }}
+    return {
+        "ops": {
+            "gsm8k_problems": {"config": {"local_dir": str(gsm8k_dir), "limit": 12}},
+            "base_policy": {"config": {"model": str(model_dir)}},
+            "grpo_training": {
+                "config": {
+                    "init_from": init_from,
+                    "overrides": {
+                        "total_steps": steps,
+                        "prompts_per_step": 2,
+                        "group_size": 2,
+                        "seed": seed,
+                        "checkpoint_every": 1,
+                        "sampling": {"max_new_tokens": 8},
+                    },
+                }
+            },
+            "baseline_eval": {"config": PROTOCOL},
+            "eval_report": {"config": PROTOCOL},
+        }
+    }
 
 
 def test_training_path_end_to_end(home, gsm8k_dir, tiny_llama_dir):
@@ -91,11 +102,12 @@ def test_bento_is_built_once_per_champion(home, gsm8k_dir, tiny_llama_dir):
 def test_grpo_on_the_embedded_model(home, gsm8k_dir, embedded_policy, session_store):
     """rollouts -> rewards -> grpo_checkpoint on the real SmolLM2-135M with the local GSM8k source."""
     res = {**resources_for(home), "model_store": session_store}
-    config = {"ops": {
-        "gsm8k_problems": {"config": {"local_dir": str(gsm8k_dir), "limit": 20}},
-        "grpo_training": {"config": {"overrides": {
-            "total_steps": 1, "prompts_per_step": 2, "group_size": 4, "sampling": {"max_new_tokens": 48}}}},
-    }}
+    config = {
+        "ops": {
+            "gsm8k_problems": {"config": {"local_dir": str(gsm8k_dir), "limit": 20}},
+            "grpo_training": {"config": {"overrides": {"total_steps": 1, "prompts_per_step": 2, "group_size": 4, "sampling": {"max_new_tokens": 48}}}},
+        }
+    }
     with DagsterInstance.ephemeral() as instance:
         result = materialize([data.gsm8k_problems, training.grpo_training], resources=res, run_config=config, instance=instance)
     assert result.success
@@ -119,8 +131,7 @@ def completion_length(completion: str, **_) -> float:
 def test_retraining_starts_from_the_champion_and_rebuilds_the_bento(home, gsm8k_dir, tiny_llama_dir):
     res = resources_for(home)
     with DagsterInstance.ephemeral() as instance:
-        assert materialize(TRAINING + [serving.bento], resources=res, instance=instance,
-                           run_config=run_config(gsm8k_dir, tiny_llama_dir, steps=1)).success
+        assert materialize(TRAINING + [serving.bento], resources=res, instance=instance, run_config=run_config(gsm8k_dir, tiny_llama_dir, steps=1)).success
         first_champion = res["mlflow"].registry().version_for(CHAMPION).tags[POLICY_VERSION_TAG]
         first_bento = instance.get_latest_materialization_event(AssetKey("bento")).asset_materialization.metadata
 
@@ -128,9 +139,13 @@ def test_retraining_starts_from_the_champion_and_rebuilds_the_bento(home, gsm8k_
         # a random tiny policy never answers right: a reward with variance makes the update move the weights
         config["ops"]["grpo_training"]["config"]["rewards"] = {"test_completion_length": 1.0}
         retrain = [training.grpo_training, evaluation.eval_report, registry.champion_policy, serving.bento]
-        result = materialize(retrain, resources=res, run_config={"ops": {k: v for k, v in config["ops"].items()
-                                                                          if k in ("grpo_training", "eval_report")}},
-                             instance=instance, selection=[key for a in retrain for key in a.keys])
+        result = materialize(
+            retrain,
+            resources=res,
+            run_config={"ops": {k: v for k, v in config["ops"].items() if k in ("grpo_training", "eval_report")}},
+            instance=instance,
+            selection=[key for a in retrain for key in a.keys],
+        )
         assert result.success
         retrained = res["model_store"].latest("grpo_checkpoint")
         assert retrained.manifest["parent_version"] == first_champion and retrained.version != first_champion

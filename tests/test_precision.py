@@ -22,8 +22,14 @@ def trained_fraction(compute_dtype: str, load_dtype: torch.dtype, steps: int = 3
     model = tiny_qwen2(len(tokenizer)).to(load_dtype)  # tied embeddings: the output layer's gradient is dense
     before = {name: p.detach().float().clone() for name, p in model.named_parameters()}
     config = GRPOConfig(
-        group_size=8, prompts_per_step=4, sampling=SamplingConfig(max_new_tokens=4, temperatures=[1.0]),
-        lr=1e-6, lr_decay="constant", total_steps=steps, micro_batch_size=32, compute_dtype=compute_dtype,
+        group_size=8,
+        prompts_per_step=4,
+        sampling=SamplingConfig(max_new_tokens=4, temperatures=[1.0]),
+        lr=1e-6,
+        lr_decay="constant",
+        total_steps=steps,
+        micro_batch_size=32,
+        compute_dtype=compute_dtype,
     )
     trainer = GRPOTrainer(model, tokenizer, config, even_first_digit)
     trainer.train(COPY_DIGIT_PROBLEMS)

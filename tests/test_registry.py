@@ -14,7 +14,8 @@ from rlvr.evaluation import decide_promotion
 @pytest.fixture
 def tracking(tmp_path):
     resource = MLflowResource(
-        tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_location=str(tmp_path / "artifacts"),
+        tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}",
+        artifact_location=str(tmp_path / "artifacts"),
         registered_model="test-policy",
     )
     resource.activate()

@@ -62,8 +62,9 @@ def test_an_explosive_latex_answer_costs_at_most_one_timeout():
     """`#### 9^{9^{9}}` (policy-written) or as the reference: math_answer never hangs its caller."""
     with RewardPool(workers=2, timeout_s=2.0) as pool:
         started = time.monotonic()
-        batch = pool.score_batch(DEFAULT_GSM8K_REWARD, ["#### 9^{9^{9}}", "#### 72", "#### 72"],
-                                 [GSM8K, GSM8K, {**GSM8K, "answer_text": "9^{9^{9}}", "answer_value": None}])
+        batch = pool.score_batch(
+            DEFAULT_GSM8K_REWARD, ["#### 9^{9^{9}}", "#### 72", "#### 72"], [GSM8K, GSM8K, {**GSM8K, "answer_text": "9^{9^{9}}", "answer_value": None}]
+        )
         assert time.monotonic() - started < 8
     assert batch[0]["math_answer"].value == 0.0
     assert batch[1]["math_answer"].value == 1.0
@@ -121,9 +122,10 @@ def test_processes_a_reward_started_die_with_its_worker(tmp_path):
 def test_threads_share_one_pool():
     results = []
     with RewardPool(workers=2, timeout_s=20) as pool:
-        threads = [threading.Thread(target=lambda k=k: results.append(
-            pool.score_batch({"math_answer": 1.0}, [f"#### {k}"] * 5, [{"answer_value": float(k)}] * 5)))
-            for k in range(4)]
+        threads = [
+            threading.Thread(target=lambda k=k: results.append(pool.score_batch({"math_answer": 1.0}, [f"#### {k}"] * 5, [{"answer_value": float(k)}] * 5)))
+            for k in range(4)
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -141,8 +143,7 @@ def test_a_training_step_with_a_hanging_reward_finishes_within_the_timeout():
         return float(completion[:1].isdigit())
 
     tokenizer = char_tokenizer(COPY_DIGIT_CHARS)
-    config = GRPOConfig(group_size=4, prompts_per_step=2, total_steps=1, micro_batch_size=8,
-                        sampling=SamplingConfig(max_new_tokens=2, temperatures=[1.0]))
+    config = GRPOConfig(group_size=4, prompts_per_step=2, total_steps=1, micro_batch_size=8, sampling=SamplingConfig(max_new_tokens=2, temperatures=[1.0]))
     problems = [COPY_DIGIT_PROBLEMS[3], COPY_DIGIT_PROBLEMS[5]]
     torch.manual_seed(0)
     with RewardPool(workers=2, timeout_s=1.0) as pool:
@@ -164,5 +165,3 @@ def _alive(pid: int) -> bool:
         return open(f"/proc/{pid}/stat").read().split(")")[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
-
-

@@ -19,8 +19,7 @@ from rlvr.rewards import (
     score,
 )
 
-GSM8K = {"answer_text": "72", "answer_value": 72.0, "question": "How many clips?", "problem_id": "p-1",
-         "solution": "48/2 = 24\n48+24 = 72", "num_steps": 2}
+GSM8K = {"answer_text": "72", "answer_value": 72.0, "question": "How many clips?", "problem_id": "p-1", "solution": "48/2 = 24\n48+24 = 72", "num_steps": 2}
 _unique = itertools.count()
 
 
@@ -29,11 +28,11 @@ def unique_name(prefix: str) -> str:
 
 
 def test_builtin_rewards_are_registered():
-    assert {"math_answer", "math_answer_flexible", "format", "exact_match", "token_f1", "classification",
-            "regression", "code_execution"} <= set(reward_names())
+    assert {"math_answer", "math_answer_flexible", "format", "exact_match", "token_f1", "classification", "regression", "code_execution"} <= set(reward_names())
 
 
 # ---- math_answer -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize(
     "completion, reference, strict, flexible",
@@ -120,6 +119,7 @@ def test_math_answer_without_reference_is_a_contained_error():
 
 # ---- format ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "completion, expected",
     [
@@ -142,6 +142,7 @@ def test_format(completion, expected):
 
 
 # ---- exact match, token F1, classification, regression ------------------------------------------
+
 
 @pytest.mark.parametrize(
     "completion, reference, expected",
@@ -250,6 +251,7 @@ def test_code_execution_bad_tests_are_a_contained_error():
 
 # ---- custom rewards and error containment -------------------------------------------------------
 
+
 def test_register_custom_reward_with_and_without_kwargs():
     name = unique_name("length")
 
@@ -322,6 +324,7 @@ def test_reward_result_validates_its_value():
 
 # ---- composite ---------------------------------------------------------------------------------
 
+
 def test_default_gsm8k_reward_weighs_correctness_over_format():
     reward = CompositeReward(DEFAULT_GSM8K_REWARD)
     both = reward("#### 72", **GSM8K)
@@ -362,6 +365,7 @@ def test_composite_validation(weights, message):
 
 
 # ---- pool --------------------------------------------------------------------------------------
+
 
 def test_pool_keeps_input_order():
     name = unique_name("echo")
@@ -405,8 +409,7 @@ def test_pool_runs_symbolic_math_and_code_off_the_main_thread():
     with RewardPool(workers=2, timeout_s=20) as pool:
         math_row, code_row = (
             pool.score_batch({"math_answer": 1.0}, ["#### \\frac{3}{4}"], references[:1])[0],
-            pool.score_batch({"code_execution": 1.0}, ["a, b = map(int, input().split())\nprint(a + b)"],
-                             references[1:])[0],
+            pool.score_batch({"code_execution": 1.0}, ["a, b = map(int, input().split())\nprint(a + b)"], references[1:])[0],
         )
     assert math_row["math_answer"].value == 1.0 and math_row["math_answer"].details["match"] == "symbolic"
     assert code_row["code_execution"].value == 1.0

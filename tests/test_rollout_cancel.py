@@ -49,6 +49,5 @@ def test_prompt_indices_count_across_chunks(model, tokenizer):
 
 
 def test_every_prompt_cancelled_ends_the_call_at_once(model, tokenizer):
-    r = generate_rollouts(model, tokenizer, PROMPTS, num_samples=3,
-                          config=greedy(max_new_tokens=10_000, should_stop=lambda prompt: True))
+    r = generate_rollouts(model, tokenizer, PROMPTS, num_samples=3, config=greedy(max_new_tokens=10_000, should_stop=lambda prompt: True))
     assert set(r.finish_reasons) == {"cancelled"} and r.completion_lengths.max() == 1

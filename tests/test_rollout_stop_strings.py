@@ -48,8 +48,9 @@ def test_on_tokens_sees_every_sampled_token_with_its_row_across_chunks(model, to
         for row, token in zip(rows, tokens):
             seen.setdefault(row, []).append(token)
 
-    r = generate_rollouts(model, tokenizer, PROMPTS, num_samples=2,
-                          config=config(temperatures=[1.0], max_batch_rows=2, on_tokens=on_tokens, stop_strings=["e"]))
+    r = generate_rollouts(
+        model, tokenizer, PROMPTS, num_samples=2, config=config(temperatures=[1.0], max_batch_rows=2, on_tokens=on_tokens, stop_strings=["e"])
+    )
     assert sorted(seen) == list(range(6)) and [seen[row] for row in range(6)] == r.completion_token_lists()
 
 
@@ -69,8 +70,12 @@ def test_render_messages_is_render_prompts_renderer_and_refuses_control_tokens_i
     from transformers import AutoTokenizer
 
     chat = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-                {"role": "assistant", "content": "4"}, {"role": "user", "content": "and 3+3?"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "and 3+3?"},
+    ]
     rendered = render_messages(chat, messages)
     assert rendered == chat.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert render_prompt(chat, "2+2?", "Be brief.") == render_messages(chat, messages[:2])

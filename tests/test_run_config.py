@@ -67,8 +67,17 @@ def test_drift_thresholds_are_the_drift_config():
 def test_the_protocol_keeps_the_identity_of_stored_evaluations():
     protocol = EvalProtocol()
     assert protocol.to_core() == EvalConfig()
-    before = {"split": "test", "limit": 50, "max_new_tokens": 256, "num_samples": 0, "ks": [1], "sample_temperature": 0.7,
-              "batch_rows": 32, "reward_weights": {"math_answer": 1.0, "format": 0.2}, "seed": 0}
+    before = {
+        "split": "test",
+        "limit": 50,
+        "max_new_tokens": 256,
+        "num_samples": 0,
+        "ks": [1],
+        "sample_temperature": 0.7,
+        "batch_rows": 32,
+        "reward_weights": {"math_answer": 1.0, "format": 0.2},
+        "seed": 0,
+    }
     key = json.dumps({"policy": "v1", "protocol": before, "problems": ["h1", "h2"]}, sort_keys=True)
     problems = [{"content_hash": "h1"}, {"content_hash": "h2"}]
     assert eval_id("v1", protocol, problems) == hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -87,8 +96,9 @@ def grpo_config_of(run_config: dict) -> GRPOConfig:
 
 def test_grpo_run_config_written_as_the_readme_shows_merges_into_the_profile():
     assert grpo_config_of({}) == build_config("default")
-    config = grpo_config_of({"profile": "default", "overrides": {
-        "total_steps": 20, "lr": 1e-6, "loss_type": "gspo", "sampling": {"max_new_tokens": 256}, "lora": {"rank": 4}}})
+    config = grpo_config_of(
+        {"profile": "default", "overrides": {"total_steps": 20, "lr": 1e-6, "loss_type": "gspo", "sampling": {"max_new_tokens": 256}, "lora": {"rank": 4}}}
+    )
     assert config.total_steps == 20 and config.lr == 1e-6 and config.loss_type == "gspo"
     assert config.sampling.max_new_tokens == 256
     assert config.sampling.temperatures == build_config("default").sampling.temperatures  # merged, not replaced

@@ -116,16 +116,14 @@ def test_no_child_processes_by_default():
 
 
 def test_memory_hog_is_stopped():
-    result = run_python("chunks = []\nwhile True:\n    chunks.append(bytearray(50 << 20))",
-                        limits=SandboxLimits(cpu_time_s=2, wall_time_s=4, memory_mb=256))
+    result = run_python("chunks = []\nwhile True:\n    chunks.append(bytearray(50 << 20))", limits=SandboxLimits(cpu_time_s=2, wall_time_s=4, memory_mb=256))
     assert not result.ok and "MemoryError" in result.stderr
 
 
 def test_huge_file_and_stdout_flood_are_cut_off():
     big_file = run_python("f = open('big', 'wb')\nwhile True:\n    f.write(b'x' * (1 << 20))", limits=FAST)
     assert not big_file.ok and big_file.failure in ("file-size limit", "OSError: [Errno 27] File too large")
-    flood = run_python("while True:\n    print('x' * 10000)", limits=SandboxLimits(cpu_time_s=1, wall_time_s=2,
-                                                                                  max_output_chars=1000))
+    flood = run_python("while True:\n    print('x' * 10000)", limits=SandboxLimits(cpu_time_s=1, wall_time_s=2, max_output_chars=1000))
     assert not flood.ok and len(flood.stdout) == 1000
 
 
@@ -142,8 +140,7 @@ def test_writes_outside_the_sandbox_fail(tmp_path, use_namespaces):
 def test_os_system_cannot_touch_the_host(tmp_path, use_namespaces):
     target = tmp_path / "pwned"
     code = f"import os\nos.system('touch {target}')\nos.system('rm -rf {tmp_path}')"
-    run_python(code, limits=SandboxLimits(cpu_time_s=1, wall_time_s=2, max_processes=4),
-               use_namespaces=use_namespaces)
+    run_python(code, limits=SandboxLimits(cpu_time_s=1, wall_time_s=2, max_processes=4), use_namespaces=use_namespaces)
     assert tmp_path.is_dir() and not target.exists()
 
 

@@ -9,14 +9,12 @@ from rlvr.rollout import SamplingConfig, generate_rollouts
 from rlvr.sft import SFTConfig, SFTTrainer, sft_examples, sft_target
 from tiny_policy import COPY_DIGIT_CHARS, char_tokenizer, tiny_llama
 
-NATALIA = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
-           "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.")
+NATALIA = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May."
 
 
 def test_targets_are_reference_solutions_in_the_answer_format():
     target = sft_target(NATALIA, "72")
-    assert target == ("Natalia sold 48/2 = 24 clips in May.\n"
-                      "Natalia sold 48+24 = 72 clips altogether in April and May.\n#### 72")
+    assert target == ("Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether in April and May.\n#### 72")
     assert extract_final_answer(target, "strict").value == 72 and is_well_formed(target)
     assert sft_target("", "5") == "#### 5"
     with pytest.raises(ValueError, match="answer_text is empty"):
@@ -34,13 +32,11 @@ def test_examples_use_the_shared_prompt_and_end_with_the_end_token(tiny_llama_di
 
 
 def copy_examples(tokenizer):
-    return [{"prompt_ids": tokenizer(f"{d}{d}:")["input_ids"], "target_ids": tokenizer(f"{d}")["input_ids"] + [1]}
-            for d in range(10)]
+    return [{"prompt_ids": tokenizer(f"{d}{d}:")["input_ids"], "target_ids": tokenizer(f"{d}")["input_ids"] + [1]} for d in range(10)]
 
 
 def config(**overrides):
-    return SFTConfig(**({"batch_size": 10, "micro_batch_size": 4, "total_steps": 40, "lr": 1e-2,
-                         "lr_decay": "constant", "seed": 1} | overrides))
+    return SFTConfig(**({"batch_size": 10, "micro_batch_size": 4, "total_steps": 40, "lr": 1e-2, "lr_decay": "constant", "seed": 1} | overrides))
 
 
 def test_the_loss_is_the_mean_nll_of_completion_tokens_only():
@@ -81,12 +77,10 @@ def test_a_killed_run_resumes_to_the_same_weights(tmp_path):
         if step == 4:
             raise Killed
 
-    first = SFTTrainer(tiny_llama(len(tokenizer), seed=0), tokenizer, config(total_steps=6, checkpoint_every=2),
-                       checkpoint_dir=tmp_path, on_step=kill_at_4)
+    first = SFTTrainer(tiny_llama(len(tokenizer), seed=0), tokenizer, config(total_steps=6, checkpoint_every=2), checkpoint_dir=tmp_path, on_step=kill_at_4)
     with pytest.raises(Killed):
         first.train(examples)
-    resumed = SFTTrainer(tiny_llama(len(tokenizer), seed=5), tokenizer, config(total_steps=6, checkpoint_every=2),
-                         checkpoint_dir=tmp_path)
+    resumed = SFTTrainer(tiny_llama(len(tokenizer), seed=5), tokenizer, config(total_steps=6, checkpoint_every=2), checkpoint_dir=tmp_path)
     resumed.train(examples)
     assert resumed.step_count == 6
     for (name, a), b in zip(straight.policy.state_dict().items(), resumed.policy.state_dict().values()):
@@ -106,17 +100,15 @@ def test_the_sft_asset_is_the_cold_start_grpo_can_start_from(home, gsm8k_dir, ti
     ops = {k: v for k, v in config["ops"].items() if k in ("gsm8k_problems", "base_policy", "grpo_training")}
     with DagsterInstance.ephemeral() as instance:
         first = {k: v for k, v in ops.items() if k != "grpo_training"}
-        assert materialize([data.gsm8k_problems, models.base_policy], resources=res, run_config={"ops": first},
-                           instance=instance).success
-        without = materialize([training.grpo_training], resources=res, instance=instance, raise_on_error=False,
-                              run_config={"ops": {"grpo_training": ops["grpo_training"]}})
+        assert materialize([data.gsm8k_problems, models.base_policy], resources=res, run_config={"ops": first}, instance=instance).success
+        without = materialize(
+            [training.grpo_training], resources=res, instance=instance, raise_on_error=False, run_config={"ops": {"grpo_training": ops["grpo_training"]}}
+        )
         assert not without.success
-        sft_ops = {"sft_policy": {"config": {"overrides": {"total_steps": 2, "batch_size": 4, "micro_batch_size": 2,
-                                                           "max_completion_tokens": 32}}}}
+        sft_ops = {"sft_policy": {"config": {"overrides": {"total_steps": 2, "batch_size": 4, "micro_batch_size": 2, "max_completion_tokens": 32}}}}
         result = materialize([sft.sft_policy], resources=res, run_config={"ops": sft_ops}, instance=instance)
         assert result.success
         stored = res["model_store"].latest("sft_policy")
         assert stored.manifest["steps"] == 2 and stored.manifest["base_policy_version"] == res["model_store"].latest("base_policy").version
-        assert materialize([training.grpo_training], resources=res, instance=instance,
-                           run_config={"ops": {"grpo_training": ops["grpo_training"]}}).success
+        assert materialize([training.grpo_training], resources=res, instance=instance, run_config={"ops": {"grpo_training": ops["grpo_training"]}}).success
     assert res["model_store"].latest("grpo_checkpoint").manifest["parent_version"] == stored.version

@@ -40,8 +40,9 @@ def test_rollouts_through_fixed_buffers_equal_the_models_forward(build, dtype):
     tokenizer = char_tokenizer()
     model = build(len(tokenizer), seed=5).to(dtype)
     prompts = ["12+3=", "7*8 = ?", "a"]
-    config = SamplingConfig(max_new_tokens=14, temperatures=[0.0, 1.0], stop_at_final_answer=False, seed=3,
-                            stop_token_ids=[tokenizer.convert_tokens_to_ids("1")])  # rows stop early
+    config = SamplingConfig(
+        max_new_tokens=14, temperatures=[0.0, 1.0], stop_at_final_answer=False, seed=3, stop_token_ids=[tokenizer.convert_tokens_to_ids("1")]
+    )  # rows stop early
     static = StaticDecoder(model, max_rows=6, capacity=64, graphs=False)
     got = decode(model, tokenizer, prompts, 2, config, static)
     expected = decode(model, tokenizer, prompts, 2, config, partial(rollout._model_decode_step, model))

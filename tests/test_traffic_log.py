@@ -54,11 +54,22 @@ def test_rejects_tiny_rotation_size(tmp_path):
 
 
 def test_traffic_row_summarizes_a_request(tmp_path):
-    TrafficLog(tmp_path).append({
-        "timestamp": "2026-11-22T10:00:00.000+00:00", "request_id": "r1", "endpoint": "/solve", "model_version": "v1",
-        "status": 200, "latency_s": 0.5, "prompt": "2+2?", "answer": "4", "vote_share": 0.5,
-        "completions": ["2+2=4\n#### 4", "four"], "completion_tokens": [6, 2], "finish_reasons": ["answer", "length"],
-    })
+    TrafficLog(tmp_path).append(
+        {
+            "timestamp": "2026-11-22T10:00:00.000+00:00",
+            "request_id": "r1",
+            "endpoint": "/solve",
+            "model_version": "v1",
+            "status": 200,
+            "latency_s": 0.5,
+            "prompt": "2+2?",
+            "answer": "4",
+            "vote_share": 0.5,
+            "completions": ["2+2=4\n#### 4", "four"],
+            "completion_tokens": [6, 2],
+            "finish_reasons": ["answer", "length"],
+        }
+    )
     row = traffic_row(read_traffic(tmp_path).records[0])
     assert set(row) == set(TRAFFIC_COLUMNS)
     assert row["well_formed"] == 0.5 and row["truncated"] == 0.5 and row["completion_tokens"] == 4.0

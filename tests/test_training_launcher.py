@@ -21,8 +21,7 @@ def test_process_counts():
         with pytest.raises(ValueError, match="nproc must be 'auto' or a positive integer"):
             process_count(bad, 0)
     launcher = TrainingLauncher(python="/py")
-    assert launcher.command(2) == ["/py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                   "-m", "rlvr_assets.grpo_worker"]
+    assert launcher.command(2) == ["/py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "rlvr_assets.grpo_worker"]
 
 
 def two_process_config(gsm8k_dir, model_dir, steps=2):
@@ -39,8 +38,12 @@ def rows(home: Path, sql: str) -> list[tuple]:
 def test_two_processes_from_a_materialization(home, gsm8k_dir, tiny_llama_dir):
     res = resources_for(home)
     with DagsterInstance.ephemeral() as instance:
-        result = materialize([data.gsm8k_problems, models.base_policy, training.grpo_training], resources=res,
-                             run_config=two_process_config(gsm8k_dir, tiny_llama_dir), instance=instance)
+        result = materialize(
+            [data.gsm8k_problems, models.base_policy, training.grpo_training],
+            resources=res,
+            run_config=two_process_config(gsm8k_dir, tiny_llama_dir),
+            instance=instance,
+        )
         assert result.success
         logs = [e.message for e in instance.all_logs(result.run_id) if e.message]
     # prompts_per_step 2 on 2 ranks: rank 0 samples group 0, rank 1 group 1; each row once
@@ -59,9 +62,11 @@ def launch_job():
     """The three training assets as a job, for execute_job (re-execution needs a reconstructable job)."""
     from dagster import Definitions, define_asset_job, in_process_executor
 
-    return Definitions(assets=[data.gsm8k_problems, models.base_policy, training.grpo_training],
-                       resources=resources_for(Path(os.environ["RLVR_TEST_HOME"])),
-                       jobs=[define_asset_job("train", selection="*", executor_def=in_process_executor)]).resolve_job_def("train")
+    return Definitions(
+        assets=[data.gsm8k_problems, models.base_policy, training.grpo_training],
+        resources=resources_for(Path(os.environ["RLVR_TEST_HOME"])),
+        jobs=[define_asset_job("train", selection="*", executor_def=in_process_executor)],
+    ).resolve_job_def("train")
 
 
 def kill_rank_when_step_written(scratch_root: Path, rank: int, step: int, stop: threading.Event) -> None:
@@ -75,8 +80,7 @@ def kill_rank_when_step_written(scratch_root: Path, rank: int, step: int, stop: 
                     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                 except OSError:
                     continue
-                if b"rlvr_assets.grpo_worker" in cmdline and f"RANK={rank}".encode() in environ \
-                        and b"torch.distributed.run" not in cmdline:
+                if b"rlvr_assets.grpo_worker" in cmdline and f"RANK={rank}".encode() in environ and b"torch.distributed.run" not in cmdline:
                     os.kill(pid, 9)
                     return
         time.sleep(0.05)
@@ -99,8 +103,9 @@ def test_a_killed_rank_fails_the_run_and_the_reexecution_resumes(home, gsm8k_dir
         done = rows(home, "SELECT DISTINCT step FROM rollouts ORDER BY 1")
         assert [s for (s,) in done][:2] == [1, 2]  # the finished steps' rows were kept
 
-        resumed = execute_job(reconstructable(launch_job), instance=instance, run_config=config,
-                              reexecution_options=ReexecutionOptions.from_failure(failed.run_id, instance))
+        resumed = execute_job(
+            reconstructable(launch_job), instance=instance, run_config=config, reexecution_options=ReexecutionOptions.from_failure(failed.run_id, instance)
+        )
         assert resumed.success
         logs = [e.message for e in instance.all_logs(resumed.run_id) if e.message]
     assert not any("step 1/3" in m for m in logs) and any("step 3/3" in m for m in logs)  # resumed past step 1

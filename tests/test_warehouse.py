@@ -43,21 +43,22 @@ def test_a_failing_write_leaves_every_table_as_it_was(warehouse):
 
 
 def test_declared_tables_get_their_schema(warehouse):
-    frame = pd.DataFrame({"reported_at": [pd.Timestamp("2026-01-01", tz="UTC")], "run_id": ["r"], "metric": ["psi/x"],
-                          "value": [0.1], "threshold": [None], "drifted": [False]})
+    frame = pd.DataFrame(
+        {"reported_at": [pd.Timestamp("2026-01-01", tz="UTC")], "run_id": ["r"], "metric": ["psi/x"], "value": [0.1], "threshold": [None], "drifted": [False]}
+    )
     history = warehouse.append_drift_history(frame)
     assert len(history) == 1 and pd.isna(history["threshold"].iloc[0])
     with duckdb.connect(warehouse.database, read_only=True) as conn:
-        types = dict(conn.execute("SELECT column_name, data_type FROM information_schema.columns "
-                                  "WHERE table_name = 'drift_history'").fetchall())
+        types = dict(conn.execute("SELECT column_name, data_type FROM information_schema.columns WHERE table_name = 'drift_history'").fetchall())
     assert types["threshold"] == "DOUBLE" and types["drifted"] == "BOOLEAN"
 
 
 def test_problem_loaders_fail_the_step_without_problems(warehouse):
     with pytest.raises(Failure, match="materialize gsm8k_problems first"):
         warehouse.problems("train")
-    warehouse.replace_tables({"gsm8k_problems": pd.DataFrame({
-        "problem_id": ["p2", "p1", "q1"], "split": ["train", "train", "test"], "question": ["b", "a", "c"]})})
+    warehouse.replace_tables(
+        {"gsm8k_problems": pd.DataFrame({"problem_id": ["p2", "p1", "q1"], "split": ["train", "train", "test"], "question": ["b", "a", "c"]})}
+    )
     assert [p["problem_id"] for p in warehouse.problems("train")] == ["p1", "p2"]
     assert [p["problem_id"] for p in warehouse.problems("train", limit=1)] == ["p1"]
     with pytest.raises(Failure, match="no rows in split 'dev'"):

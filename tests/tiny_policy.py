@@ -17,9 +17,7 @@ def char_tokenizer(chars: str = CHARS) -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
     backend.add_special_tokens(SPECIALS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left")
 
 
 def tiny_llama(vocab_size: int, seed: int = 0, hidden_size: int = 64, num_layers: int = 2) -> LlamaForCausalLM:
@@ -48,9 +46,19 @@ def tiny_llama(vocab_size: int, seed: int = 0, hidden_size: int = 64, num_layers
 def tiny_qwen2(vocab_size: int, seed: int = 0, **overrides) -> Qwen2ForCausalLM:
     """A 2-layer Qwen2 (biases on the query, key and value projections), tied embeddings."""
     config = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=96, max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=None,
-        tie_word_embeddings=True, attn_implementation="sdpa", **overrides,
+        vocab_size=vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        max_position_embeddings=512,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+        **overrides,
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)

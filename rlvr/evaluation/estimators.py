@@ -56,9 +56,7 @@ def majority_vote(answers: Sequence[str | None]) -> tuple[str | None, float]:
     return winner, count / len(answers)
 
 
-def maj_at_k(
-    answers: Sequence[str | None], reference: str, k: int, max_subsets: int = 256, seed: int = 0
-) -> float:
+def maj_at_k(answers: Sequence[str | None], reference: str, k: int, max_subsets: int = 256, seed: int = 0) -> float:
     """maj@k of one problem: probability that the majority vote of k of its n samples is correct.
 
     Answers and reference must be normalized texts (:func:`rlvr.answers.normalize_answer`); a

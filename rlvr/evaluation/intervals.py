@@ -65,9 +65,7 @@ def bootstrap_distribution(
     return np.concatenate(estimates)
 
 
-def accuracy_by_group(
-    correct: Sequence[bool] | np.ndarray, groups: Sequence | np.ndarray, confidence: float = 0.95
-) -> pd.DataFrame:
+def accuracy_by_group(correct: Sequence[bool] | np.ndarray, groups: Sequence | np.ndarray, confidence: float = 0.95) -> pd.DataFrame:
     """Accuracy per group (e.g. by number of reasoning steps) with its Wilson interval.
 
     Returns one row per group, sorted by group: group, n, correct, accuracy, ci_low, ci_high.

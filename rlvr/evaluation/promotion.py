@@ -94,10 +94,7 @@ def decide_promotion(
     within_margin = delta >= -margin - 1e-12
     not_worse = p_value >= alpha
 
-    summary = (
-        f"challenger {challenger.mean():.4f} vs champion {champion.mean():.4f} on n={n} "
-        f"(delta {delta:+.4f}; challenger-only {c}, champion-only {b})"
-    )
+    summary = f"challenger {challenger.mean():.4f} vs champion {champion.mean():.4f} on n={n} (delta {delta:+.4f}; challenger-only {c}, champion-only {b})"
     problems = []
     if not within_margin:
         problems.append(f"delta {delta:+.4f} is below -margin ({-margin:+.4f})")

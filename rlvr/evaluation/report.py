@@ -65,17 +65,17 @@ def evaluation_report(
     paired = compare(base_results, trained_results, seed=config.seed)
     verdict = significance_verdict(paired["delta"], paired["mcnemar_p_value"])
     figures = {
-        "accuracy.png": plots.accuracy_figure([
-            ("base", base["pass@1_strict"], base["pass@1_strict_ci_low"], base["pass@1_strict_ci_high"]),
-            ("trained", trained["pass@1_strict"], trained["pass@1_strict_ci_low"], trained["pass@1_strict_ci_high"]),
-        ]),
+        "accuracy.png": plots.accuracy_figure(
+            [
+                ("base", base["pass@1_strict"], base["pass@1_strict_ci_low"], base["pass@1_strict_ci_high"]),
+                ("trained", trained["pass@1_strict"], trained["pass@1_strict_ci_low"], trained["pass@1_strict_ci_high"]),
+            ]
+        ),
         "reward_histogram.png": plots.overlaid_histograms_figure(
             {"base": [r["reward_total"] for r in base_results], "trained": [r["reward_total"] for r in trained_results]},
             "total reward of greedy completions",
         ),
-        "accuracy_by_steps.png": plots.grouped_accuracy_figure(
-            {"base": base["accuracy_by_steps"], "trained": trained["accuracy_by_steps"]}
-        ),
+        "accuracy_by_steps.png": plots.grouped_accuracy_figure({"base": base["accuracy_by_steps"], "trained": trained["accuracy_by_steps"]}),
         "training_curves.png": plots.curves_figure(training_curves or {}),
     }
     markdown = render_report(base, trained, paired, verdict, trained_version, base_version, split)
@@ -84,6 +84,7 @@ def evaluation_report(
 
 def render_report(base: dict, new: dict, paired: dict, verdict: str, new_version: str, base_version: str, split: str) -> str:
     """The Markdown report: headline, significance, the metric table and accuracy by difficulty."""
+
     def pct(m: dict, name: str) -> str:
         return f"{m[name]:.1%} [{m[name + '_ci_low']:.1%}, {m[name + '_ci_high']:.1%}]"
 

@@ -63,8 +63,11 @@ def evaluate_policy(
     def decode(num_samples: int, temperature: float) -> tuple[list[str], list[str], list[int]]:
         nonlocal done
         sampling = SamplingConfig(
-            max_new_tokens=config.max_new_tokens, temperatures=[temperature], top_p=config.top_p,
-            seed=config.seed, max_batch_rows=config.batch_rows,
+            max_new_tokens=config.max_new_tokens,
+            temperatures=[temperature],
+            top_p=config.top_p,
+            seed=config.seed,
+            max_batch_rows=config.batch_rows,
         )
         texts, reasons, lengths = [], [], []
         for chunk in stream_rollouts(model, tokenizer, prompts, num_samples, sampling):
@@ -121,8 +124,7 @@ def grade_completion(text: str, gold: float) -> dict:
 def grade_lm_eval(text: str, reference_text: str) -> dict:
     """Correctness as lm-evaluation-harness' gsm8k task grades it (strict-match, flexible-extract), for published numbers."""
     strict, flexible = lm_eval_gsm8k_answers(text)
-    return {"correct_lm_eval_strict": lm_eval_gsm8k_match(strict, reference_text),
-            "correct_lm_eval_flexible": lm_eval_gsm8k_match(flexible, reference_text)}
+    return {"correct_lm_eval_strict": lm_eval_gsm8k_match(strict, reference_text), "correct_lm_eval_flexible": lm_eval_gsm8k_match(flexible, reference_text)}
 
 
 def grade_samples(texts: list[str], gold: float, ks: list[int]) -> dict:

@@ -96,9 +96,7 @@ class FusedDecoder:
             )
         self.head = fused_linear([model.lm_head], rows)
 
-    def __call__(
-        self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache
-    ) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         """``tokens`` and ``positions`` [rows]; ``attention_mask`` [rows, cached + 1] (0 on padding)."""
         rows, heads, kv_heads, head_dim = len(tokens), self.num_heads, self.num_kv_heads, self.head_dim
         hidden = self.embed(tokens)  # [rows, hidden]
@@ -116,9 +114,7 @@ class FusedDecoder:
             # transformers' SDPA wrapper regroups the heads for one query and was slower here
             if hidden.dtype in LOW_PRECISION:
                 queries, keys, values = queries.float(), keys.float(), values.float()
-            attended = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=key_mask, scale=scaling, enable_gqa=True
-            )
+            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=key_mask, scale=scaling, enable_gqa=True)
             hidden = hidden + o_proj(attended.to(hidden.dtype).view(rows, heads * head_dim))
             gate_up = gate_up_proj(_rms_norm(hidden, norm2))
             hidden = hidden + down_proj(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])

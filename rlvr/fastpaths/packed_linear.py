@@ -65,4 +65,3 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
     finally:
         for module in patched:  # pop: a concurrent rollout on the same model may have restored it already
             vars(module).pop("forward", None)
-

@@ -76,9 +76,13 @@ class StaticDecoder:
         self._pool = torch.cuda.graph_pool_handle() if graphs else None
 
     def fits(self, model: Any, rows: int, capacity: int, graphs: bool) -> bool:
-        return (rows <= self.max_rows and capacity <= self.capacity and graphs == self.graphs
-                and model.lm_head.weight.dtype == self.dtype
-                and [p.data_ptr() for p in model.parameters()] == self.parameters)
+        return (
+            rows <= self.max_rows
+            and capacity <= self.capacity
+            and graphs == self.graphs
+            and model.lm_head.weight.dtype == self.dtype
+            and [p.data_ptr() for p in model.parameters()] == self.parameters
+        )
 
     # --- the engine's interface ----------------------------------------------------------------
 
@@ -152,9 +156,7 @@ class StaticDecoder:
             queries, key_cache, value_cache = queries.unsqueeze(2), key_cache, value_cache
             if hidden.dtype in LOW_PRECISION and hidden.device.type == "cpu":  # as rlvr.fastpaths.attention
                 queries, key_cache, value_cache = queries.float(), key_cache.float(), value_cache.float()
-            attended = F.scaled_dot_product_attention(
-                queries, key_cache, value_cache, attn_mask=key_mask, scale=attention.scaling, enable_gqa=True
-            )
+            attended = F.scaled_dot_product_attention(queries, key_cache, value_cache, attn_mask=key_mask, scale=attention.scaling, enable_gqa=True)
             hidden = hidden + F.linear(attended.to(hidden.dtype).view(bucket, heads * head_dim), attention.o_proj.weight)
             normed = _rms_norm(hidden, layer.post_attention_layernorm)
             gate, up = F.linear(normed, mlp.gate_proj.weight), F.linear(normed, mlp.up_proj.weight)

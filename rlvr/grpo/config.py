@@ -17,9 +17,7 @@ class LoRAConfig:
     rank: int = 16
     alpha: int = 32
     dropout: float = 0.0
-    target_modules: list[str] = field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    )
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 
 
 @dataclass
@@ -81,9 +79,11 @@ class GRPOConfig:
                 raise ValueError("set fast_paths on the GRPOConfig (it governs the rollouts too), not on its sampling")
             self.sampling = replace(self.sampling, fast_paths=self.fast_paths)
         if any(t == 0 for t in self.sampling.temperatures):
-            raise ValueError(f"sampling.temperatures {self.sampling.temperatures} holds 0: a greedy row is not a sample "
-                             "of the policy, so its group's advantages and importance ratios would be wrong; "
-                             "use temperatures > 0 for training (evaluation and serving keep greedy)")
+            raise ValueError(
+                f"sampling.temperatures {self.sampling.temperatures} holds 0: a greedy row is not a sample "
+                "of the policy, so its group's advantages and importance ratios would be wrong; "
+                "use temperatures > 0 for training (evaluation and serving keep greedy)"
+            )
         if isinstance(self.lora, dict):
             self.lora = LoRAConfig(**self.lora)
         self.betas = tuple(self.betas)

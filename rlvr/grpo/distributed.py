@@ -53,9 +53,7 @@ def init_distributed(device: torch.device | str | None = None, timeout_s: float 
     return DistributedContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
-def wrap_model(
-    model: torch.nn.Module, ctx: DistributedContext, fsdp: bool = False, param_dtype: torch.dtype | None = None
-) -> torch.nn.Module:
+def wrap_model(model: torch.nn.Module, ctx: DistributedContext, fsdp: bool = False, param_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """DDP around ``model`` (its submodules stay usable unwrapped, for generation); FSDP2 on
     request, computing in ``param_dtype`` when given."""
     if not ctx.enabled:

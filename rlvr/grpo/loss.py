@@ -33,9 +33,7 @@ def register_policy_loss(name: str) -> Callable[[PolicyLoss], PolicyLoss]:
     return register
 
 
-def group_advantages(
-    rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6
-) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
     """Group-relative advantages, one per completion (rows ordered group by group).
 
     A_i = (r_i - mean(r)) / (std(r) + eps) over the G rewards of the group (GRPO, Shao et al. 2024,
@@ -90,9 +88,7 @@ def gspo_policy_loss(
     return _clipped_surrogate(ratio, advantages, mask, config.eps_low, config.eps_high)
 
 
-def _clipped_surrogate(
-    ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, eps_low: float, eps_high: float
-) -> tuple[torch.Tensor, dict]:
+def _clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, eps_low: float, eps_high: float) -> tuple[torch.Tensor, dict]:
     advantages = advantages.unsqueeze(1)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - eps_low, 1.0 + eps_high)

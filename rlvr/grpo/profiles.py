@@ -7,15 +7,29 @@ from .config import GRPOConfig
 PROFILES: dict[str, dict] = {
     # a handful of steps of the embedded 135M model on 2 CPU cores, in a few minutes
     "default": {
-        "total_steps": 4, "prompts_per_step": 4, "group_size": 4, "lr": 2e-6, "warmup_steps": 0,
-        "micro_batch_size": 8, "checkpoint_every": 2,
+        "total_steps": 4,
+        "prompts_per_step": 4,
+        "group_size": 4,
+        "lr": 2e-6,
+        "warmup_steps": 0,
+        "micro_batch_size": 8,
+        "checkpoint_every": 2,
         "sampling": {"max_new_tokens": 128, "temperatures": [0.7, 0.8, 0.9, 1.0]},
     },
     # one GPU: a real run
     "full": {
-        "total_steps": 500, "prompts_per_step": 32, "group_size": 8, "lr": 1e-6, "warmup_steps": 10,
-        "micro_batch_size": 16, "num_iterations": 2, "eps_high": 0.28, "aggregation": "token-mean",
-        "mask_truncated": True, "checkpoint_every": 50, "compute_dtype": "bfloat16",
+        "total_steps": 500,
+        "prompts_per_step": 32,
+        "group_size": 8,
+        "lr": 1e-6,
+        "warmup_steps": 10,
+        "micro_batch_size": 16,
+        "num_iterations": 2,
+        "eps_high": 0.28,
+        "aggregation": "token-mean",
+        "mask_truncated": True,
+        "checkpoint_every": 50,
+        "compute_dtype": "bfloat16",
         "sampling": {"max_new_tokens": 512, "temperatures": [1.0]},
     },
 }
@@ -34,4 +48,3 @@ def build_config(profile: str, overrides: dict | None = None) -> GRPOConfig:
         else:
             fields[key] = value
     return GRPOConfig(**fields)
-

@@ -141,26 +141,18 @@ def completion_logprobs(
         attention_mask = torch.cat([batch.prompt_mask[batch.prompt_index], batch.mask[:, :-1].long()], dim=1)
         positions = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         last = {} if head is not None else {"logits_to_keep": batch.width}
-        features = run(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **last
-        )[:, -batch.width :]
+        features = run(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **last)[:, -batch.width :]
     if head is not None:
         logprobs, entropy = head_logprobs(features[real], head.weight, targets, temperatures, with_entropy)
     else:
-        logprobs, entropy = token_logprobs_and_entropy(
-            features[real].unsqueeze(1), targets.unsqueeze(1), temperatures, with_entropy
-        )
+        logprobs, entropy = token_logprobs_and_entropy(features[real].unsqueeze(1), targets.unsqueeze(1), temperatures, with_entropy)
     return _scatter_rows(logprobs, entropy, real)
 
 
-def _scatter_rows(
-    logprobs: torch.Tensor, entropy: torch.Tensor | None, real: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _scatter_rows(logprobs: torch.Tensor, entropy: torch.Tensor | None, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token values of the real positions back into [rows, width], 0 on padding."""
     out = torch.zeros(real.shape, dtype=logprobs.dtype, device=logprobs.device)
     out = out.index_put((real,), logprobs.flatten())
     if entropy is None:
         return out, None
     return out, torch.zeros_like(out).index_put_((real,), entropy.flatten())
-
-

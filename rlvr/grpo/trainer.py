@@ -218,9 +218,7 @@ class GRPOTrainer:
         self.rollout_policy.eval()
         gather = gathered_parameters(self.model) if self.config.fsdp else contextlib.nullcontext()
         with gather:
-            rollouts = generate_rollouts(
-                self.rollout_policy, self.tokenizer, [p["prompt"] for p in problems], self.config.group_size, sampling
-            )
+            rollouts = generate_rollouts(self.rollout_policy, self.tokenizer, [p["prompt"] for p in problems], self.config.group_size, sampling)
         self.policy.train()
         return rollouts
 
@@ -265,8 +263,14 @@ class GRPOTrainer:
                 for i, micro in enumerate(micro_batches):
                     with gradient_sync(self.model, enabled=i == len(micro_batches) - 1):
                         loss = self._micro_batch_loss(
-                            rollouts, advantages, ref_logprobs, micro, num_seqs, num_tokens,
-                            stats=None if dummy else stats, first_pass=iteration == 0,
+                            rollouts,
+                            advantages,
+                            ref_logprobs,
+                            micro,
+                            num_seqs,
+                            num_tokens,
+                            stats=None if dummy else stats,
+                            first_pass=iteration == 0,
                         )
                         (loss * (0.0 if dummy else self.dist.world_size)).backward()
                 max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
@@ -300,9 +304,7 @@ class GRPOTrainer:
             logprobs, entropy = self.model(batch, with_entropy=with_entropy)
         mask = batch.mask
         old_logprobs = rollouts.logprobs[rows, : batch.width].to(device)
-        loss_mat, loss_metrics = POLICY_LOSSES[config.loss_type](
-            logprobs, old_logprobs, advantages[rows].to(device), mask, config
-        )
+        loss_mat, loss_metrics = POLICY_LOSSES[config.loss_type](logprobs, old_logprobs, advantages[rows].to(device), mask, config)
         kl = None
         if ref_logprobs is not None:
             kl = kl_k3(logprobs, ref_logprobs[rows, : batch.width].to(device))
@@ -402,8 +404,9 @@ class GRPOTrainer:
         self.step_count = int(state["step"])
         rng = state["rng"]
         if len(rng) != self.dist.world_size:  # each rank's sampling and data share depend on the world size
-            raise WorldSizeChanged(f"checkpoint {path} was written by {len(rng)} rank(s) and this run has "
-                                   f"{self.dist.world_size}: it cannot resume; start it afresh")
+            raise WorldSizeChanged(
+                f"checkpoint {path} was written by {len(rng)} rank(s) and this run has {self.dist.world_size}: it cannot resume; start it afresh"
+            )
         ckpt.restore_rng_state(rng[self.dist.rank])
         return True
 
@@ -519,12 +522,10 @@ def float32_master_weights(model: torch.nn.Module) -> torch.nn.Module:
     bf16/fp16: AdamW on low-precision weights rounds away updates below their resolution (at lr 1e-6
     most of them), so low precision belongs to the compute (``GRPOConfig.compute_dtype``), never to
     the weights or the optimizer state."""
-    low = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()
-                  and p.dtype != torch.float32})
+    low = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32})
     if not low:
         return model
-    logger.warning("policy loaded in %s: upcast to float32 master weights for training "
-                   "(set GRPOConfig.compute_dtype for low-precision compute)", "/".join(low))
+    logger.warning("policy loaded in %s: upcast to float32 master weights for training (set GRPOConfig.compute_dtype for low-precision compute)", "/".join(low))
     return model.float()
 
 

@@ -23,9 +23,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from rlvr.fastpaths.attention import upcast_sdpa_forward
 
 
-def unpadded_completion_features(
-    model: Any, batch: Any, prompt_states: torch.Tensor, prompt_cache: DynamicCache
-) -> torch.Tensor:
+def unpadded_completion_features(model: Any, batch: Any, prompt_states: torch.Tensor, prompt_cache: DynamicCache) -> torch.Tensor:
     """The decoder's final hidden states at the real completion positions of ``batch`` (a
     :class:`~rlvr.grpo.trainer.PackedRows`), [real tokens, hidden] in row-major order: position t of
     a row is the state that predicts its completion token t. ``prompt_states`` [prompts, hidden]

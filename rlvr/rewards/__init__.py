@@ -21,6 +21,16 @@ from rlvr.rewards.registry import (
 )
 
 __all__ = [
-    "CompositeReward", "DEFAULT_GSM8K_REWARD", "Reward", "RewardError", "RewardPool", "RewardResult",
-    "get_reward", "load_pickled_reward", "pickled_reward", "register_reward", "reward_names", "score",
+    "CompositeReward",
+    "DEFAULT_GSM8K_REWARD",
+    "Reward",
+    "RewardError",
+    "RewardPool",
+    "RewardResult",
+    "get_reward",
+    "load_pickled_reward",
+    "pickled_reward",
+    "register_reward",
+    "reward_names",
+    "score",
 ]

@@ -30,7 +30,12 @@ def code_execution(completion: str, tests=None, limits: SandboxLimits | dict | N
     if isinstance(limits, dict):
         limits = SandboxLimits(**limits)
     report = run_tests(extract_code(completion), tests, limits)
-    return RewardResult(report.fraction_passed, {
-        "passed": report.passed, "total": report.total,
-        "outcomes": list(report.outcomes), "isolation": list(report.isolation),
-    })
+    return RewardResult(
+        report.fraction_passed,
+        {
+            "passed": report.passed,
+            "total": report.total,
+            "outcomes": list(report.outcomes),
+            "isolation": list(report.isolation),
+        },
+    )

@@ -28,14 +28,11 @@ class CompositeReward:
 
     def __init__(self, weights: Mapping[str, float], name: str = "composite"):
         if not isinstance(weights, Mapping) or not weights:
-            raise RewardError(f"composite reward {name!r} needs a non-empty mapping of reward name -> weight, "
-                              f"got {weights!r}")
+            raise RewardError(f"composite reward {name!r} needs a non-empty mapping of reward name -> weight, got {weights!r}")
         for reward_name, weight in weights.items():
             get_reward(reward_name)  # raises RewardError naming the registered rewards
-            if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight) \
-                    or weight < 0:
-                raise RewardError(f"composite reward {name!r}: weight of {reward_name!r} must be a finite "
-                                  f"number >= 0, got {weight!r}")
+            if isinstance(weight, bool) or not isinstance(weight, numbers.Real) or not math.isfinite(weight) or weight < 0:
+                raise RewardError(f"composite reward {name!r}: weight of {reward_name!r} must be a finite number >= 0, got {weight!r}")
         if sum(weights.values()) <= 0:
             raise RewardError(f"composite reward {name!r}: weights are all zero")
         self.name = name

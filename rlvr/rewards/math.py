@@ -51,8 +51,9 @@ def find_answer(completion: str, mode: str) -> ExtractedAnswer | None:
 
 
 @register_reward("math_answer")
-def math_answer(completion: str, answer_value=None, answer_text=None, mode: str = "strict",
-                rel_tol: float = 1e-6, abs_tol: float = 1e-6, symbolic: bool = True, **_) -> RewardResult:
+def math_answer(
+    completion: str, answer_value=None, answer_text=None, mode: str = "strict", rel_tol: float = 1e-6, abs_tol: float = 1e-6, symbolic: bool = True, **_
+) -> RewardResult:
     """1 when the completion's final answer equals the reference, else 0.
 
     Reference keys: ``answer_value`` (number) and/or ``answer_text`` (normalized text); ``mode``
@@ -62,14 +63,17 @@ def math_answer(completion: str, answer_value=None, answer_text=None, mode: str 
     and ``refused`` (why the symbolic check was not run) when :func:`explosive_reason` refused.
     """
     reference = reference_value(answer_value, answer_text)
-    gold_text = answer_text if isinstance(answer_text, str) and answer_text.strip() else (
-        format_number(reference) if reference is not None else None)
+    gold_text = answer_text if isinstance(answer_text, str) and answer_text.strip() else (format_number(reference) if reference is not None else None)
     if gold_text is None:
         raise ValueError("math_answer needs a numeric answer_value or a non-empty answer_text")
     extracted = find_answer(completion, mode)
-    details = {"extracted": extracted.text if extracted else None,
-               "method": extracted.method if extracted else None,
-               "mode": mode, "strict": bool(extracted and extracted.method == "hash"), "match": None}
+    details = {
+        "extracted": extracted.text if extracted else None,
+        "method": extracted.method if extracted else None,
+        "mode": mode,
+        "strict": bool(extracted and extracted.method == "hash"),
+        "match": None,
+    }
     if extracted and reference is not None and answers_match(extracted.value, reference, rel_tol, abs_tol):
         return RewardResult(1.0, {**details, "match": "numeric"})
     span, method = final_answer_span(with_ascii_minus(completion), mode)
@@ -78,8 +82,7 @@ def math_answer(completion: str, answer_value=None, answer_text=None, mode: str 
         if refused:
             return RewardResult(0.0, {**details, "refused": refused})
         if symbolically_equal(span, gold_text):
-            return RewardResult(1.0, {**details, "extracted": span, "method": method,
-                                      "strict": method == "hash", "match": "symbolic"})
+            return RewardResult(1.0, {**details, "extracted": span, "method": method, "strict": method == "hash", "match": "symbolic"})
     return RewardResult(0.0, details)
 
 
@@ -153,7 +156,7 @@ def explosive_reason(expression: str) -> str | None:
             return f"an exponent above {MAX_EXPONENT}"
     for bang in (i for i, char in enumerate(text) if char == "!"):
         argument = re.search(r"(?<![\d.])(\d+)\s*$", text[:bang])
-        if argument is None or int(argument.group(1)) > MAX_FACTORIAL or text[bang + 1:bang + 2] == "!":
+        if argument is None or int(argument.group(1)) > MAX_FACTORIAL or text[bang + 1 : bang + 2] == "!":
             return f"a factorial of more than {MAX_FACTORIAL} or of an expression"
     return None
 
@@ -184,8 +187,8 @@ def _operand_before(text: str, end: int) -> str:
     for i in range(j, -1, -1):
         depth += (text[i] in _CLOSING) - (text[i] in "({[")
         if depth == 0:
-            return text[i:j + 1]
-    return text[:j + 1]
+            return text[i : j + 1]
+    return text[: j + 1]
 
 
 def _matching_close(text: str, start: int) -> int:

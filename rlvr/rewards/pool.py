@@ -67,8 +67,7 @@ class RewardPool:
                 worker.stop()
             self._changed.notify_all()
 
-    def score_batch(self, reward_weights: Mapping[str, float], completions: Sequence[str],
-                    references: Sequence[Mapping]) -> list[dict[str, RewardResult]]:
+    def score_batch(self, reward_weights: Mapping[str, float], completions: Sequence[str], references: Sequence[Mapping]) -> list[dict[str, RewardResult]]:
         """One dict per completion, in input order: each reward's result plus ``"total"``, their weighted mean."""
         if self._closed:
             raise RuntimeError("RewardPool is closed")
@@ -130,8 +129,7 @@ class RewardPool:
                     raise RuntimeError(f"a reward worker process did not start within {START_TIMEOUT_S:g} s")
                 (i, name), loading, _ = worker.job, worker.loading, worker.kill()
                 self.killed += 1
-                limit = f"could not be loaded within {START_TIMEOUT_S:g} s" if loading else \
-                    f"timed out after {self.timeout_s:g} s"
+                limit = f"could not be loaded within {START_TIMEOUT_S:g} s" if loading else f"timed out after {self.timeout_s:g} s"
                 results[(i, name)] = _error(f"reward {name!r} {limit} on sample {i}; its worker process was killed")
         return results
 
@@ -166,8 +164,7 @@ class _Worker:
     def start(self) -> None:
         parent, child = socket.socketpair()
         command = f"from rlvr.rewards.pool import serve; serve({child.fileno()})"
-        self.process = subprocess.Popen([sys.executable, "-c", command], pass_fds=[child.fileno()],
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        self.process = subprocess.Popen([sys.executable, "-c", command], pass_fds=[child.fileno()], stdin=subprocess.DEVNULL, start_new_session=True)
         child.close()
         self.connection = Connection(parent.detach())
         self.connection.send((list(sys.path), self.memory_limit_bytes))

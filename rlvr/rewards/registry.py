@@ -105,8 +105,7 @@ def register_reward(name: str | Callable | None = None, *, replace: bool = False
         reward = Reward(reward_name, _accepting_any_keywords(reward_name, fn))
         existing = _REWARDS.get(reward_name)
         if existing is not None and not replace and _definition(existing.fn) != _definition(reward.fn):
-            raise RewardError(f"reward {reward_name!r} is already registered by {existing.qualname}; "
-                              "pass replace=True to override it")
+            raise RewardError(f"reward {reward_name!r} is already registered by {existing.qualname}; pass replace=True to override it")
         _REWARDS[reward_name] = reward
         return fn
 
@@ -139,8 +138,7 @@ def pickled_reward(name: str) -> bytes:
     try:
         return cloudpickle.dumps(reward)
     except Exception as err:  # noqa: BLE001 - e.g. a closure over a lock or a connection
-        raise RewardError(f"reward {name!r} ({reward.qualname}) cannot be sent to another process: "
-                          f"{type(err).__name__}: {err}") from None
+        raise RewardError(f"reward {name!r} ({reward.qualname}) cannot be sent to another process: {type(err).__name__}: {err}") from None
 
 
 def load_pickled_reward(payload: bytes, register: bool = False) -> Reward:
@@ -159,8 +157,7 @@ def _definition(fn: Callable) -> tuple:
     """Where a function was defined: equal for the same source re-run (a module reload)."""
     fn = inspect.unwrap(fn)
     code = getattr(fn, "__code__", None)
-    return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None),
-            code and (code.co_filename, code.co_firstlineno))
+    return (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None), code and (code.co_filename, code.co_firstlineno))
 
 
 def _accepting_any_keywords(name: str, fn: Callable) -> Callable:
