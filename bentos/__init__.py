@@ -1,7 +1,8 @@
 """The BentoML service of the trained policy.
 
 ``schemas`` holds the request/response models and every validation limit, ``service`` the
-``RlvrPolicy`` service (``/generate``, ``/solve``, probes, metrics, traffic logs) and ``build``
+``RlvrPolicy`` service (``/generate``, ``/solve``, the OpenAI-compatible ``/v1`` endpoints, probes,
+metrics, traffic logs), ``openai_api`` OpenAI's wire format (errors, choices, streamed chunks) and ``build``
 the functions the Dagster ``bento`` asset calls to store a checkpoint and build a Bento.
 Imports only the core library ``rlvr`` (never Dagster, DuckDB or MLflow).
 """
