@@ -39,9 +39,10 @@ test-tools:
 	      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium prometheus >/dev/null 2>&1; }; }; } || \
 	  echo "note: chromium/promtool not installed; the UI and promtool tests will be skipped"
 
-# ruff (configured in pyproject.toml) lints the tree first; then every test.
+# ruff (configured in pyproject.toml) checks the tree's lint and format first; then every test.
 test: setup test-tools
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q tests
 
 ui: setup $(DAGSTER_HOME)/dagster.yaml
