@@ -18,7 +18,7 @@ class TrafficConfig(Config):
     folder: str = Field(default_factory=lambda: str(Settings.from_env().traffic_dir), description="the service's traffic log folder ($RLVR_TRAFFIC_DIR)")
 
 
-@asset(group_name="monitoring", kinds={"duckdb"}, owners=["team:rlvr-serving"], freshness_policy=DAILY)
+@asset(group_name="monitoring", kinds={"duckdb"}, owners=["team:rlvr-serving"], deps=["bento"], freshness_policy=DAILY)
 def serving_traffic(context: AssetExecutionContext, config: TrafficConfig, duckdb: Warehouse) -> MaterializeResult:
     """The Bento's JSONL traffic logs, ingested incrementally: each file is read from a per-file
     byte cursor stored with the rows in one transaction, so re-runs never duplicate rows; a

@@ -87,3 +87,9 @@ def test_every_asset_is_short():
         for node in tree.body:
             if isinstance(node, ast.FunctionDef) and node.decorator_list:
                 assert node.end_lineno - node.lineno < 60, f"{name}.{node.name} is {node.end_lineno - node.lineno} lines"
+
+
+def test_the_bento_is_upstream_of_the_traffic_it_serves():
+    """Lineage: the graph shows which Bento produced the traffic the monitoring reads."""
+    graph = defs.resolve_asset_graph()
+    assert AssetKey("bento") in graph.get(AssetKey("serving_traffic")).parent_keys

@@ -100,6 +100,8 @@ def test_ingestion_is_incremental_and_survives_malformed_lines(env):
     meta = first.asset_materializations_for_node("serving_traffic")[0].metadata
     assert meta["new_rows"].value == 31 and meta["malformed_lines"].value == 1
     assert count_rows(env) == 31
+    with duckdb.connect(str(env["resources"]["duckdb"].database), read_only=True) as conn:  # the answering policy of each row
+        assert conn.execute("SELECT DISTINCT model_version FROM serving_traffic").fetchall() == [("v1",)]
     materialize([monitoring.serving_traffic], resources=env["resources"], run_config=config, instance=env["instance"])
     assert count_rows(env) == 31  # re-run: no duplicates
     with open(log_file, "a") as f:
