@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dagster import AssetExecutionContext, DagsterInstance, asset, materialize
+from dagster import AssetExecutionContext, DagsterInstance, MaterializeResult, asset, materialize
 
 from resources.launcher import TrainingJob, TrainingLauncher
 from rlvr.grpo.profiles import build_config
@@ -28,11 +28,12 @@ def through_launcher(checkpoint: Path, rows: list[dict], config, nproc: int, scr
     timing: dict = {}
 
     @asset
-    def bench_training(context: AssetExecutionContext) -> None:
+    def bench_training(context: AssetExecutionContext) -> MaterializeResult:
         job = TrainingJob("bench", checkpoint, rows, config, DEFAULT_GSM8K_REWARD, scratch, "cpu" if nproc == 1 else None)
         started = time.perf_counter()
         timing["history"] = TrainingLauncher().train(context, job, nproc)
         timing["wall"] = time.perf_counter() - started
+        return MaterializeResult()
 
     with DagsterInstance.ephemeral() as instance:
         assert materialize([bench_training], instance=instance).success
