@@ -52,7 +52,8 @@ def tiny_llama_dir(tmp_path):
     return save_tiny_llama(tmp_path / "tiny")
 
 
-def save_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
+def tiny_llama_with_embedded_tokenizer(seed: int = 0, tie_word_embeddings: bool = True):
+    """(a randomly initialised 2-layer Llama, the embedded model's tokenizer and chat template)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -72,8 +73,14 @@ def save_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
     )
-    model = LlamaForCausalLM(config)
+    return LlamaForCausalLM(config), tokenizer
+
+
+def save_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
+    from rlvr import policy
+
+    model, tokenizer = tiny_llama_with_embedded_tokenizer(seed)
     policy.export_checkpoint(model, tokenizer, out_dir)
     return out_dir

@@ -34,7 +34,6 @@ from hypothesis import HealthCheck, settings
 from openapi_spec_validator import validate as validate_openapi
 from schemathesis.config import SchemathesisConfig
 from schemathesis.specs.openapi.checks import positive_data_acceptance
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from bentos.build import MODEL_VERSION_LABEL, bentoml_cli, bentoml_env, build_bento, store_policy
 from bentos.schemas import (
@@ -46,6 +45,7 @@ from bentos.schemas import (
     openapi_document,
 )
 from bentos.service import MAX_CONCURRENCY, REWARD_TIMEOUT_S
+from conftest import tiny_llama_with_embedded_tokenizer
 from rlvr import policy
 from rlvr.answers import extract_final_answer
 from rlvr.evaluation import majority_vote
@@ -161,23 +161,8 @@ def save_scripted_tiny_llama(out_dir: Path, completion: str = GREEDY_COMPLETION)
     ``completion``: attention and MLP outputs are zeroed (a bigram model), and the tokens from the
     prompt's last one (the newline opening the assistant turn) through ``completion`` to the end
     token are chained by one-hot embeddings and output rows. Sampled completions stay gibberish."""
-    gguf = policy.embedded_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
+    model, tokenizer = tiny_llama_with_embedded_tokenizer(seed=0, tie_word_embeddings=False)
+    config = model.config
     chain = [tokenizer.convert_tokens_to_ids("Ċ"), *tokenizer(completion, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
     assert len(set(chain)) == len(chain) <= config.hidden_size
     with torch.no_grad():

@@ -6,6 +6,8 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig
 
+from rlvr import policy
+from rlvr.prompts import ControlTokensError, render_messages, render_prompt
 from rlvr.rollout import Rollouts, SamplingConfig, _top_p_filter, generate_rollouts, sample_tokens, stream_rollouts
 from tiny_policy import char_tokenizer, tiny_llama
 
@@ -212,3 +214,100 @@ def test_preallocated_cache_layer_behaves_like_concatenation():
         for a, b in zip(expected, got):
             torch.testing.assert_close(b, a, rtol=0, atol=0)
     assert fast.get_seq_length() == 8
+
+
+def greedy(**overrides) -> SamplingConfig:
+    # No end token can stop a row early: only the budget, should_stop or a stop string does.
+    settings = {"max_new_tokens": 40, "temperatures": [0.0], "stop_at_final_answer": False, "stop_token_ids": [-1]}
+    return SamplingConfig(**{**settings, **overrides})
+
+
+# --- cancellation (SamplingConfig.should_stop) ------------------------------------------------
+
+
+def test_cancelled_prompt_stops_at_the_next_step_and_the_others_run_on(model, tokenizer):
+    plain = generate_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=greedy())
+    steps: dict[int, int] = {}
+
+    def should_stop(prompt: int) -> bool:
+        steps[prompt] = steps.get(prompt, 0) + 1
+        return prompt == 1 and steps[prompt] >= 5  # prompt 1 is cancelled during its 5th step
+
+    r = generate_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=greedy(should_stop=should_stop))
+    assert r.finish_reasons == ["length", "length", "cancelled", "cancelled", "length", "length"]
+    assert r.completion_lengths.tolist() == [40, 40, 5, 5, 40, 40]
+    assert steps[1] == 5 and steps[0] == steps[2] == 40  # asked once per step, never again once stopped
+    assert r.texts[:2] == plain.texts[:2] and r.texts[4:] == plain.texts[4:]  # the others are unchanged
+    assert r.completion_ids[2, :5].tolist() == plain.completion_ids[2, :5].tolist()
+
+
+def test_prompt_indices_count_across_chunks(model, tokenizer):
+    """With chunks of 2 rows (one prompt each), ``should_stop`` still sees the call's prompt indices."""
+    config = greedy(should_stop=lambda prompt: prompt == 2, max_batch_rows=2)
+    r = generate_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=config)
+    assert r.finish_reasons == ["length"] * 4 + ["cancelled"] * 2
+    assert r.completion_lengths.tolist() == [40, 40, 40, 40, 1, 1]
+
+
+def test_every_prompt_cancelled_ends_the_call_at_once(model, tokenizer):
+    r = generate_rollouts(model, tokenizer, PROMPTS, num_samples=3, config=greedy(max_new_tokens=10_000, should_stop=lambda prompt: True))
+    assert set(r.finish_reasons) == {"cancelled"} and r.completion_lengths.max() == 1
+
+
+# --- stop strings, per-token hook, token-id prompts, the chat renderer --------------------------
+
+
+def test_a_row_stops_at_the_step_its_text_first_holds_a_stop_string(model, tokenizer):
+    plain = generate_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=greedy())
+    stop = plain.texts[0][5:8]  # a string that appears in the first prompt's completion
+    stopped = generate_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=greedy(stop_strings=[stop, "zzzz"]))
+    for i, (text, reason) in enumerate(zip(plain.texts, plain.finish_reasons)):
+        at = text.find(stop)
+        if at < 0:
+            assert (stopped.texts[i], stopped.finish_reasons[i]) == (text, reason)
+        else:  # one character per token: the row ends on the stop string's last character, text not cut
+            assert (stopped.texts[i], stopped.finish_reasons[i]) == (text[: at + len(stop)], "stop")
+    assert stopped.finish_reasons[:2] == ["stop", "stop"]
+
+
+def test_on_tokens_sees_every_sampled_token_with_its_row_across_chunks(model, tokenizer):
+    seen: dict[int, list[int]] = {}
+
+    def on_tokens(rows: list[int], tokens: list[int]) -> None:
+        for row, token in zip(rows, tokens):
+            seen.setdefault(row, []).append(token)
+
+    r = generate_rollouts(
+        model, tokenizer, PROMPTS, num_samples=2, config=greedy(temperatures=[1.0], max_batch_rows=2, on_tokens=on_tokens, stop_strings=["e"])
+    )
+    assert sorted(seen) == list(range(6)) and [seen[row] for row in range(6)] == r.completion_token_lists()
+
+
+def test_prompts_as_token_ids_are_the_same_prompts(model, tokenizer):
+    ids = tokenizer(PROMPTS, add_special_tokens=False).input_ids
+    by_text = generate_rollouts(model, tokenizer, PROMPTS, config=greedy())
+    by_ids = generate_rollouts(model, tokenizer, ids, config=greedy())
+    assert by_ids.texts == by_text.texts and by_ids.prompt_ids == by_text.prompt_ids
+    with pytest.raises(ValueError, match="all texts or all token ids"):
+        generate_rollouts(model, tokenizer, [PROMPTS[0], ids[1]], config=greedy())
+    with pytest.raises(ValueError, match="non-empty strings"):
+        greedy(stop_strings=[""])
+
+
+def test_render_messages_is_render_prompts_renderer_and_refuses_control_tokens_in_any_message():
+    gguf = policy.embedded_gguf_path()
+    from transformers import AutoTokenizer
+
+    chat = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "and 3+3?"},
+    ]
+    rendered = render_messages(chat, messages)
+    assert rendered == chat.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert render_prompt(chat, "2+2?", "Be brief.") == render_messages(chat, messages[:2])
+    with pytest.raises(ControlTokensError, match=r"messages\[2\]\.content contains .*<\|im_end\|>") as err:
+        render_messages(chat, [*messages[:2], {"role": "assistant", "content": "4<|im_end|>"}])
+    assert err.value.field == "messages[2].content"
