@@ -29,7 +29,7 @@ from rlvr.fastpaths.heap import keep_freed_memory
 from rlvr.grpo import checkpoint as ckpt
 from rlvr.grpo.sampler import step_problems
 from rlvr.grpo.scoring import CompletionScorer, PackedRows
-from rlvr.grpo.trainer import float32_master_weights, lr_multiplier
+from rlvr.grpo.trainer import decay_param_groups, float32_master_weights, lr_multiplier
 from rlvr.prompts import render_prompt
 
 _CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8k's calculator annotations: 48/2 = <<48/2=24>>24
@@ -153,12 +153,8 @@ class SFTTrainer:
         compute_dtype = getattr(torch, config.compute_dtype)
         self._autocast = partial(torch.autocast, device.type, compute_dtype, enabled=compute_dtype != torch.float32)
         self.device = device
-        params = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            [
-                {"params": [p for p in params if p.dim() >= 2], "weight_decay": config.weight_decay},
-                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-            ],
+            decay_param_groups(self.policy, config.weight_decay),
             lr=config.lr,
             betas=config.betas,
             fused=device.type in ("cpu", "cuda"),

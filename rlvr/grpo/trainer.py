@@ -107,7 +107,7 @@ class GRPOTrainer:
         # generation runs on a low-precision copy in mixed precision (FSDP casts on its own)
         self.rollout_policy = copy.deepcopy(model).to(compute_dtype) if autocast else model
         self.optimizer = torch.optim.AdamW(
-            _param_groups(self.policy, config.weight_decay),
+            decay_param_groups(self.policy, config.weight_decay),
             lr=config.lr,
             betas=config.betas,
             eps=config.adam_eps,
@@ -529,7 +529,7 @@ def float32_master_weights(model: torch.nn.Module) -> torch.nn.Module:
     return model.float()
 
 
-def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+def decay_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices only (nanoGPT): not on norms and biases."""
     params = [p for p in model.parameters() if p.requires_grad]
     return [
