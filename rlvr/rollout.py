@@ -219,21 +219,18 @@ def _decode_chunk(
     config: SamplingConfig,
     generator: torch.Generator,
 ) -> Rollouts:
-    rows = len(prompt_ids) * num_samples
+    rows, fast = len(prompt_ids) * num_samples, config.fast_paths
     with torch.inference_mode():
-        if use_static_decode(model, config.fast_paths):  # CUDA: fixed-shape steps replayed as CUDA graphs
-            capacity = max(len(ids) for ids in prompt_ids) + config.max_new_tokens
-            decode_step = static_decoder(model, rows, capacity, graphs=True)
-            return _cloned(_decode_loop(model, tokenizer, prompt_ids, num_samples, config, generator, decode_step))
-        fused = fused_decoder(model, rows, config.fast_paths)
-        packed = fused is None and use_packed_linears(model, config.fast_paths)
-        with packed_linears(model, rows) if packed else contextlib.nullcontext():
-            decode_step = fused or partial(_model_decode_step, model)
+        packing = contextlib.nullcontext()
+        if use_static_decode(model, fast):  # CUDA: fixed-shape steps replayed as CUDA graphs
+            decode_step = static_decoder(model, rows, max(len(ids) for ids in prompt_ids) + config.max_new_tokens, graphs=True)
+        elif fused := fused_decoder(model, rows, fast):
+            decode_step = fused
+        else:
+            decode_step = partial(_model_decode_step, model)
+            packing = packed_linears(model, rows) if use_packed_linears(model, fast) else packing
+        with packing:
             rollouts = _decode_loop(model, tokenizer, prompt_ids, num_samples, config, generator, decode_step)
-    return _cloned(rollouts)
-
-
-def _cloned(rollouts: Rollouts) -> Rollouts:
     for name in ("completion_ids", "completion_mask", "logprobs", "temperatures", "group_index", "sample_index"):
         setattr(rollouts, name, getattr(rollouts, name).clone())  # inference tensors -> ordinary tensors
     return rollouts

@@ -30,7 +30,9 @@ from rlvr.grpo import checkpoint as ckpt
 from rlvr.grpo.sampler import step_problems
 from rlvr.grpo.scoring import CompletionScorer, PackedRows
 from rlvr.grpo.trainer import decay_param_groups, float32_master_weights, lr_multiplier
+from rlvr.policy import load_policy
 from rlvr.prompts import render_prompt
+from rlvr.training_run import TrainedPolicy
 
 _CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8k's calculator annotations: 48/2 = <<48/2=24>>24
 
@@ -97,12 +99,9 @@ def build_sft_config(profile: str, overrides: dict | None = None) -> SFTConfig:
 
 def train_sft(
     start: Path, rows: Sequence[dict], config: SFTConfig, checkpoint_dir: Path, device: Any = None, on_step: Callable[[int, dict], None] | None = None
-):
+) -> TrainedPolicy:
     """Fine-tune the checkpoint at ``start`` on the problem ``rows``' reference solutions; resumes from
-    the latest checkpoint in ``checkpoint_dir``. Returns a :class:`rlvr.training_run.TrainedPolicy`."""
-    from rlvr.policy import load_policy
-    from rlvr.training_run import TrainedPolicy
-
+    the latest checkpoint in ``checkpoint_dir``."""
     model, tokenizer = load_policy(start, device)
     trainer = SFTTrainer(model, tokenizer, config, checkpoint_dir=checkpoint_dir, on_step=on_step)
     history = trainer.train(sft_examples(rows, tokenizer))

@@ -81,7 +81,6 @@ def _train(job: dict, rank: int, scratch: Path, pipes: PipesContext | None) -> N
         tmp = export.with_name(export.name + ".tmp")
         trained.export(tmp)
         os.replace(tmp, export)
-        pipes.report_custom_message({"done": True, "steps": trained.steps})
 
 
 def weights_digest(model) -> str:

@@ -9,8 +9,7 @@ import string
 from collections import Counter
 from typing import Callable, Sequence
 
-from rlvr.answers import is_well_formed, normalize_answer, parse_number
-from rlvr.rewards.math import find_answer, with_ascii_minus
+from rlvr.answers import extract_final_answer, is_well_formed, normalize_answer, parse_number
 from rlvr.rewards.registry import RewardResult, register_reward
 
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
@@ -44,7 +43,7 @@ def normalize_text(text: str, steps: str | Sequence[str] = DEFAULT_NORMALIZATION
 @register_reward("format")
 def format_reward(completion: str, **_) -> RewardResult:
     """1 when the completion ends with a well-formed ``#### <number>`` line and nothing after it."""
-    well_formed = is_well_formed(with_ascii_minus(completion))
+    well_formed = is_well_formed(completion)  # unicode minus signs included
     return RewardResult(float(well_formed), {"well_formed": well_formed})
 
 
@@ -128,7 +127,7 @@ def regression(completion: str, target=None, max_rel_error: float = 1.0, min_sca
     goal = _number(target, "target")
     if not max_rel_error > 0 or not min_scale > 0:
         raise ValueError("regression needs max_rel_error > 0 and min_scale > 0")
-    extracted = find_answer(completion, "flexible")
+    extracted = extract_final_answer(completion, "flexible")
     if extracted is None or not math.isfinite(extracted.value):
         return RewardResult(0.0, {"predicted": None})
     relative_error = abs(extracted.value - goal) / max(abs(goal), min_scale)
