@@ -30,9 +30,8 @@ def main() -> None:
     config = EvalConfig(**{k: v for k, v in meta["protocol"].value.items() if k in ("max_new_tokens", "seed", "num_samples", "ks")})
     b, t, paired = summarize(base, config), summarize(trained, config), compare(base, trained)
     client = MLflowResource(tracking_uri=settings.mlflow_tracking_uri).client()
-    run = client.search_runs([e.experiment_id for e in client.search_experiments()], "tags.`rlvr.kind` = 'training'", order_by=["attributes.start_time DESC"])[
-        0
-    ]
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    run = client.search_runs(experiments, "tags.`rlvr.kind` = 'training'", order_by=["attributes.start_time DESC"])[0]
     steps = client.get_metric_history(run.info.run_id, "step_time_s")
     params = run.data.params
     print(f"\nsource {source[0]} ({source[1]} train problems); policy {meta['policy_version'].value}")

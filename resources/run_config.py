@@ -33,7 +33,7 @@ class CoreConfig(Config):
     core_class: ClassVar[type]
     all_optional: ClassVar[bool] = False
 
-    def to_core(self, **changes: Any):
+    def to_core(self):
         """The core dataclass built from this config's fields (excluded fields keep the core's defaults)."""
         hints = typing.get_type_hints(self.core_class)
         values = {}
@@ -43,7 +43,7 @@ class CoreConfig(Config):
                 if value is None and self.all_optional:
                     continue
                 values[f.name] = _core_value(value, hints[f.name])
-        return self.core_class(**{**values, **changes})
+        return self.core_class(**values)
 
     def set_fields(self) -> dict[str, Any]:
         """The fields given a value (not None), as plain values; nested configs as dicts of their set fields."""

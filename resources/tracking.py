@@ -24,7 +24,7 @@ from resources.model_store import StoredModel
 CHAMPION, CHALLENGER = "champion", "challenger"
 POLICY_VERSION_TAG = "rlvr.policy_version"  # the model-store version of the registered checkpoint
 EVAL_PROTOCOL_TAG = "rlvr.eval_protocol"  # the evaluation protocol of an evaluation run, as JSON
-BATCH = 100  # params per log_batch call (MLflow's limit)
+PARAMS_PER_BATCH, METRICS_PER_BATCH = 100, 1000  # per log_batch call (MLflow's limits)
 
 
 class MLflowResource(ConfigurableResource):
@@ -130,8 +130,8 @@ class TrackedRun:
         from mlflow.entities import Param
 
         flat = [Param(key, str(value)) for key, value in params.items()]
-        for start in range(0, len(flat), BATCH):
-            self.client.log_batch(self.run_id, params=flat[start : start + BATCH])
+        for start in range(0, len(flat), PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=flat[start : start + PARAMS_PER_BATCH])
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """The numeric values of ``metrics`` (booleans and others skipped); ``@`` in a name becomes ``_at_``."""
@@ -143,8 +143,8 @@ class TrackedRun:
             for key, value in metrics.items()
             if isinstance(value, (int, float)) and not isinstance(value, bool)
         ]
-        for start in range(0, len(rows), 1000):
-            self.client.log_batch(self.run_id, metrics=rows[start : start + 1000])
+        for start in range(0, len(rows), METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=rows[start : start + METRICS_PER_BATCH])
 
     def log_artifacts(self, folder: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifacts(self.run_id, str(folder), artifact_path)

@@ -182,47 +182,27 @@ def validate_problems(problems: Iterable[Problem], expected_counts: dict[str, in
     outcomes = []
     if expected_counts is not None:
         wrong = {s: (counts.get(s, 0), n) for s, n in expected_counts.items() if counts.get(s, 0) != n}
-        outcomes.append(
-            CheckOutcome(
-                "row_counts",
-                not wrong,
-                "row counts match" if not wrong else "; ".join(f"{s}: {got} rows, expected {n}" for s, (got, n) in wrong.items()),
-                {f"{s}_rows": counts.get(s, 0) for s in SPLITS},
-            )
-        )
+        failure = "; ".join(f"{s}: {got} rows, expected {n}" for s, (got, n) in wrong.items())
+        outcomes.append(_outcome("row_counts", wrong, "row counts match", failure, {f"{s}_rows": counts.get(s, 0) for s in SPLITS}))
     unparsed = [p.problem_id for p in problems if parse_number(p.answer_text) is None]
-    outcomes.append(
-        CheckOutcome(
-            "answers_parse",
-            not unparsed,
-            "every final answer parses as a number" if not unparsed else f"{len(unparsed)} final answers do not parse, e.g. {unparsed[:5]}",
-            {"unparsed": len(unparsed)},
-        )
-    )
+    failure = f"{len(unparsed)} final answers do not parse, e.g. {unparsed[:5]}"
+    outcomes.append(_outcome("answers_parse", unparsed, "every final answer parses as a number", failure, {"unparsed": len(unparsed)}))
     by_split: dict[str, set[str]] = {s: set() for s in SPLITS}
     for p in problems:
         by_split.setdefault(p.split, set()).add(question_hash(p.question))
     overlap = by_split["train"] & by_split["test"]
-    outcomes.append(
-        CheckOutcome(
-            "no_split_overlap",
-            not overlap,
-            "no question appears in both splits" if not overlap else f"{len(overlap)} questions appear in both train and test",
-            {"overlapping_questions": len(overlap)},
-        )
-    )
-    nulls = Counter(
-        k for p in problems for k, v in p.as_row().items() if v is None or (v == "" and k != "solution")
-    )  # generated tasks may have no worked solution
-    outcomes.append(
-        CheckOutcome(
-            "no_nulls",
-            not nulls,
-            "no null or empty fields" if not nulls else f"null or empty fields: {dict(nulls)}",
-            {"null_fields": sum(nulls.values())},
-        )
-    )
+    failure = f"{len(overlap)} questions appear in both train and test"
+    outcomes.append(_outcome("no_split_overlap", overlap, "no question appears in both splits", failure, {"overlapping_questions": len(overlap)}))
+    # an empty solution is allowed: generated tasks may have no worked solution
+    nulls = Counter(k for p in problems for k, v in p.as_row().items() if v is None or (v == "" and k != "solution"))
+    failure = f"null or empty fields: {dict(nulls)}"
+    outcomes.append(_outcome("no_nulls", nulls, "no null or empty fields", failure, {"null_fields": sum(nulls.values())}))
     return outcomes
+
+
+def _outcome(name: str, offending, passed: str, failed: str, metadata: dict) -> CheckOutcome:
+    """A check that passes when ``offending`` (what breaks it) is empty, described by ``passed`` or ``failed``."""
+    return CheckOutcome(name, not offending, failed if offending else passed, metadata)
 
 
 def check_no_contamination(train_source: str, eval_source: str, eval_split: str) -> None:

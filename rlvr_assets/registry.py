@@ -58,7 +58,7 @@ def champion_policy(
 
     registry = mlflow.registry()
     current, champion = registry.version_for(CHAMPION), None
-    if current is not None:  # the current champion, on the same problems (reused when it is the trained policy)
+    if current is not None and current.tags[POLICY_VERSION_TAG] != trained.version:  # the current champion, on the same problems
         stored = model_store.get("grpo_checkpoint", current.tags[POLICY_VERSION_TAG])
         path = stored.path if stored is not None else mlflow.download_checkpoint(current.source)
         champion = evaluator.evaluate("champion", current.tags[POLICY_VERSION_TAG], path, protocol, problems, context.log)

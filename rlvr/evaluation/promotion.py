@@ -50,37 +50,22 @@ def decide_promotion(
     """
     if margin < 0 or not 0 < alpha < 1:
         raise ValueError(f"need margin >= 0 and 0 < alpha < 1, got margin={margin}, alpha={alpha}")
-    if champion_id is not None and champion_id == challenger_id:
+    already_champion = champion_id is not None and champion_id == challenger_id
+    if already_champion or champion_correct is None:  # nothing to test the challenger against
         challenger = as_correctness(challenger_correct)
-        _require_problems(challenger.size)
+        n = int(challenger.size)
+        _require_problems(n)
         accuracy = float(challenger.mean())
         return PromotionDecision(
             promote=True,
-            reason=f"already champion ({champion_id})",
+            reason=f"already champion ({champion_id})" if already_champion else f"no champion yet: promoting challenger (accuracy {accuracy:.4f}, n={n})",
             challenger_accuracy=accuracy,
-            champion_accuracy=accuracy,
-            delta=0.0,
-            p_value=1.0,
+            champion_accuracy=accuracy if already_champion else None,
+            delta=0.0 if already_champion else None,
+            p_value=1.0 if already_champion else None,
             challenger_only=0,
             champion_only=0,
-            n=int(challenger.size),
-            margin=margin,
-            alpha=alpha,
-        )
-    if champion_correct is None:
-        challenger = as_correctness(challenger_correct)
-        _require_problems(challenger.size)
-        accuracy = float(challenger.mean())
-        return PromotionDecision(
-            promote=True,
-            reason=f"no champion yet: promoting challenger (accuracy {accuracy:.4f}, n={challenger.size})",
-            challenger_accuracy=accuracy,
-            champion_accuracy=None,
-            delta=None,
-            p_value=None,
-            challenger_only=0,
-            champion_only=0,
-            n=int(challenger.size),
+            n=n,
             margin=margin,
             alpha=alpha,
         )
