@@ -201,15 +201,14 @@ def report(result: dict, timings: dict) -> str:
         "",
         f"Disagreements ({len(result['disagreements'])}):",
     ]
-    clip = lambda text: json.dumps(text[-160:] if len(text) > 160 else text, ensure_ascii=False)
     for d in result["disagreements"]:
         lines.append(
             f"- doc {d['doc_id']} {d['metric']}: harness {d['harness']} (answer {d['harness_answer']!r}), "
             f"ours {d['ours']} (answer {d['our_answer']!r}), gold {d['gold']}: {d['reason']} "
             f"(our rules on the harness text: {d['our_answer_on_harness_text']!r})"
         )
-        lines.append(f"    harness text ...{clip(d['harness_text'])}")
-        lines.append(f"    our text     ...{clip(d['our_text'])}")
+        lines.append(f"    harness text ...{json.dumps(d['harness_text'][-160:], ensure_ascii=False)}")
+        lines.append(f"    our text     ...{json.dumps(d['our_text'][-160:], ensure_ascii=False)}")
     return "\n".join(lines)
 
 

@@ -43,6 +43,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -273,9 +274,8 @@ def summarize(name: str, load: dict, traffic_dir: Path, seen_by_server: dict[str
         if rec["request_id"] not in accounted and rec["prompt"] not in accounted
     ]
     if seen_by_server is not None:
-        seen_by_clients: dict[str, float] = {}
-        for status in [r["status"] for r in load["results"]] + load["slow_answers"] + [h["status"] or 499 for h in load["hangups"]]:
-            seen_by_clients[str(status)] = seen_by_clients.get(str(status), 0) + 1
+        statuses = [r["status"] for r in load["results"]] + load["slow_answers"] + [h["status"] or 499 for h in load["hangups"]]
+        seen_by_clients = dict(Counter(str(status) for status in statuses))
         seen_by_server = {k: v for k, v in seen_by_server.items() if v}
         if seen_by_clients != seen_by_server:
             mislogged.append(f"rlvr_requests_total {seen_by_server} but clients saw {seen_by_clients}")

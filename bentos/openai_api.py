@@ -77,9 +77,9 @@ def chat_logprobs(tokens: list[str], logprobs: list[float]) -> ChatLogprobs:
     return ChatLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in zip(tokens, logprobs)])
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float], text_start: int = 0) -> CompletionLogprobs:
+def completion_logprobs(tokens: list[str], logprobs: list[float]) -> CompletionLogprobs:
     """Legacy completions log-probs: each token, its log-prob, itself as its only "top" entry, and its offset."""
-    offsets, offset = [], text_start
+    offsets, offset = [], 0
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
@@ -95,23 +95,19 @@ def chunk(chat: bool, response_id: str, created: int, model: str, index: int, te
     if chat:
         delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
         choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
-        kind = "chat.completion.chunk"
     else:
         choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
-        kind = "text_completion"
-    return {"id": response_id, "object": kind, "created": created, "model": model, "choices": [choice]}
+    return _chunk_of(chat, response_id, created, model, [choice])
 
 
 def usage_chunk(chat: bool, response_id: str, created: int, model: str, used: Usage) -> dict:
     """The last chunk when ``stream_options.include_usage``: no choices, the request's usage."""
-    return {
-        "id": response_id,
-        "object": "chat.completion.chunk" if chat else "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": used.model_dump(),
-    }
+    return _chunk_of(chat, response_id, created, model, [], usage=used.model_dump())
+
+
+def _chunk_of(chat: bool, response_id: str, created: int, model: str, choices: list[dict], **extra) -> dict:
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": response_id, "object": kind, "created": created, "model": model, "choices": choices, **extra}
 
 
 class TextStream:

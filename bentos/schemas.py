@@ -29,7 +29,7 @@ MAX_PROMPT_TOKENS = 2_048  # the question in the chat template, in the model's t
 DEFAULT_KV_CACHE_BUDGET_MIB = 1_024  # a request's estimated KV cache; $RLVR_KV_CACHE_BUDGET_MIB overrides
 MAX_TEMPERATURE = 2.0
 MAX_GROUND_TRUTH_CHARS = 256
-MAX_BODY_BYTES = 64 * 1024  # 413 above this, before parsing: a 4,000-char prompt is at most 24 KB of JSON
+MAX_BODY_BYTES = 64 * 1024  # 413 above this, before parsing: a 4,000-char prompt is at most 48 KB of JSON (12-byte \uXXXX\uXXXX escapes)
 BODY_TIMEOUT_S = 10.0  # 408 when the whole body has not arrived by then (a slow client holds no slot)
 
 DEFAULT_NUM_ROLLOUTS = 4
@@ -170,7 +170,7 @@ class SolveResponse(BaseModel):
 
 MAX_MESSAGES = 64
 MAX_CHAT_CHARS = 16_000  # all message contents of a chat request; MAX_PROMPT_TOKENS is the binding bound
-MAX_RAW_PROMPT_CHARS = 16_000  # one /v1/completions prompt (lm-eval's 5-shot GSM8k prompts run to ~4,500)
+MAX_RAW_PROMPT_CHARS = 16_000  # one /v1/completions prompt (room for lm-eval's 5-shot GSM8k prompts: five worked examples and the question)
 MAX_PROMPTS = MAX_SAMPLES  # prompts of one /v1/completions request; prompts x n at most MAX_SAMPLES too
 MAX_STOP_STRINGS = 8
 MAX_STOP_CHARS = 64
@@ -371,13 +371,20 @@ class ChatChoice(BaseModel):
     finish_reason: Literal["stop", "length"]
 
 
-class ChatCompletion(BaseModel):
+class _CompletionAnswer(BaseModel):
+    """What a /v1 answer holds, chat or not; each kind narrows ``object`` and ``choices``."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int
     model: str
-    choices: list[ChatChoice]
+    choices: list
     usage: Usage
+
+
+class ChatCompletion(_CompletionAnswer):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
 
 
 class CompletionLogprobs(BaseModel):
@@ -394,13 +401,9 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length"]
 
 
-class Completion(BaseModel):
-    id: str
+class Completion(_CompletionAnswer):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage
 
 
 class ModelCard(BaseModel):

@@ -123,10 +123,10 @@ class Server:
         out = self.post_ok("/solve", {"question": QUESTION, "k": 1, "max_new_tokens": 8})
         assert out["k"] == 1 and time.monotonic() - started < within_s
 
-    def open(self, path: str, body: bytes, *, send: int | None = None, extra_headers: str = "") -> socket.socket:
+    def open(self, path: str, body: bytes, *, send: int | None = None) -> socket.socket:
         """A raw client that sent the headers and the first ``send`` bytes of the body (all by default)."""
         sock = socket.create_connection(("127.0.0.1", self.port), timeout=REQUEST_TIMEOUT_S)
-        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n{extra_headers}\r\n").encode()
+        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
         sock.sendall(head + body[: len(body) if send is None else send])
         return sock
 
@@ -156,14 +156,14 @@ def _records(server: Server, marker: str) -> list[dict]:
     return [r for r in read_traffic(server.traffic_dir).records if marker in r["prompt"]]
 
 
-def save_scripted_tiny_llama(out_dir: Path, completion: str = GREEDY_COMPLETION) -> Path:
+def save_scripted_tiny_llama(out_dir: Path) -> Path:
     """A tiny Llama with the embedded model's tokenizer whose greedy completion of any chat prompt is
-    ``completion``: attention and MLP outputs are zeroed (a bigram model), and the tokens from the
-    prompt's last one (the newline opening the assistant turn) through ``completion`` to the end
-    token are chained by one-hot embeddings and output rows. Sampled completions stay gibberish."""
+    ``GREEDY_COMPLETION``: attention and MLP outputs are zeroed (a bigram model), and the tokens from
+    the prompt's last one (the newline opening the assistant turn) through ``GREEDY_COMPLETION`` to
+    the end token are chained by one-hot embeddings and output rows. Sampled completions stay gibberish."""
     model, tokenizer = tiny_llama_with_embedded_tokenizer(seed=0, tie_word_embeddings=False)
     config = model.config
-    chain = [tokenizer.convert_tokens_to_ids("Ċ"), *tokenizer(completion, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
+    chain = [tokenizer.convert_tokens_to_ids("Ċ"), *tokenizer(GREEDY_COMPLETION, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
     assert len(set(chain)) == len(chain) <= config.hidden_size
     with torch.no_grad():
         for layer in model.model.layers:
@@ -242,10 +242,15 @@ def serving(built, folder: Path, batching: bool, env: dict[str, str] | None = No
                 proc.wait(timeout=10)
 
 
+def serving_batched(built, tmp_path_factory, name: str):
+    """``serving`` with batching and a KV-cache budget of ``KV_CACHE_BUDGET_MIB``: each module's main server."""
+    env = {"RLVR_KV_CACHE_BUDGET_MIB": str(KV_CACHE_BUDGET_MIB)}
+    return serving(built, tmp_path_factory.mktemp(name) / "server", batching=True, env=env)
+
+
 @pytest.fixture(scope="module")
 def server(built, tmp_path_factory):
-    env = {"RLVR_KV_CACHE_BUDGET_MIB": str(KV_CACHE_BUDGET_MIB)}
-    with serving(built, tmp_path_factory.mktemp("batched") / "server", batching=True, env=env) as srv:
+    with serving_batched(built, tmp_path_factory, "batched") as srv:
         yield srv
 
 
@@ -332,7 +337,8 @@ def test_health_and_readiness(server):
 
 
 def test_lone_requests_after_start_up_wait_for_no_one(server):
-    """The first requests after start-up are not held for a batch (BentoML's dispatcher held them 12-17 s)."""
+    """The first requests after start-up are not held for a batch: each is its own pass, answered
+    within half a second of its generation (BentoML's adaptive-batching dispatcher held them for seconds)."""
     for i in range(3):
         started = time.monotonic()
         out = server.post_ok("/solve", {"question": f"{QUESTION} (alone {i})", "k": 2, "max_new_tokens": 8})
@@ -562,6 +568,8 @@ def test_chunked_body_over_the_cap_is_refused_before_any_work(server):
 
 
 def test_concurrent_mixed_requests_are_batched_and_all_answered(server):
+    before = server.metrics()
+
     def call(i: int) -> tuple[dict, dict]:
         if i % 2:
             body = {"prompt": f"{QUESTION} ({i})", "num_rollouts": 2, "max_new_tokens": 24, "temperature": 0.9}
@@ -580,7 +588,9 @@ def test_concurrent_mixed_requests_are_batched_and_all_answered(server):
     records = [r for r in read_traffic(server.traffic_dir).records if r["request_id"] in ids]
     assert len(records) == 8 and all(r["status"] == 200 for r in records)
     assert max(r["batch_requests"] for r in records) > 1, "no two concurrent requests shared a generation pass"
-    assert _metric(server.metrics(), "rlvr_pass_requests_count") > 0
+    after = server.metrics()
+    passes, requests = (_metric(after, f"rlvr_pass_requests_{s}") - _metric(before, f"rlvr_pass_requests_{s}") for s in ("count", "sum"))
+    assert 0 < passes < requests, (passes, requests)  # the histogram saw these passes, one of them shared
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,12 +26,11 @@ from rlvr.prompts import SYSTEM_PROMPT
 from rlvr.traffic import read_traffic, traffic_row
 from test_bento_service import (
     GREEDY_COMPLETION,
-    KV_CACHE_BUDGET_MIB,
     LINEAGE,
     QUESTION,
     _metric,
     scripted_bento,
-    serving,
+    serving_batched,
 )
 
 pytestmark = [
@@ -51,8 +50,7 @@ def built(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(built, tmp_path_factory):
-    env = {"RLVR_KV_CACHE_BUDGET_MIB": str(KV_CACHE_BUDGET_MIB)}
-    with serving(built, tmp_path_factory.mktemp("openai") / "server", batching=True, env=env) as srv:
+    with serving_batched(built, tmp_path_factory, "openai") as srv:
         yield srv
 
 
