@@ -4,7 +4,7 @@ which the service's ``/v1/chat/completions`` calls with the client's own message
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 SYSTEM_PROMPT = (
     "Solve the math word problem step by step, then give the final answer on the last line as '#### <number>'.\n\n"
@@ -35,21 +35,17 @@ class ControlTokensError(ValueError):
         super().__init__(f"{field} contains the chat template's control tokens {', '.join(tokens)}")
 
 
-def control_tokens(tokenizer: Any, text: str) -> list[str]:
-    """The tokenizer's special tokens found in ``text``, sorted."""
+def render_messages(tokenizer: Any, messages: list[dict[str, str]], fields: Sequence[str] | None = None) -> str:
+    """Chat messages (``role``, ``content``) as the chat tokenizer feeds the model, ending where the
+    assistant's turn begins. A message whose content holds one of the tokenizer's special tokens is
+    refused (``ControlTokensError`` naming ``fields[i]``, default ``messages[i].content``)."""
     special = set(tokenizer.all_special_tokens)
     special.update(t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special)
-    return sorted(token for token in special if token and token in text)
-
-
-def render_messages(tokenizer: Any, messages: list[dict[str, str]]) -> str:
-    """Chat messages (``role``, ``content``) as the chat tokenizer feeds the model, ending where the
-    assistant's turn begins. A message whose content holds control tokens is refused
-    (``ControlTokensError`` naming ``messages[i].content``)."""
+    special.discard("")
     for i, message in enumerate(messages):
-        found = control_tokens(tokenizer, message["content"])
+        found = sorted(token for token in special if token in message["content"])
         if found:
-            raise ControlTokensError(f"messages[{i}].content", found)
+            raise ControlTokensError(fields[i] if fields else f"messages[{i}].content", found)
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
@@ -59,7 +55,4 @@ def render_prompt(tokenizer: Any, question: str, system_prompt: str = SYSTEM_PRO
     A question holding one of the tokenizer's special tokens is refused (``ControlTokensError``, a
     ``ValueError``, naming ``question``).
     """
-    found = control_tokens(tokenizer, question)
-    if found:
-        raise ControlTokensError("question", found)
-    return render_messages(tokenizer, build_messages(question, system_prompt))
+    return render_messages(tokenizer, build_messages(question, system_prompt), fields=("system_prompt", "question"))
