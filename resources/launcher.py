@@ -124,8 +124,11 @@ class TrainingLauncher(ConfigurableResource):
 
 
 def rank_errors(errors: Path, nproc: int) -> str:
-    """Which ranks died without a word (killed by a signal, out of memory), then the tracebacks the others left."""
+    """Which ranks died without a word (killed by a signal, out of memory), the tracebacks of those that failed, and
+    which ranks torchrun merely stopped because another one failed."""
     texts = {int(path.stem.split("-")[1]): path.read_text()[-4000:] for path in errors.glob("rank-*.txt")}
-    silent = [rank for rank in range(nproc) if rank not in texts]
+    stopped = sorted(int(path.stem.split("-")[1]) for path in errors.glob("rank-*.stopped"))
+    silent = [rank for rank in range(nproc) if rank not in texts and rank not in stopped]
     lines = [f"rank(s) {silent} died without leaving an error (killed by a signal, or out of memory?)"] if silent else []
-    return "\n".join(lines + [f"--- rank {rank} ---\n{text}" for rank, text in sorted(texts.items())])
+    lines += [f"--- rank {rank} ---\n{text}" for rank, text in sorted(texts.items())]
+    return "\n".join(lines + ([f"rank(s) {stopped} stopped by torchrun after another rank failed"] if stopped else []))

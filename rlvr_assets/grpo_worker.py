@@ -4,7 +4,8 @@
 writes its own rollouts and rewards of each step as Parquet files in the run's scratch folder (the
 asset loads them into DuckDB afterwards: DuckDB keeps one writer); rank 0 streams per-step logs and
 metrics to the Dagster event log and exports the trained checkpoint. A rank that fails leaves its
-traceback in ``<scratch>/errors/rank-<r>.txt`` for the asset to report. The job is described by the
+traceback in ``<scratch>/errors/rank-<r>.txt`` for the asset to report (``rank-<r>.stopped`` when torchrun
+ended it because another rank failed). The job is described by the
 Pipes extras (``resources.launcher.TrainingJob.extras`` writes them); its rewards arrive pickled and
 are registered here before training.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import os
+import signal
 import traceback
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from rlvr.training_run import train_grpo, training_tables
 
 def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
+    signal.signal(signal.SIGTERM, _stopped)  # torchrun stops every rank when one fails: say so, not die silently
     if rank == 0:
         with open_dagster_pipes() as pipes:
             _run(dict(pipes.extras), rank, pipes)
@@ -38,10 +41,12 @@ def _run(job: dict, rank: int, pipes: PipesContext | None) -> None:
     scratch = Path(job["scratch"])
     try:
         _train(job, rank, scratch, pipes)
-    except BaseException:
+    except BaseException as error:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun's stop must not cut the report short
         errors = scratch / "errors"
         errors.mkdir(parents=True, exist_ok=True)
-        _write_atomically(errors / f"rank-{rank}.txt", traceback.format_exc().encode())
+        kind = "stopped" if isinstance(error, Stopped) else "txt"  # stopped: ended because another rank failed
+        _write_atomically(errors / f"rank-{rank}.{kind}", traceback.format_exc().encode())
         if pipes is not None:
             pipes.log.error(f"rank {rank} failed:\n{traceback.format_exc()}")
         raise
@@ -92,6 +97,14 @@ def weights_digest(model) -> str:
         digest.update(name.encode())
         digest.update(param.detach().float().cpu().numpy().tobytes())
     return digest.hexdigest()
+
+
+class Stopped(SystemExit):
+    """torchrun's SIGTERM: it ends every rank once one of them fails."""
+
+
+def _stopped(signum: int, frame) -> None:
+    raise Stopped(f"stopped by torchrun (signal {signum}) after another rank failed")
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

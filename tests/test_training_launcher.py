@@ -10,7 +10,8 @@ import duckdb
 import pytest
 from dagster import DagsterInstance, ReexecutionOptions, execute_job, materialize, reconstructable
 
-from resources.launcher import TrainingLauncher, process_count
+from resources.launcher import TrainingLauncher, process_count, rank_errors
+from rlvr.rewards import register_reward
 from rlvr_assets import data, models, training
 from test_pipeline import resources_for, run_config
 
@@ -33,6 +34,15 @@ def two_process_config(gsm8k_dir, model_dir, steps=2):
 def rows(home: Path, sql: str) -> list[tuple]:
     with duckdb.connect(str(home / "rlvr.duckdb"), read_only=True) as conn:
         return conn.execute(sql).fetchall()
+
+
+def test_rank_errors_name_the_silent_the_failed_and_the_stopped(tmp_path):
+    (tmp_path / "rank-0.stopped").write_text("SystemExit: stopped by torchrun (signal 15)")
+    (tmp_path / "rank-2.txt").write_text("RuntimeError: gloo connection closed by peer")
+    report = rank_errors(tmp_path, 4)
+    assert report.splitlines()[0] == "rank(s) [1, 3] died without leaving an error (killed by a signal, or out of memory?)"
+    assert "--- rank 2 ---\nRuntimeError: gloo" in report and "--- rank 0" not in report
+    assert report.splitlines()[-1] == "rank(s) [0] stopped by torchrun after another rank failed"
 
 
 def test_two_processes_from_a_materialization(home, gsm8k_dir, tiny_llama_dir):
@@ -86,11 +96,19 @@ def kill_rank_when_step_written(scratch_root: Path, rank: int, step: int, stop: 
         time.sleep(0.05)
 
 
+@register_reward("test_paced_length", replace=True)
+def paced_length(completion: str, **_) -> float:
+    """A reward that takes 0.1 s: the tiny model's steps last long enough for the killer to land mid-run."""
+    time.sleep(0.1)
+    return min(1.0, len(completion) / 400)
+
+
 def test_a_killed_rank_fails_the_run_and_the_reexecution_resumes(home, gsm8k_dir, tiny_llama_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("RLVR_TEST_HOME", str(home))
     config = two_process_config(gsm8k_dir, tiny_llama_dir, steps=3)
+    config["ops"]["grpo_training"]["config"]["rewards"] = {"test_paced_length": 1.0}
     stop = threading.Event()
-    killer = threading.Thread(target=kill_rank_when_step_written, args=(home / "models" / ".work", 1, 2, stop), daemon=True)
+    killer = threading.Thread(target=kill_rank_when_step_written, args=(home / "models" / ".work", 1, 1, stop), daemon=True)
     (tmp_path / "dagster").mkdir()
     with DagsterInstance.local_temp(str(tmp_path / "dagster")) as instance:
         killer.start()
@@ -101,13 +119,13 @@ def test_a_killed_rank_fails_the_run_and_the_reexecution_resumes(home, gsm8k_dir
         assert "GRPO training failed" in failure.event_specific_data.error.message
         assert "rank(s) [1] died without leaving an error" in failure.event_specific_data.error.message  # SIGKILL
         done = rows(home, "SELECT DISTINCT step FROM rollouts ORDER BY 1")
-        assert [s for (s,) in done][:2] == [1, 2]  # the finished steps' rows were kept
+        assert [s for (s,) in done][:1] == [1]  # the finished step's rows were kept
 
         resumed = execute_job(
             reconstructable(launch_job), instance=instance, run_config=config, reexecution_options=ReexecutionOptions.from_failure(failed.run_id, instance)
         )
         assert resumed.success
         logs = [e.message for e in instance.all_logs(resumed.run_id) if e.message]
-    assert not any("step 1/3" in m for m in logs) and any("step 3/3" in m for m in logs)  # resumed past step 1
+    assert not any("step 1/3" in m for m in logs) and any("step 2/3" in m for m in logs) and any("step 3/3" in m for m in logs)  # resumed past step 1
     keys = rows(home, "SELECT step, group_index, sample_index, count(*) FROM rollouts GROUP BY ALL")
     assert len(keys) == 3 * 2 * 2 and all(k[3] == 1 for k in keys)  # every row once, resumed steps included
