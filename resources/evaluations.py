@@ -58,11 +58,12 @@ class Evaluator(ConfigurableResource):
     warehouse: Warehouse
     compute: ComputeResource
 
-    def evaluate(self, role: str, policy_version: str, path: Path, protocol: EvalProtocol, problems: list[dict], log=None) -> Evaluation:
+    def evaluate(self, role: str, policy_version: str, path: Path, protocol: EvalProtocol, problems: list[dict], log=None, reuse: bool = True) -> Evaluation:
         """``policy_version`` (checkpoint at ``path``) under ``protocol``: from ``eval_results`` when
-        stored, else computed now and stored with its ``role`` (base, trained, champion)."""
+        stored (unless ``reuse`` is off), else computed now and stored with its ``role`` (base,
+        trained, champion, or the policy's model store name), replacing the stored rows."""
         key = eval_id(policy_version, protocol, problems)
-        stored = self.warehouse.eval_results(key)
+        stored = self.warehouse.eval_results(key) if reuse else None
         if stored is not None and len(stored) == len(problems):
             if log:
                 log.info(f"{role}: reusing stored evaluation {key} of {policy_version}")

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import date, timedelta
 from typing import Iterator, Mapping
 
 import pandas as pd
 from dagster import Failure
 from dagster_duckdb import DuckDBResource
 
-from rlvr.traffic import TRAFFIC_COLUMNS, TrafficBatch, traffic_row
+from rlvr.traffic import TRAFFIC_COLUMNS, TrafficBatch, day_prefix, traffic_row
 
 SCHEMAS = {
     "serving_traffic": """CREATE TABLE IF NOT EXISTS serving_traffic (
@@ -169,19 +170,37 @@ class Warehouse(DuckDBResource):
         cursor = self.query('SELECT file, "offset" FROM serving_traffic_cursor')
         return {f: int(o) for f, o in zip(cursor["file"], cursor["offset"])}
 
-    def ingest_traffic(self, batch: TrafficBatch) -> int:
-        """Append a batch's records (new ``record_id`` only) and move the cursor, in one transaction; returns the rows read."""
+    def ingest_traffic(self, batch: TrafficBatch, replace: bool = False) -> int:
+        """Store a batch's records and move the cursor, in one transaction; returns the rows read. Rows
+        already stored (same ``record_id``) are kept, or replaced by the batch's with ``replace``."""
         frame = pd.DataFrame([traffic_row(r) for r in batch.records], columns=list(TRAFFIC_COLUMNS))
         frame["timestamp"] = pd.to_datetime(frame["timestamp"], utc=True, errors="coerce")
         cursor = pd.DataFrame({"file": list(batch.cursor), "offset": list(batch.cursor.values())})
-        self.write(Append("serving_traffic", frame, key="record_id"), Upsert("serving_traffic_cursor", cursor, key="file"))
+        rows = Upsert("serving_traffic", frame, key="record_id") if replace else Append("serving_traffic", frame, key="record_id")
+        self.write(rows, Upsert("serving_traffic_cursor", cursor, key="file"))
         return len(frame)
 
-    def recent_traffic(self, rows: int) -> pd.DataFrame:
-        """The most recent ``rows`` successful requests, newest first (none before the first ingestion)."""
+    def traffic_rows(self, day: str) -> int:
+        """Rows stored of ``day`` (``YYYY-MM-DD``: the UTC day their log lines were written)."""
         if not self.table_exists("serving_traffic"):
-            return pd.DataFrame(columns=list(TRAFFIC_COLUMNS))
-        return self.query('SELECT * FROM serving_traffic WHERE status = 200 ORDER BY "timestamp" DESC, record_id DESC LIMIT ?', [rows])
+            return 0
+        return int(self.query("SELECT count(*) AS n FROM serving_traffic WHERE starts_with(source_file, ?)", [day_prefix(day)])["n"].iloc[0])
+
+    def traffic_window(self, day: str, rows: int) -> tuple[pd.DataFrame, pd.DataFrame]:
+        """The last ``rows`` successful requests of ``day``, and the ``rows`` successful requests before
+        them (of that day or earlier ones), each newest first."""
+        if not self.table_exists("serving_traffic"):
+            empty = pd.DataFrame(columns=list(TRAFFIC_COLUMNS))
+            return empty, empty
+        order = 'ORDER BY "timestamp" DESC, record_id DESC LIMIT ?'
+        current = self.query(f"SELECT * FROM serving_traffic WHERE status = 200 AND starts_with(source_file, ?) {order}", [day_prefix(day), rows])
+        if current.empty:
+            return current, current
+        next_day = day_prefix((date.fromisoformat(day) + timedelta(days=1)).isoformat())
+        previous = self.query(
+            f'SELECT * FROM serving_traffic WHERE status = 200 AND source_file < ? AND "timestamp" < ? {order}', [next_day, current["timestamp"].min(), rows]
+        )
+        return current, previous
 
     def append_drift_history(self, frame: pd.DataFrame) -> pd.DataFrame:
         """Append a report's rows to ``drift_history``; returns the whole history, oldest first."""

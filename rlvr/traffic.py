@@ -1,48 +1,82 @@
 """Serving traffic logs: rotating JSONL files written by the service, read incrementally by ingestion.
 
 One JSON object per line. The writer appends each line with a single ``write`` on a file opened
-in append mode and starts a new file past ``max_bytes``. The reader resumes from a cursor (byte
-offset per file); a last line without its newline is still being written, so it is left for the
-next pass, and a malformed complete line is counted and reported, never fatal.
+in append mode and starts a new file past ``max_bytes`` and at every UTC midnight, so each file
+holds the lines of one UTC day, named in its file name (``traffic-YYYYMMDDT...``): the day a request
+belongs to is the day its line was written. The reader resumes from a cursor (byte offset per
+file), optionally over one day's files; a last line without its newline is still being written, so
+it is left for the next pass, and a malformed complete line is counted and reported, never fatal.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from datetime import date
 from pathlib import Path
+from typing import Callable
 
 FILE_PREFIX = "traffic-"
 FILE_SUFFIX = ".jsonl"
+_DAY = re.compile(rf"^{FILE_PREFIX}(\d{{4}})(\d{{2}})(\d{{2}})T")
+
+
+def file_day(name: str) -> str | None:
+    """The UTC day (``YYYY-MM-DD``) whose lines a log file holds, from its name; None for other names."""
+    match = _DAY.match(name)
+    if not match:
+        return None
+    try:
+        return date(*map(int, match.groups())).isoformat()
+    except ValueError:
+        return None
+
+
+def day_prefix(day: str) -> str:
+    """The name prefix of the log files of ``day`` (``YYYY-MM-DD``): names sort by day, so every file of an
+    earlier day sorts before it. A ValueError names a malformed day."""
+    try:
+        parsed = date.fromisoformat(day)
+    except (TypeError, ValueError):
+        raise ValueError(f"day must be an ISO date YYYY-MM-DD, got {day!r}") from None
+    return f"{FILE_PREFIX}{parsed:%Y%m%d}T"
 
 
 class TrafficLog:
-    """Append-only, size-rotated JSONL log in ``folder`` (thread-safe within a process)."""
+    """Append-only JSONL log in ``folder``, rotated by size and by UTC day (thread-safe within a process).
+    ``clock`` gives the time in nanoseconds (``time.time_ns``)."""
 
-    def __init__(self, folder: str | Path, max_bytes: int = 16 * 2**20):
+    def __init__(self, folder: str | Path, max_bytes: int = 16 * 2**20, clock: Callable[[], int] = time.time_ns):
         if max_bytes < 1024:
             raise ValueError(f"max_bytes must be at least 1024, got {max_bytes}")
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
+        self.clock = clock
         self._lock = threading.Lock()
         self._path: Path | None = None
 
     def append(self, record: dict) -> None:
         line = (json.dumps(record, ensure_ascii=False, default=str) + "\n").encode()
         with self._lock:
-            if self._path is None or not self._path.exists() or self._path.stat().st_size + len(line) > self.max_bytes:
-                self._path = self._new_path()  # first line, rotation, or the file was removed (retention)
+            now_ns = self.clock()
+            if (
+                self._path is None
+                or not self._path.exists()  # removed (retention)
+                or self._path.stat().st_size + len(line) > self.max_bytes
+                or not self._path.name.startswith(time.strftime(f"{FILE_PREFIX}%Y%m%dT", time.gmtime(now_ns / 1e9)))  # a new UTC day
+            ):
+                self._path = self._new_path(now_ns)
             with open(self._path, "ab") as f:
                 f.write(line)
 
-    def _new_path(self) -> Path:
-        now_ns = time.time_ns()  # names sort in creation order
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now_ns / 1e9)) + f".{now_ns % 10**9:09d}"
+    def _new_path(self, now_ns: int) -> Path:
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime(now_ns / 1e9)) + f".{now_ns % 10**9:09d}"  # names sort in creation order
         path = self.folder / f"{FILE_PREFIX}{stamp}-{os.getpid()}-{uuid.uuid4().hex[:8]}{FILE_SUFFIX}"
         path.touch()
         return path
@@ -57,16 +91,17 @@ class TrafficBatch:
     cursor: dict[str, int] = field(default_factory=dict)  # file name -> byte offset already consumed
 
 
-def read_traffic(folder: str | Path, cursor: dict[str, int] | None = None) -> TrafficBatch:
-    """Read every complete line appended to the log files in ``folder`` since ``cursor``.
-
-    Each record gets ``_file`` and ``_offset`` (its byte offset), which identify it uniquely.
+def read_traffic(folder: str | Path, cursor: dict[str, int] | None = None, day: str | None = None) -> TrafficBatch:
+    """Read every complete line appended to the log files in ``folder`` (those of ``day`` only, when
+    given) since ``cursor``. Each record gets ``_file`` and ``_offset`` (its byte offset), which
+    identify it uniquely.
     """
     folder = Path(folder)
     batch = TrafficBatch(cursor=dict(cursor or {}))
+    prefix = day_prefix(day) if day is not None else FILE_PREFIX
     if not folder.is_dir():
         return batch
-    for path in sorted(folder.glob(f"{FILE_PREFIX}*{FILE_SUFFIX}")):
+    for path in sorted(folder.glob(f"{prefix}*{FILE_SUFFIX}")):
         start = batch.cursor.get(path.name, 0)
         with open(path, "rb") as f:
             f.seek(start)

@@ -1,4 +1,5 @@
-"""Group ``evaluation``: the base policy's baseline and the trained policy's report.
+"""Group ``evaluation``: the base policy's baseline, the trained policy's report, and every stored
+policy's own evaluation (``policy_evaluation``, one dynamic partition per policy version).
 
 Per-problem results land in the DuckDB table ``eval_results`` keyed by ``eval_id`` (policy version
 x protocol x problem set; ``resources.Evaluator``), so an evaluation that already ran is reused,
@@ -9,13 +10,15 @@ keeps the protocol it ran under, which the promotion gate reads.
 import json
 
 import pandas as pd
-from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, asset
+from dagster import AssetExecutionContext, AutomationCondition, Failure, MaterializeResult, MetadataValue, asset
+from pydantic import Field
 
 from resources import EvalProtocol, Evaluator, MLflowResource, ModelStore, Warehouse
 from resources.tracking import EVAL_PROTOCOL_TAG, POLICY_VERSION_TAG
 from rlvr import gsm8k
 from rlvr.evaluation.report import TRAINING_CURVES, evaluation_report, headline
 from rlvr.evaluation.runner import summarize
+from rlvr_assets.partitions import parse_policy_key, policy_versions
 
 
 @asset(group_name="evaluation", kinds={"duckdb", "pytorch"}, owners=["team:rlvr-eval"], deps=["gsm8k_problems", "base_policy"])
@@ -89,5 +92,51 @@ def eval_report(
             **headline(report.trained),
             "delta_pass@1_strict": report.paired["delta"],
             "mcnemar_p_value": report.paired["mcnemar_p_value"],
+        }
+    )
+
+
+class PolicyEvaluationConfig(EvalProtocol):
+    recompute: bool = Field(default=False, description="evaluate again even when eval_results holds this evaluation (e.g. after a grading fix)")
+
+
+@asset(
+    group_name="evaluation",
+    kinds={"duckdb", "mlflow"},
+    owners=["team:rlvr-eval"],
+    deps=["gsm8k_problems"],
+    partitions_def=policy_versions,
+    automation_condition=AutomationCondition.on_missing(),
+)
+def policy_evaluation(
+    context: AssetExecutionContext, config: PolicyEvaluationConfig, duckdb: Warehouse, model_store: ModelStore, evaluator: Evaluator, mlflow: MLflowResource
+) -> MaterializeResult:
+    """One stored policy (base, SFT, each GRPO checkpoint, so each champion) under the protocol, as
+    its own partition ``<model store name>/<version>``: added when the policy is stored and
+    materialized by the automation daemon when missing; a backfill (``recompute``) re-evaluates any.
+    Rows in ``eval_results``; metrics and per-problem results in an MLflow run of the policy."""
+    try:
+        name, version = parse_policy_key(context.partition_key)
+    except ValueError as err:
+        raise Failure(description=f"policy_evaluation: {err}") from None
+    stored = model_store.require(name, version)
+    problems = duckdb.problems(config.split, config.limit)
+    protocol = EvalProtocol(**config.model_dump(exclude={"recompute"}))
+    evaluation = evaluator.evaluate(name, version, stored.path, protocol, problems, context.log, reuse=not config.recompute)
+    metrics = summarize(evaluation.results, protocol.to_core())
+    tags = {"rlvr.kind": "policy_evaluation", POLICY_VERSION_TAG: version, "rlvr.policy": name, "dagster.run_id": context.run.run_id}
+    with mlflow.start_run(f"policy-eval-{name}-{version}", tags) as run:
+        run.log_params({f"eval.{k}": v for k, v in protocol.model_dump().items()})
+        run.log_metrics(headline(metrics))
+        run.log_files({"eval_results.csv": pd.DataFrame(evaluation.results).to_csv(index=False)}, artifact_path="evaluation")
+    return MaterializeResult(
+        metadata={
+            "eval_id": evaluation.eval_id,
+            "policy": name,
+            "policy_version": version,
+            "reused": evaluation.reused,
+            "protocol": MetadataValue.json(protocol.model_dump()),
+            "mlflow_run_id": run.run_id,
+            **headline(metrics),
         }
     )

@@ -4,8 +4,9 @@ from dagster import AssetSelection, define_asset_job
 
 DUCKDB_WRITER = {"rlvr/duckdb": "writer"}  # deploy/ limits runs with this tag to one at a time (single-writer DuckDB)
 
-# sft_policy (the cold start) runs on request, or in a run that sets grpo_training's init_from to 'sft'
-TRAINING_PATH = AssetSelection.groups("data", "models", "training", "evaluation", "serving") - AssetSelection.assets("sft_policy")
+# sft_policy (the cold start) runs on request, or in a run that sets grpo_training's init_from to 'sft';
+# policy_evaluation (one partition per stored policy) runs by declarative automation or a backfill
+TRAINING_PATH = AssetSelection.groups("data", "models", "training", "evaluation", "serving") - AssetSelection.assets("sft_policy", "policy_evaluation")
 RETRAINING = AssetSelection.assets("rollouts", "rewards", "grpo_checkpoint", "eval_report", "champion_policy", "bento")
 
 pipeline_job = define_asset_job(

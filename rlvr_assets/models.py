@@ -9,6 +9,7 @@ from pydantic import Field
 
 from resources import ModelStore
 from rlvr import policy
+from rlvr_assets.partitions import add_policy_version
 
 SAVE_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -56,6 +57,7 @@ def base_policy(context: AssetExecutionContext, config: BasePolicyConfig, model_
         )
     else:
         model_store.set_latest("base_policy", version)
+    add_policy_version(context.instance, "base_policy", version)
     manifest = stored.manifest
     return MaterializeResult(
         metadata={

@@ -1,4 +1,8 @@
-"""Group ``monitoring``: serving traffic in DuckDB, and drift of recent traffic from the training reference."""
+"""Group ``monitoring``: serving traffic in DuckDB, and drift of each day's traffic from the training reference.
+
+Both are partitioned by UTC day (``partitions.traffic_days``): a run of a day ingests that day's
+log files and reports that day's drift; the traffic sensor requests the days whose logs grew, and a
+backfill re-ingests or re-reports any day."""
 
 from datetime import datetime, timezone
 
@@ -12,25 +16,29 @@ from rlvr.drift import DriftThresholds, history_curves, traffic_drift
 from rlvr.embeddings import embed_texts
 from rlvr.traffic import read_traffic
 from rlvr_assets.freshness import DAILY
+from rlvr_assets.partitions import traffic_days
 
 
 class TrafficConfig(Config):
     folder: str = Field(default_factory=lambda: str(Settings.from_env().traffic_dir), description="the service's traffic log folder ($RLVR_TRAFFIC_DIR)")
+    reread: bool = Field(default=False, description="read the day's files from their first byte again, replacing the rows already stored")
 
 
-@asset(group_name="monitoring", kinds={"duckdb"}, owners=["team:rlvr-serving"], deps=["bento"], freshness_policy=DAILY)
+@asset(group_name="monitoring", kinds={"duckdb"}, owners=["team:rlvr-serving"], deps=["bento"], freshness_policy=DAILY, partitions_def=traffic_days)
 def serving_traffic(context: AssetExecutionContext, config: TrafficConfig, duckdb: Warehouse) -> MaterializeResult:
-    """The Bento's JSONL traffic logs, ingested incrementally: each file is read from a per-file
-    byte cursor stored with the rows in one transaction, so re-runs never duplicate rows; a
-    partly written last line waits for the next pass; malformed lines are counted and reported."""
-    batch = read_traffic(config.folder, duckdb.traffic_cursor())
-    new_rows = duckdb.ingest_traffic(batch)
+    """The Bento's JSONL traffic logs of one UTC day, ingested incrementally: each file is read from
+    a per-file byte cursor stored with the rows in one transaction, so re-runs never duplicate rows
+    (``reread`` starts from the first byte and replaces them); a partly written last line waits for
+    the next pass; malformed lines are counted and reported."""
+    day = context.partition_key
+    batch = read_traffic(config.folder, {} if config.reread else duckdb.traffic_cursor(), day=day)
+    new_rows = duckdb.ingest_traffic(batch, replace=config.reread)
     if batch.malformed:
         context.log.warning(f"{len(batch.malformed)} malformed traffic lines skipped, e.g. {batch.malformed[:3]}")
     return MaterializeResult(
         metadata={
             "new_rows": new_rows,
-            "dagster/row_count": duckdb.row_count("serving_traffic"),
+            "dagster/row_count": duckdb.traffic_rows(day),
             "malformed_lines": len(batch.malformed),
             "malformed_examples": MetadataValue.json(batch.malformed[:20]),
             "files": len(batch.cursor),
@@ -42,21 +50,27 @@ def serving_traffic(context: AssetExecutionContext, config: TrafficConfig, duckd
 class DriftConfig(config_from(DriftThresholds)):
     """The window compared with the reference, and the thresholds that flag drift."""
 
-    window: int = Field(default=200, description="the most recent N successful requests")
+    window: int = Field(default=200, description="the day's most recent N successful requests (its drift window)")
     min_requests: int = Field(default=20, description="below this, no drift verdict is given")
     reference_size: int = Field(default=1000, description="train questions sampled as the input reference")
     use_embeddings: bool = Field(default=True, description="also measure embedding drift (all-MiniLM-L6-v2)")
 
 
-@asset(group_name="monitoring", kinds={"duckdb"}, owners=["team:rlvr-serving"], deps=["serving_traffic", "gsm8k_problems"], freshness_policy=DAILY)
+@asset(
+    group_name="monitoring",
+    kinds={"duckdb"},
+    owners=["team:rlvr-serving"],
+    deps=["serving_traffic", "gsm8k_problems"],
+    freshness_policy=DAILY,
+    partitions_def=traffic_days,
+)
 def drift_report(context: AssetExecutionContext, config: DriftConfig, duckdb: Warehouse) -> MaterializeResult:
-    """Drift of the recent traffic window from the training reference. Inputs: PSI and KS of prompt
+    """Drift of the day's last ``window`` requests from the training reference. Inputs: PSI and KS of prompt
     features against train questions, and embedding distance (MMD, mean cosine). Outputs against
     the served policy's last evaluation: format compliance, completion length, verified reward
     (traffic with ground truth); vote share against the previous window. ``drifted`` in the
     metadata drives the drift sensor; every run appends to ``drift_history``."""
-    window = duckdb.recent_traffic(config.window * 2)
-    current, previous = window.head(config.window), window.iloc[config.window :]
+    current, previous = duckdb.traffic_window(context.partition_key, config.window)
     if len(current) < config.min_requests:
         return MaterializeResult(
             metadata={"drifted": False, "requests": len(current), "status": f"insufficient traffic: {len(current)} < {config.min_requests} requests"}

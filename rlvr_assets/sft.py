@@ -12,6 +12,7 @@ from resources import ComputeResource, MLflowResource, ModelStore, Warehouse, co
 from resources.tracking import POLICY_VERSION_TAG, flat_params
 from rlvr.sft import PROFILES, SFTConfig, build_sft_config, train_sft
 from rlvr.training_run import problems_hash
+from rlvr_assets.partitions import add_policy_version
 
 SFTOverrides = config_from(SFTConfig, overrides=True)
 
@@ -65,6 +66,7 @@ def sft_policy(
         run.log_artifacts(stored.path, "checkpoint")
         run.set_tags({POLICY_VERSION_TAG: stored.version})
     model_store.remove_work_dir(work_dir)
+    add_policy_version(context.instance, "sft_policy", stored.version)
     losses = [m["loss"] for m in trained.history]
     return MaterializeResult(
         metadata={

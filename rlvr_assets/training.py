@@ -18,6 +18,7 @@ from rlvr.grpo import GRPOConfig
 from rlvr.grpo.profiles import PROFILES, build_config
 from rlvr.rewards import DEFAULT_GSM8K_REWARD, CompositeReward
 from rlvr.training_run import problems_hash, sample_completions
+from rlvr_assets.partitions import add_policy_version
 
 GPU_TAGS = {  # each training run asks the Kubernetes run launcher for a GPU (deploy/k8s)
     "dagster-k8s/config": json.dumps(
@@ -140,6 +141,7 @@ def grpo_training(
         run.log_table(sample_completions(rollouts, rewards, config.sample_completions), "sample_completions.json")
         run.set_tags({POLICY_VERSION_TAG: stored.version})
     model_store.remove_work_dir(work_dir)
+    add_policy_version(context.instance, "grpo_checkpoint", stored.version)
 
     yield from materializations(duckdb, run_id, config.rewards, stored, base, grpo_config, nproc, run.run_id, history)
 

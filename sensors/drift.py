@@ -16,11 +16,16 @@ DRIFT_REPORT = AssetKey("drift_report")
 def drift_sensor(context: SensorEvaluationContext):
     """Walks new ``drift_report`` materializations in order. A drifted report opens an episode (and
     requests one run, keyed by the episode); further drifted reports belong to it; a clean report
-    closes it. The cursor holds the last storage id read and the open episode."""
+    closes it. Reports of a day older than the newest day seen (a backfill) are history, not a
+    reason to retrain. The cursor holds the last storage id read, the newest day and the open episode."""
     state = json.loads(context.cursor) if context.cursor else {"after_cursor": None, "episode": None}
     records = context.instance.fetch_materializations(DRIFT_REPORT, limit=100, cursor=state.get("after_cursor"), ascending=True)
     requests = []
     for record in records.records:
+        day = record.asset_materialization.partition if record.asset_materialization else None
+        if day is not None and day < state.get("day", ""):
+            continue
+        state["day"] = day or state.get("day", "")
         metadata = record.asset_materialization.metadata if record.asset_materialization else {}
         drifted = bool(metadata["drifted"].value) if "drifted" in metadata else False
         if drifted and state["episode"] is None:

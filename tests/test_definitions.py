@@ -39,6 +39,10 @@ def test_jobs_sensors_and_schedules():
     assert retraining == {"rollouts", "rewards", "grpo_checkpoint", "eval_report", "champion_policy", "bento"}
     sensors = {s.name: s for s in defs.sensors}
     assert sensors["drift_sensor"].job_name == "retraining" and sensors["traffic_sensor"].job_name == "monitoring"
+    automation = sensors["evaluation_automation"]  # declarative automation, one DuckDB writer at a time like the jobs
+    assert automation.asset_selection.resolve(defs.resolve_asset_graph()) == {AssetKey("policy_evaluation")}
+    assert automation.run_tags["rlvr/duckdb"] == "writer"
+    assert jobs["monitoring"].partitions_def is not None and jobs["rlvr_pipeline"].partitions_def is None
     assert all(s.default_status == DefaultSensorStatus.RUNNING for s in sensors.values())
     assert {s.name: s.default_status for s in defs.schedules} == {
         "weekly_retraining": DefaultScheduleStatus.STOPPED,

@@ -3,10 +3,11 @@ the sensors driven through Dagster's sensor testing API."""
 
 import json
 import random
+from datetime import datetime, timezone
 
 import duckdb
 import pytest
-from dagster import DagsterInstance, RunRequest, SkipReason, build_sensor_context, materialize
+from dagster import DagsterInstance, RunRequest, SensorResult, SkipReason, build_sensor_context, materialize
 
 from resources import Warehouse
 from rlvr.traffic import TrafficLog
@@ -23,10 +24,18 @@ OFF_TOPIC = [
 ]
 
 
-def traffic_record(prompt, well_formed=True, vote_share=0.75, model_version="v1"):
+DAY = "2026-11-22"
+
+
+def at(day: str, hour: int = 10) -> int:
+    """A clock for TrafficLog fixed at ``hour`` o'clock UTC of ``day``, in ns."""
+    return int(datetime.fromisoformat(day).replace(hour=hour, tzinfo=timezone.utc).timestamp()) * 10**9
+
+
+def traffic_record(prompt, well_formed=True, vote_share=0.75, model_version="v1", day=DAY):
     completion = "Step one.\n#### 12" if well_formed else "I think the answer is twelve."
     return {
-        "timestamp": "2026-11-22T10:00:00.000+00:00",
+        "timestamp": f"{day}T10:00:{random.random() * 59:06.3f}+00:00",
         "request_id": f"r{random.random()}",
         "endpoint": "/solve",
         "model_version": model_version,
@@ -42,10 +51,10 @@ def traffic_record(prompt, well_formed=True, vote_share=0.75, model_version="v1"
     }
 
 
-def write_traffic(folder, prompts, **kwargs):
-    log = TrafficLog(folder)
+def write_traffic(folder, prompts, day=DAY, **kwargs):
+    log = TrafficLog(folder, clock=lambda: at(day))
     for prompt in prompts:
-        log.append(traffic_record(prompt, **kwargs))
+        log.append(traffic_record(prompt, day=day, **kwargs))
 
 
 @pytest.fixture
@@ -69,7 +78,7 @@ def env(tmp_path, gsm8k_dir, monkeypatch):
         }
 
 
-def ingest_and_report(env, **drift_config):
+def ingest_and_report(env, day=DAY, **drift_config):
     config = {
         "ops": {
             "serving_traffic": {"config": {"folder": str(env["traffic"])}},
@@ -77,7 +86,12 @@ def ingest_and_report(env, **drift_config):
         }
     }
     result = materialize(
-        [monitoring.serving_traffic, monitoring.drift_report], resources=env["resources"], run_config=config, instance=env["instance"], selection=None
+        [monitoring.serving_traffic, monitoring.drift_report],
+        resources=env["resources"],
+        run_config=config,
+        instance=env["instance"],
+        selection=None,
+        partition_key=day,
     )
     assert result.success
     return {k: v.value for k, v in result.asset_materializations_for_node("drift_report")[0].metadata.items()}
@@ -96,17 +110,17 @@ def test_ingestion_is_incremental_and_survives_malformed_lines(env):
         f.write(json.dumps(traffic_record(env["questions"][30])) + "\n")
         f.write('{"prompt": "half a li')  # the service is mid-write
     config = {"ops": {"serving_traffic": {"config": {"folder": str(env["traffic"])}}}}
-    first = materialize([monitoring.serving_traffic], resources=env["resources"], run_config=config, instance=env["instance"])
+    first = materialize([monitoring.serving_traffic], resources=env["resources"], run_config=config, instance=env["instance"], partition_key=DAY)
     meta = first.asset_materializations_for_node("serving_traffic")[0].metadata
     assert meta["new_rows"].value == 31 and meta["malformed_lines"].value == 1
     assert count_rows(env) == 31
     with duckdb.connect(str(env["resources"]["duckdb"].database), read_only=True) as conn:  # the answering policy of each row
         assert conn.execute("SELECT DISTINCT model_version FROM serving_traffic").fetchall() == [("v1",)]
-    materialize([monitoring.serving_traffic], resources=env["resources"], run_config=config, instance=env["instance"])
+    materialize([monitoring.serving_traffic], resources=env["resources"], run_config=config, instance=env["instance"], partition_key=DAY)
     assert count_rows(env) == 31  # re-run: no duplicates
     with open(log_file, "a") as f:
         f.write('ne", "status": 200}\n')
-    materialize([monitoring.serving_traffic], resources=env["resources"], run_config=config, instance=env["instance"])
+    materialize([monitoring.serving_traffic], resources=env["resources"], run_config=config, instance=env["instance"], partition_key=DAY)
     assert count_rows(env) == 32  # the completed line, once
 
 
@@ -136,10 +150,49 @@ def test_drifted_traffic_requests_exactly_one_run_per_episode(env):
     assert isinstance(drift_sensor(again), SkipReason)
 
 
-def test_traffic_sensor_fires_only_when_the_folder_grows(env, monkeypatch):
+def sensor_requests(result):
+    return result.run_requests if isinstance(result, SensorResult) else []
+
+
+def test_traffic_sensor_requests_the_days_whose_logs_grew(env, monkeypatch):
     context = build_sensor_context(instance=env["instance"])
     assert isinstance(traffic_sensor(context), SkipReason)
     write_traffic(env["traffic"], env["questions"][:3])
-    request = traffic_sensor(context)
-    assert isinstance(request, RunRequest) and request.job_name in (None, "monitoring")
-    assert isinstance(traffic_sensor(build_sensor_context(instance=env["instance"], cursor=context.cursor)), SkipReason)
+    write_traffic(env["traffic"], env["questions"][3:5], day="2026-11-23")
+    write_traffic(env["traffic"], env["questions"][5:6], day="2025-06-01")  # before the first partition
+    requests = sensor_requests(traffic_sensor(context))
+    assert [r.partition_key for r in requests] == [DAY, "2026-11-23"] and all(r.job_name in (None, "monitoring") for r in requests)
+    context = build_sensor_context(instance=env["instance"], cursor=traffic_sensor(context).cursor)
+    assert sensor_requests(traffic_sensor(context)) == []  # nothing grew since
+    write_traffic(env["traffic"], env["questions"][6:7], day="2026-11-23")
+    again = sensor_requests(traffic_sensor(context))
+    assert [r.partition_key for r in again] == ["2026-11-23"] and again[0].run_key not in {r.run_key for r in requests}
+
+
+def test_each_day_is_its_own_partition_and_a_backfill_rebuilds_one(env):
+    write_traffic(env["traffic"], env["questions"][:120])
+    prompts = [f"{OFF_TOPIC[i % len(OFF_TOPIC)]} (request {i})" for i in range(120)]
+    write_traffic(env["traffic"], prompts, day="2026-11-23", well_formed=False)
+    drifted = ingest_and_report(env, day="2026-11-23")
+    assert drifted["drifted"] is True and drifted["requests"] == 120
+    assert count_rows(env) == 120  # only that day's files were read
+    clean = ingest_and_report(env, day=DAY)
+    assert clean["drifted"] is False and clean["requests"] == 120 and count_rows(env) == 240
+    with duckdb.connect(str(env["db"])) as conn:  # a day's rows damaged: a backfill with reread restores them
+        conn.execute("UPDATE serving_traffic SET well_formed = NULL WHERE starts_with(source_file, 'traffic-20261122T')")
+    config = {"ops": {"serving_traffic": {"config": {"folder": str(env["traffic"]), "reread": True}}}}
+    rebuilt = materialize([monitoring.serving_traffic], resources=env["resources"], run_config=config, instance=env["instance"], partition_key=DAY)
+    assert rebuilt.asset_materializations_for_node("serving_traffic")[0].metadata["new_rows"].value == 120
+    with duckdb.connect(str(env["db"]), read_only=True) as conn:
+        assert conn.execute("SELECT count(*), count(well_formed) FROM serving_traffic").fetchone() == (240, 240)
+
+
+def test_a_backfilled_past_day_does_not_start_a_retraining(env):
+    prompts = [f"{OFF_TOPIC[i % len(OFF_TOPIC)]} (request {i})" for i in range(120)]
+    write_traffic(env["traffic"], env["questions"][:120], day="2026-11-23")
+    assert ingest_and_report(env, day="2026-11-23")["drifted"] is False
+    context = build_sensor_context(instance=env["instance"])
+    assert isinstance(drift_sensor(context), SkipReason)
+    write_traffic(env["traffic"], prompts, well_formed=False)  # an older day, drifted, backfilled afterwards
+    assert ingest_and_report(env, day=DAY)["drifted"] is True
+    assert isinstance(drift_sensor(build_sensor_context(instance=env["instance"], cursor=context.cursor)), SkipReason)

@@ -3,7 +3,7 @@ import threading
 
 import pytest
 
-from rlvr.traffic import TRAFFIC_COLUMNS, TrafficLog, read_traffic, traffic_row
+from rlvr.traffic import TRAFFIC_COLUMNS, TrafficLog, day_prefix, file_day, read_traffic, traffic_row
 
 
 def test_append_rotate_and_read_incrementally(tmp_path):
@@ -17,6 +17,24 @@ def test_append_rotate_and_read_incrementally(tmp_path):
     assert read_traffic(tmp_path, first.cursor).records == []  # nothing new: nothing read twice
     log.append({"i": 40})
     assert [r["i"] for r in read_traffic(tmp_path, first.cursor).records] == [40]
+
+
+def test_files_rotate_at_utc_midnight_and_a_day_is_read_alone(tmp_path):
+    midnight = 1795392000 * 10**9  # 2026-11-23T00:00:00Z
+    now = [midnight - 10**9]
+    log = TrafficLog(tmp_path, clock=lambda: now[0])
+    log.append({"i": 0})
+    log.append({"i": 1})
+    now[0] = midnight  # the first line of the new day starts a new file
+    log.append({"i": 2})
+    days = sorted(file_day(f.name) for f in tmp_path.glob("traffic-*.jsonl"))
+    assert days == ["2026-11-22", "2026-11-23"]
+    assert [r["i"] for r in read_traffic(tmp_path, day="2026-11-22").records] == [0, 1]
+    assert [r["i"] for r in read_traffic(tmp_path, day="2026-11-23").records] == [2]
+    assert read_traffic(tmp_path, day="2026-11-24").records == []
+    assert file_day("traffic-20261399T000000.1.jsonl") is None and file_day("other.jsonl") is None
+    with pytest.raises(ValueError, match="YYYY-MM-DD"):
+        day_prefix("23/11/2026")
 
 
 def test_partial_last_line_waits_for_the_next_pass(tmp_path):

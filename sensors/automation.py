@@ -1,0 +1,15 @@
+"""Declarative automation: the sensor that evaluates the assets' automation conditions (today,
+``policy_evaluation``'s "evaluate a stored policy while its evaluation is missing")."""
+
+from dagster import AssetSelection, AutomationConditionSensorDefinition, DefaultSensorStatus
+
+from rlvr_assets.jobs import DUCKDB_WRITER
+
+evaluation_automation = AutomationConditionSensorDefinition(
+    "evaluation_automation",
+    target=AssetSelection.assets("policy_evaluation"),
+    run_tags=DUCKDB_WRITER,  # its runs write eval_results: one DuckDB writer at a time, like every job
+    default_status=DefaultSensorStatus.RUNNING,
+    minimum_interval_seconds=60,
+    description="Evaluates each newly stored policy (a new policy_versions partition) once.",
+)

@@ -1,0 +1,70 @@
+"""policy_evaluation: one dynamic partition per stored policy, added when it is stored, requested by
+declarative automation while missing, evaluated into a real DuckDB file and MLflow store, and
+re-evaluated on request."""
+
+import duckdb
+import pytest
+from dagster import DagsterInstance, Definitions, evaluate_automation_conditions, materialize
+
+from rlvr_assets import data, evaluation, models
+from rlvr_assets.partitions import parse_policy_key, policy_key, policy_versions
+from test_pipeline import PROTOCOL, resources_for, run_config
+
+
+def evaluate(instance, res, key, **config):
+    return materialize(
+        [data.gsm8k_problems, models.base_policy, evaluation.policy_evaluation],
+        resources=res,
+        run_config={"ops": {"policy_evaluation": {"config": {**PROTOCOL, **config}}}},
+        instance=instance,
+        partition_key=key,
+        selection=[evaluation.policy_evaluation],
+        raise_on_error=False,
+    )
+
+
+def test_a_stored_policy_gets_its_partition_and_its_own_evaluation(home, gsm8k_dir, tiny_llama_dir):
+    res = resources_for(home)
+    with DagsterInstance.ephemeral() as instance:
+        defs = Definitions(assets=[data.gsm8k_problems, models.base_policy, evaluation.policy_evaluation], resources=res)
+        first_tick = evaluate_automation_conditions(defs=defs, instance=instance)  # the daemon's tick before any policy
+        ops = {k: v for k, v in run_config(gsm8k_dir, tiny_llama_dir)["ops"].items() if k in ("gsm8k_problems", "base_policy")}
+        assert materialize([data.gsm8k_problems, models.base_policy], resources=res, run_config={"ops": ops}, instance=instance).success
+        key = policy_key("base_policy", res["model_store"].latest("base_policy").version)
+        assert instance.get_dynamic_partitions(policy_versions.name) == [key]
+
+        # declarative automation: the missing partition of the new policy is requested, and only it
+        automation = evaluate_automation_conditions(defs=defs, instance=instance, cursor=first_tick.cursor)
+        requested = automation.get_requested_partitions(evaluation.policy_evaluation.key)
+        assert requested == {key}
+
+        first = evaluate(instance, res, key)
+        assert first.success
+        meta = first.asset_materializations_for_node("policy_evaluation")[0].metadata
+        assert meta["policy"].value == "base_policy" and meta["reused"].value is False and "pass@1_strict" in meta
+        with duckdb.connect(str(home / "rlvr.duckdb"), read_only=True) as conn:
+            assert conn.execute("SELECT policy_role, count(*) FROM eval_results GROUP BY 1").fetchall() == [("base_policy", PROTOCOL["limit"])]
+        run = res["mlflow"].client().get_run(meta["mlflow_run_id"].value)
+        assert run.data.tags["rlvr.kind"] == "policy_evaluation" and "pass_at_1_strict" in run.data.metrics
+
+        again = evaluate(instance, res, key)
+        assert again.asset_materializations_for_node("policy_evaluation")[0].metadata["reused"].value is True
+        recomputed = evaluate(instance, res, key, recompute=True)
+        assert recomputed.asset_materializations_for_node("policy_evaluation")[0].metadata["reused"].value is False
+        with duckdb.connect(str(home / "rlvr.duckdb"), read_only=True) as conn:  # replaced, not appended
+            assert conn.execute("SELECT count(*) FROM eval_results").fetchone()[0] == PROTOCOL["limit"]
+        after = evaluate_automation_conditions(defs=defs, instance=instance, cursor=automation.cursor)
+        assert after.get_requested_partitions(evaluation.policy_evaluation.key) == set()  # evaluated: no longer missing
+
+
+def test_a_malformed_or_unknown_policy_partition_fails_clearly(home, gsm8k_dir, tiny_llama_dir):
+    with pytest.raises(ValueError, match="is not '<base_policy|sft_policy|grpo_checkpoint>/<version>'"):
+        parse_policy_key("checkpoint-7")
+    assert parse_policy_key(policy_key("grpo_checkpoint", "abc")) == ("grpo_checkpoint", "abc")
+    res = resources_for(home)
+    with DagsterInstance.ephemeral() as instance:
+        instance.add_dynamic_partitions(policy_versions.name, ["grpo_checkpoint/0123456789abcdef"])
+        result = evaluate(instance, res, "grpo_checkpoint/0123456789abcdef")
+        assert not result.success
+        failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
+        assert "grpo_checkpoint 0123456789abcdef is not in the model store" in failure.event_specific_data.error.message
