@@ -11,7 +11,14 @@ for experiment in "${@:-gsm8k products}"; do
   export RLVR_GSM8K_DIR="${RLVR_GSM8K_DIR:-$(cd .. && pwd)/shared/data/gsm8k}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
   make --no-print-directory "$DAGSTER_HOME/dagster.yaml" DAGSTER_HOME="$DAGSTER_HOME" >/dev/null
   started=$(date +%s)
+  if [ -f "bench/results/$experiment.sft.yaml" ]; then  # an SFT cold start first (GRPO then starts from it)
+    .venv/bin/dagster asset materialize -m rlvr_assets.definitions --select gsm8k_problems,base_policy,sft_policy -c "bench/results/$experiment.sft.yaml"
+  fi
   .venv/bin/dagster job execute -m rlvr_assets.definitions -j rlvr_pipeline -c "bench/results/$experiment.yaml"
+  if [ -f "bench/results/$experiment.eval.yaml" ]; then  # the SFT policy on the same problems, as its own partition
+    .venv/bin/dagster asset materialize -m rlvr_assets.definitions --select policy_evaluation \
+      --partition "sft_policy/$(cat "$RLVR_HOME/models/sft_policy/LATEST")" -c "bench/results/$experiment.eval.yaml"
+  fi
   echo "pipeline wall time: $(( $(date +%s) - started )) s"
   .venv/bin/python bench/results_table.py
 done

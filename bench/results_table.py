@@ -1,7 +1,9 @@
 """Print the result tables of docs/results.md from a finished pipeline run ($RLVR_HOME).
 
 Recomputes every number from the per-problem rows in DuckDB (``eval_results``) with the same core
-functions the ``eval_report`` asset uses, and reads the training run's budget from MLflow.
+functions the ``eval_report`` asset uses, and reads the training run's budget from MLflow. When
+the run started from an SFT policy whose ``policy_evaluation`` used the same protocol, the table
+has three columns (base, SFT, SFT+GRPO) and the paired tests compare each stage with the one before.
 """
 
 from collections import Counter
@@ -9,7 +11,7 @@ from collections import Counter
 import duckdb
 from dagster import AssetKey, DagsterInstance
 
-from resources import MLflowResource, Settings
+from resources import MLflowResource, ModelStore, Settings
 from rlvr.evaluation.runner import EvalConfig, compare, summarize
 
 
@@ -22,13 +24,14 @@ def main() -> None:
             return conn.execute("SELECT * FROM eval_results WHERE eval_id = ? ORDER BY problem_id", [eval_id]).df().to_dict("records")
 
         base, trained = rows(meta["base_eval_id"].value), rows(meta["trained_eval_id"].value)
+        sft = sft_rows(conn, trained, settings)
         source = conn.execute("SELECT any_value(source), count(*) FILTER (split = 'train') FROM gsm8k_problems").fetchone()
         curve = conn.execute(  # the training run's mean reward per reward function, per block of 10 steps
             "SELECT reward_name, list(round(value, 3) ORDER BY block) FROM (SELECT reward_name, (step - 1) // 10 AS block, "
             "avg(value) AS value FROM rewards WHERE run_id = (SELECT max_by(run_id, step) FROM rollouts) GROUP BY ALL) GROUP BY 1"
         ).fetchall()
     config = EvalConfig(**{k: v for k, v in meta["protocol"].value.items() if k in ("max_new_tokens", "seed", "num_samples", "ks")})
-    b, t, paired = summarize(base, config), summarize(trained, config), compare(base, trained)
+    stages = [("base", base)] + ([("SFT", sft)] if sft else []) + [("SFT+GRPO" if sft else "trained", trained)]
     client = MLflowResource(tracking_uri=settings.mlflow_tracking_uri).client()
     experiments = [e.experiment_id for e in client.search_experiments()]
     run = client.search_runs(experiments, "tags.`rlvr.kind` = 'training'", order_by=["attributes.start_time DESC"])[0]
@@ -41,33 +44,47 @@ def main() -> None:
         f"{ {k.removeprefix('rewards.'): float(v) for k, v in params.items() if k.startswith('rewards.')} }: "
         f"{sum(m.value for m in steps) / 60:.1f} min of steps"
     )
-    print(f"\nevaluation on {paired['shared_problems']} held-out problems, greedy, max {config.max_new_tokens} new tokens\n")
-    print("| metric | base | trained |\n|---|---|---|")
-    for name in ("pass@1_strict", "pass@1_flexible"):
-        print(
-            f"| {name} (95% CI) | {b[name]:.1%} [{b[name + '_ci_low']:.1%}, {b[name + '_ci_high']:.1%}] "
-            f"| {t[name]:.1%} [{t[name + '_ci_low']:.1%}, {t[name + '_ci_high']:.1%}] |"
-        )
+    print(f"\nevaluation on {len(trained)} held-out problems, greedy, max {config.max_new_tokens} new tokens\n")
+    print_table(stages, config)
+    print("\ntraining reward per block of 10 steps: " + "; ".join(f"{name} {values}" for name, values in sorted(curve)))
+
+
+def sft_rows(conn, trained: list[dict], settings: Settings) -> list[dict]:
+    """The rows of the SFT policy GRPO started from, on the same problems (its policy_evaluation), or none."""
+    parent = ModelStore(root=str(settings.model_root)).latest("grpo_checkpoint").manifest["parent_version"]
+    if ModelStore(root=str(settings.model_root)).get("sft_policy", parent) is None:
+        return []
+    problems = sorted(r["problem_id"] for r in trained)
+    for (eval_id,) in conn.execute("SELECT DISTINCT eval_id FROM eval_results WHERE policy_version = ?", [parent]).fetchall():
+        found = conn.execute("SELECT * FROM eval_results WHERE eval_id = ? ORDER BY problem_id", [eval_id]).df().to_dict("records")
+        if sorted(r["problem_id"] for r in found) == problems:
+            return found
+    return []
+
+
+def print_table(stages: list[tuple[str, list[dict]]], config: EvalConfig) -> None:
+    """The metrics of each stage side by side, then each stage against the one before (paired, strict and flexible)."""
+    metrics = [(label, summarize(rows, config)) for label, rows in stages]
+    print("| metric | " + " | ".join(label for label, _ in metrics) + " |\n|---" * (len(metrics) + 1) + "|")
+    for name in ("pass@1_strict", "pass@1_flexible", "pass@1_lm_eval_strict", "pass@1_lm_eval_flexible"):
+        if all(name in m for _, m in metrics):
+            cells = [f"{m[name]:.1%} [{m[name + '_ci_low']:.1%}, {m[name + '_ci_high']:.1%}]" for _, m in metrics]
+            print(f"| {name} (95% CI) | " + " | ".join(cells) + " |")
     for name in ("format_compliance", "truncation_rate"):
-        print(f"| {name} | {b[name]:.1%} | {t[name]:.1%} |")
-    print(f"| mean completion tokens | {b['mean_completion_tokens']:.1f} | {t['mean_completion_tokens']:.1f} |")
-    for name in sorted(k for k in t if k.startswith(("pass@", "maj@")) and "_" not in k):
-        print(f"| {name} (n={config.num_samples}, strict) | {b[name]:.1%} | {t[name]:.1%} |")
-    print(
-        f"\nstrict pass@1 difference {paired['delta']:+.1%} (95% CI {paired['delta_ci_low']:+.1%} to {paired['delta_ci_high']:+.1%}); "
-        f"McNemar p = {paired['mcnemar_p_value']:.3g} ({paired['mcnemar_method']}); paired bootstrap p = "
-        f"{paired['paired_bootstrap_p_value']:.3g}; solved only by trained {paired['new_only_correct']}, only by base {paired['base_only_correct']}"
-    )
-    flexible = compare([dict(r, correct_strict=r["correct_flexible"]) for r in base], [dict(r, correct_strict=r["correct_flexible"]) for r in trained])
-    print(
-        f"flexible pass@1 difference {flexible['delta']:+.1%} (95% CI {flexible['delta_ci_low']:+.1%} to "
-        f"{flexible['delta_ci_high']:+.1%}); McNemar p = {flexible['mcnemar_p_value']:.3g}"
-    )
-    for role, rows_ in (("base", base), ("trained", trained)):
+        print(f"| {name} | " + " | ".join(f"{m[name]:.1%}" for _, m in metrics) + " |")
+    print("| mean completion tokens | " + " | ".join(f"{m['mean_completion_tokens']:.1f}" for _, m in metrics) + " |")
+    for (before, rows_before), (after, rows_after) in zip(stages, stages[1:]):
+        for column in ("correct_strict", "correct_flexible"):
+            paired = compare([dict(r, correct_strict=r[column]) for r in rows_before], [dict(r, correct_strict=r[column]) for r in rows_after])
+            print(
+                f"\n{after} vs {before}, {column.removeprefix('correct_')} pass@1: {paired['delta']:+.1%} (95% CI {paired['delta_ci_low']:+.1%} to "
+                f"{paired['delta_ci_high']:+.1%}); McNemar p = {paired['mcnemar_p_value']:.3g} ({paired['mcnemar_method']}); paired bootstrap "
+                f"p = {paired['paired_bootstrap_p_value']:.3g}; only {after} {paired['new_only_correct']}, only {before} {paired['base_only_correct']}"
+            )
+    for label, rows_ in stages:
         answers = Counter(r["extracted_flexible"] for r in rows_)
         top, count = answers.most_common(1)[0]
-        print(f"{role}: {len(answers)} distinct answers (flexible); most common {top!r} on {count / len(rows_):.1%} of problems")
-    print("\ntraining reward per block of 10 steps: " + "; ".join(f"{name} {values}" for name, values in sorted(curve)))
+        print(f"{label}: {len(answers)} distinct answers (flexible); most common {top!r} on {count / len(rows_):.1%} of problems")
 
 
 if __name__ == "__main__":

@@ -43,6 +43,10 @@ def test_evaluate_and_summarize_with_a_tiny_model(tiny_llama_dir):
     assert metrics["num_problems"] == 5 and 0 <= metrics["pass@1_strict"] <= metrics["pass@1_strict_ci_high"] <= 1
     assert {"pass@3", "maj@3", "mean_reward_total", "mean_reward_math_answer", "truncation_rate"} <= set(metrics)
     assert sorted(row["group"] for row in metrics["accuracy_by_steps"]) == [1, 2]
+    lm_eval = [r["correct_lm_eval_flexible"] for r in results]  # lm-evaluation-harness's grading, beside ours
+    assert metrics["pass@1_lm_eval_flexible"] == pytest.approx(sum(lm_eval) / 5) and "pass@1_lm_eval_strict_ci_high" in metrics
+    older = summarize([{k: v for k, v in r.items() if not k.startswith("correct_lm_eval")} for r in results], config)
+    assert "pass@1_lm_eval_strict" not in older and older["pass@1_strict"] == metrics["pass@1_strict"]  # rows stored before the column
 
 
 def test_compare_pairs_by_problem_id():

@@ -144,11 +144,14 @@ def grade_samples(texts: list[str], gold: float, ks: list[int]) -> dict:
 
 
 def summarize(results: list[dict], config: EvalConfig) -> dict:
-    """Headline metrics with confidence intervals, and accuracy by difficulty (reasoning steps)."""
-    strict = np.array([r["correct_strict"] for r in results], dtype=float)
-    flexible = np.array([r["correct_flexible"] for r in results], dtype=float)
+    """Headline metrics with confidence intervals (ours, and lm-evaluation-harness's gsm8k grading where
+    the rows carry it), and accuracy by difficulty (reasoning steps)."""
+    columns = {"pass@1_strict": "correct_strict", "pass@1_flexible": "correct_flexible"}
+    if all(r.get("correct_lm_eval_strict") is not None for r in results):  # rows stored before that column lack it
+        columns.update({"pass@1_lm_eval_strict": "correct_lm_eval_strict", "pass@1_lm_eval_flexible": "correct_lm_eval_flexible"})
     metrics: dict[str, Any] = {"num_problems": len(results)}
-    for name, values in (("pass@1_strict", strict), ("pass@1_flexible", flexible)):
+    for name, column in columns.items():
+        values = np.array([r[column] for r in results], dtype=float)
         low, high = bootstrap_ci(values, confidence=config.confidence, seed=config.seed)
         metrics[name] = float(values.mean())
         metrics[f"{name}_ci_low"], metrics[f"{name}_ci_high"] = low, high
