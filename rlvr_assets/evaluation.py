@@ -16,7 +16,7 @@ from pydantic import Field
 from resources import EvalProtocol, Evaluator, MLflowResource, ModelStore, Warehouse
 from resources.tracking import EVAL_PROTOCOL_TAG, POLICY_VERSION_TAG
 from rlvr import gsm8k
-from rlvr.evaluation.report import TRAINING_CURVES, evaluation_report, headline
+from rlvr.evaluation.report import TRAINING_CURVES, evaluation_report, headline, moved_accuracy
 from rlvr.evaluation.runner import summarize
 from rlvr_assets.partitions import parse_policy_key, policy_versions
 
@@ -62,6 +62,10 @@ def eval_report(
         raise Failure(description=f"eval_report: {err}") from None
     base_eval = evaluator.evaluate("base", base.version, base.path, config, problems, context.log)
     trained_eval = evaluator.evaluate("trained", trained.version, trained.path, config, problems, context.log)
+    start, stage = trained.manifest.get("parent_name"), None
+    if start not in (None, "base_policy"):  # trained from an SFT policy or the champion: that stage is paired too
+        parent = model_store.require(start, trained.manifest["parent_version"])
+        stage = (STAGE_NAMES.get(start, start), evaluator.evaluate(start, parent.version, parent.path, config, problems, context.log).results)
     training_run = trained.manifest.get("mlflow_run_id")
     report = evaluation_report(
         base_eval.results,
@@ -71,6 +75,7 @@ def eval_report(
         base.version,
         config.split,
         mlflow.metric_history(training_run, TRAINING_CURVES),
+        start=stage,
     )
 
     tags = {"rlvr.kind": "evaluation", POLICY_VERSION_TAG: trained.version, "rlvr.training_run_id": training_run or "", "dagster.run_id": context.run.run_id}
@@ -92,8 +97,13 @@ def eval_report(
             **headline(report.trained),
             "delta_pass@1_strict": report.paired["delta"],
             "mcnemar_p_value": report.paired["mcnemar_p_value"],
+            "stages": MetadataValue.md(pd.DataFrame(report.stages).to_markdown(index=False, floatfmt=".3f")),
+            "moved_accuracy": moved_accuracy(report.stages),
         }
     )
+
+
+STAGE_NAMES = {"sft_policy": "SFT", "grpo_checkpoint": "champion"}  # the stage a training's start policy stands for
 
 
 class PolicyEvaluationConfig(EvalProtocol):

@@ -31,6 +31,8 @@ def main() -> None:
             f"evaluation: pass@1 (strict) {meta['pass@1_strict'].value:.1%} on {int(meta['num_problems'].value)} problems, "
             f"{meta['delta_pass@1_strict'].value:+.1%} vs the base policy (McNemar p = {meta['mcnemar_p_value'].value:.3g})"
         )
+        if "moved_accuracy" in meta:  # which stage (SFT, GRPO) moved strict accuracy, if any
+            print(f"stages: {meta['moved_accuracy'].value}")
     bento = instance.get_latest_materialization_event(AssetKey("bento"))
     if bento is not None and bento.asset_materialization is not None:
         command = bento.asset_materialization.metadata["serve_command"].value.strip("`\n ")

@@ -105,7 +105,7 @@ def grpo_training(
     base = model_store.require("base_policy")
     start = start_policy(config.init_from, base, model_store, mlflow)
     rows, run_id = duckdb.problems(config.split, config.limit), context.run.root_run_id or context.run.run_id
-    lineage = {"base_policy_version": base.version, "parent_version": start.version, "data_hash": problems_hash(rows)}
+    lineage = {"base_policy_version": base.version, "parent_version": start.version, "parent_name": start.name, "data_hash": problems_hash(rows)}
     tags = {"rlvr.kind": "training", "dagster.run_id": context.run.run_id, "rlvr.init_from": config.init_from}
     tags |= {"rlvr.profile": config.profile, "rlvr.nproc": str(nproc), **{f"rlvr.{k}": v for k, v in lineage.items()}}
     work_dir = f"grpo-runs/{run_id}"  # the run's resume points, per-step rows and export, until it completes

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlvr.evaluation.report import evaluation_report, significance_verdict
+from rlvr.evaluation.report import evaluation_report, moved_accuracy, significance_verdict, stage_moves
 from rlvr.evaluation.runner import EvalConfig, compare, evaluate_policy, grade_completion, grade_samples, summarize
 from rlvr.policy import load_policy
 
@@ -58,6 +58,23 @@ def test_compare_pairs_by_problem_id():
     assert result["mcnemar_p_value"] < 0.05
     with pytest.raises(ValueError, match="share no problems"):
         compare(base, [{"problem_id": "other", "correct_strict": True}])
+
+
+def test_stage_moves_name_the_stage_that_moved_accuracy():
+    def rows(correct: int, formatted: int = 100) -> list[dict]:
+        return [
+            {"problem_id": f"p{i}", "correct_strict": i < correct, "correct_flexible": i < correct, "well_formed": i < formatted}
+            | {"truncated": False, "completion_tokens": 50, "num_steps": 2}
+            for i in range(100)
+        ]
+
+    config = EvalConfig()
+    moves = stage_moves([("base", rows(5, 40)), ("SFT", rows(30, 95)), ("GRPO", rows(31, 96))], config)
+    assert [m["stage"] for m in moves] == ["base", "SFT", "GRPO"] and [m.get("verdict") for m in moves] == [None, "better", "not significantly different"]
+    assert moves[1]["delta"] == pytest.approx(0.25) and moves[1]["format_delta"] == pytest.approx(0.55)
+    assert moved_accuracy(moves).endswith("accuracy moved at SFT")
+    flat = stage_moves([("base", rows(5, 40)), ("GRPO", rows(6, 90))], config)
+    assert moved_accuracy(flat).endswith("no stage moved accuracy significantly; format compliance moved most at GRPO (+50.0%)")
 
 
 def test_significance_verdict():

@@ -89,10 +89,11 @@ def test_a_killed_run_resumes_to_the_same_weights(tmp_path):
 
 def test_the_sft_asset_is_the_cold_start_grpo_can_start_from(home, gsm8k_dir, tiny_llama_dir):
     """sft_policy on the tiny model: stored with its lineage and an MLflow run; grpo_training with
-    init_from 'sft' starts from it; without it, that init_from fails naming the asset."""
+    init_from 'sft' starts from it; without it, that init_from fails naming the asset; eval_report
+    pairs the three stages (base, SFT, GRPO) and says which moved accuracy."""
     from dagster import DagsterInstance, materialize
 
-    from rlvr_assets import data, models, sft, training
+    from rlvr_assets import data, evaluation, models, sft, training
     from test_pipeline import resources_for, run_config
 
     res = resources_for(home)
@@ -111,4 +112,8 @@ def test_the_sft_asset_is_the_cold_start_grpo_can_start_from(home, gsm8k_dir, ti
         stored = res["model_store"].latest("sft_policy")
         assert stored.manifest["steps"] == 2 and stored.manifest["base_policy_version"] == res["model_store"].latest("base_policy").version
         assert materialize([training.grpo_training], resources=res, instance=instance, run_config={"ops": {"grpo_training": ops["grpo_training"]}}).success
+        report = materialize([evaluation.eval_report], resources=res, instance=instance, run_config={"ops": {"eval_report": config["ops"]["eval_report"]}})
+        meta = report.asset_materializations_for_node("eval_report")[0].metadata
     assert res["model_store"].latest("grpo_checkpoint").manifest["parent_version"] == stored.version
+    assert [line.split("|")[1].strip() for line in meta["stages"].value.splitlines()[2:]] == ["base", "SFT", "GRPO"]
+    assert meta["moved_accuracy"].value.startswith("base ") and " -> SFT " in meta["moved_accuracy"].value

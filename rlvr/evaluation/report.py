@@ -27,6 +27,7 @@ class EvalReport:
     verdict: str
     markdown: str
     figures: dict[str, bytes] = field(default_factory=dict)  # file name -> PNG
+    stages: list[dict] = field(default_factory=list)  # stage_moves of base -> (start policy ->) trained
 
     def metrics(self) -> dict[str, float]:
         """Every numeric value, prefixed ``trained.``, ``base.`` and ``paired.``."""
@@ -51,6 +52,36 @@ def significance_verdict(delta: float, p_value: float, alpha: float = 0.05) -> s
     return "not significantly different"
 
 
+def stage_moves(stages: list[tuple[str, list[dict]]], config: EvalConfig, alpha: float = 0.05) -> list[dict]:
+    """Each stage of a pipeline (e.g. base, SFT, GRPO) against the one before it on the same problems:
+    strict pass@1 and its paired difference (McNemar), format compliance, and the verdict."""
+    moves, previous = [], None
+    for label, results in stages:
+        metrics = summarize(results, config)
+        move = {"stage": label, "pass@1_strict": metrics["pass@1_strict"], "format_compliance": metrics["format_compliance"]}
+        if previous is not None:
+            paired = compare(previous[1], results, seed=config.seed)
+            delta, p_value = paired["delta"], paired["mcnemar_p_value"]
+            move.update(delta=delta, p_value=p_value, verdict=significance_verdict(delta, p_value, alpha))
+            move["format_delta"] = metrics["format_compliance"] - previous[0]["format_compliance"]
+        moves.append(move)
+        previous = (metrics, results)
+    return moves
+
+
+def moved_accuracy(moves: list[dict]) -> str:
+    """One line naming the stage(s) that moved strict accuracy significantly, or saying none did
+    (and where the format moved most)."""
+    better = [m for m in moves[1:] if m["verdict"] == "better"]
+    chain = " -> ".join(f"{m['stage']} {m['pass@1_strict']:.1%}" + (f" ({m['delta']:+.1%}, p = {m['p_value']:.2g})" if "delta" in m else "") for m in moves)
+    if better:
+        return f"{chain}: accuracy moved at {', '.join(m['stage'] for m in better)}"
+    worse = [m["stage"] for m in moves[1:] if m["verdict"] == "worse"]
+    fmt = max(moves[1:], key=lambda m: m["format_delta"], default=None)
+    what = f"; format compliance moved most at {fmt['stage']} ({fmt['format_delta']:+.1%})" if fmt else ""
+    return f"{chain}: no stage moved accuracy significantly" + (f" (worse at {', '.join(worse)})" if worse else "") + what
+
+
 def evaluation_report(
     base_results: list[dict],
     trained_results: list[dict],
@@ -59,9 +90,13 @@ def evaluation_report(
     base_version: str,
     split: str,
     training_curves: dict[str, list[tuple[int, float]]] | None = None,
+    start: tuple[str, list[dict]] | None = None,
 ) -> EvalReport:
-    """The report of per-problem results of the base and trained policies on the same problems."""
+    """The report of per-problem results of the base and trained policies on the same problems;
+    ``start`` (label, results): the policy training started from when it is not the base (an SFT
+    policy, the champion), so the report says which stage moved accuracy."""
     base, trained = summarize(base_results, config), summarize(trained_results, config)
+    stages = stage_moves([("base", base_results)] + ([start] if start else []) + [("GRPO", trained_results)], config)
     paired = compare(base_results, trained_results, seed=config.seed)
     verdict = significance_verdict(paired["delta"], paired["mcnemar_p_value"])
     figures = {
@@ -78,8 +113,8 @@ def evaluation_report(
         "accuracy_by_steps.png": plots.grouped_accuracy_figure({"base": base["accuracy_by_steps"], "trained": trained["accuracy_by_steps"]}),
         "training_curves.png": plots.curves_figure(training_curves or {}),
     }
-    markdown = render_report(base, trained, paired, verdict, trained_version, base_version, split)
-    return EvalReport(base, trained, paired, verdict, markdown, {name: plots.figure_png(fig) for name, fig in figures.items()})
+    markdown = render_report(base, trained, paired, verdict, trained_version, base_version, split) + f"\n**Stages**: {moved_accuracy(stages)}.\n"
+    return EvalReport(base, trained, paired, verdict, markdown, {name: plots.figure_png(fig) for name, fig in figures.items()}, stages)
 
 
 def render_report(base: dict, new: dict, paired: dict, verdict: str, new_version: str, base_version: str, split: str) -> str:
