@@ -93,22 +93,13 @@ class TrainingLauncher(ConfigurableResource):
         """Run ``job`` on ``nproc`` processes; returns (step, metrics) of the steps run. ``restart``
         drops the run's checkpoints first (a run cannot resume on another number of processes). A
         failed run raises :class:`dagster.Failure` with each failed rank's error text."""
-        errors = job.scratch / "errors"
-        if restart:
-            shutil.rmtree(job.scratch / "checkpoints", ignore_errors=True)
-        shutil.rmtree(errors, ignore_errors=True)  # an earlier attempt's
-        shutil.rmtree(job.scratch / "export", ignore_errors=True)
-        shutil.rmtree(job.scratch / "digests", ignore_errors=True)
+        clear_attempt(job.scratch, restart)
         path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))  # the worker imports what this process can
         try:
             invocation = PipesSubprocessClient().run(context=context, command=self.command(nproc), extras=job.extras(), env={"PYTHONPATH": path})
         except DagsterPipesExecutionError as err:
-            report = rank_errors(errors, nproc)
-            hint = " (set restart: true to start it afresh)" if "cannot resume" in report else ""
-            raise Failure(description=f"GRPO training failed{hint} ({err}):\n{report}") from None
-        digests = {path.stem: path.read_text() for path in sorted((job.scratch / "digests").glob("rank-*.txt"))}
-        if len(digests) != nproc or len(set(digests.values())) != 1:
-            raise Failure(description=f"GRPO training: the ranks' final weights differ or are missing: {digests}")
+            raise training_failure(err, job.scratch, nproc) from None
+        check_digests(job.scratch, nproc)
         return [(m["step"], m["metrics"]) for m in invocation.get_custom_messages() if "metrics" in m]
 
     @staticmethod
@@ -121,6 +112,27 @@ class TrainingLauncher(ConfigurableResource):
     def exported(scratch: Path) -> Callable[[Path], None]:
         """A model-store writer copying the run's exported checkpoint into the new version's folder."""
         return lambda folder: shutil.copytree(scratch / "export", folder, dirs_exist_ok=True)
+
+
+def clear_attempt(scratch: Path, restart: bool) -> None:
+    """Drop an earlier attempt's errors, digests and export (and with ``restart`` its checkpoints: a run
+    cannot resume on another number of processes)."""
+    for folder in ("errors", "export", "digests", *(["checkpoints"] if restart else [])):
+        shutil.rmtree(scratch / folder, ignore_errors=True)
+
+
+def training_failure(err: Exception, scratch: Path, nproc: int) -> Failure:
+    """A failed run: what the orchestrator saw, then each rank's account from the scratch folder."""
+    report = rank_errors(scratch / "errors", nproc)
+    hint = " (set restart: true to start it afresh)" if "cannot resume" in report else ""
+    return Failure(description=f"GRPO training failed{hint} ({err}):\n{report}")
+
+
+def check_digests(scratch: Path, nproc: int) -> None:
+    """Every rank left the same final weights digest, or the run fails."""
+    digests = {path.stem: path.read_text() for path in sorted((scratch / "digests").glob("rank-*.txt"))}
+    if len(digests) != nproc or len(set(digests.values())) != 1:
+        raise Failure(description=f"GRPO training: the ranks' final weights differ or are missing: {digests}")
 
 
 def rank_errors(errors: Path, nproc: int) -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_GSM8K_DIR = "../shared/data/gsm8k"
+LAUNCHERS = ("local", "k8s")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,15 @@ class Settings:
         """BentoML's model store and Bentos: ``$BENTOML_HOME``, else ``home/bentoml``."""
         folder = os.environ.get("BENTOML_HOME")
         return Path(folder).expanduser().resolve() if folder else self.home / "bentoml"
+
+    @property
+    def launcher(self) -> str:
+        """Where GRPO training runs: ``local`` (torchrun beside the run, the default) or ``k8s`` (pods of its
+        own, ``resources.k8s_launcher``): ``$RLVR_LAUNCHER``."""
+        launcher = os.environ.get("RLVR_LAUNCHER", "local")
+        if launcher not in LAUNCHERS:
+            raise ValueError(f"RLVR_LAUNCHER must be one of {LAUNCHERS}, got {launcher!r}")
+        return launcher
 
     @property
     def gsm8k_dir(self) -> Path:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from resources import BentoBuilder, ComputeResource, Evaluator, MLflowResource, ModelStore, Settings, Warehouse
+from resources.k8s_launcher import K8sTrainingLauncher
 from resources.launcher import TrainingLauncher
 
 
@@ -21,5 +22,5 @@ def default_resources(settings: Settings | None = None) -> dict:
         "compute": compute,
         "evaluator": Evaluator(warehouse=warehouse, compute=compute),
         "bento_builder": BentoBuilder(),
-        "launcher": TrainingLauncher(),
+        "launcher": K8sTrainingLauncher.from_env() if settings.launcher == "k8s" else TrainingLauncher(),  # deploy/k8s/rlvr-config.yaml
     }

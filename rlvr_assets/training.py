@@ -11,7 +11,7 @@ from typing import Iterator, Optional
 from dagster import AssetExecutionContext, AssetSpec, Config, Failure, MaterializeResult, MetadataValue, multi_asset
 from pydantic import Field
 
-from resources import CHAMPION, ComputeResource, MLflowResource, ModelStore, StoredModel, Upsert, Warehouse, config_from
+from resources import CHAMPION, ComputeResource, MLflowResource, ModelStore, Settings, StoredModel, Upsert, Warehouse, config_from
 from resources.launcher import TrainingJob, TrainingLauncher
 from resources.tracking import POLICY_VERSION_TAG, flat_params
 from rlvr.grpo import GRPOConfig
@@ -20,7 +20,7 @@ from rlvr.rewards import DEFAULT_GSM8K_REWARD, CompositeReward
 from rlvr.training_run import problems_hash, sample_completions
 from rlvr_assets.partitions import add_policy_version
 
-GPU_TAGS = {  # each training run asks the Kubernetes run launcher for a GPU (deploy/k8s)
+GPU_TAGS = {  # a run that trains in its own pod (the local launcher) asks the Kubernetes run launcher for a GPU (deploy/k8s)
     "dagster-k8s/config": json.dumps(
         {
             "container_config": {"resources": {"requests": {"nvidia.com/gpu": "1"}, "limits": {"nvidia.com/gpu": "1"}}},
@@ -28,6 +28,14 @@ GPU_TAGS = {  # each training run asks the Kubernetes run launcher for a GPU (de
         }
     )
 }
+
+
+def run_pod_tags(launcher: str) -> dict:
+    """The training step's op tags: a GPU for the run pod when it trains itself (``local``); none with the
+    K8s launcher, whose training pods hold the GPUs while the run pod only follows them."""
+    return GPU_TAGS if launcher == "local" else {}
+
+
 GRPOOverrides = config_from(GRPOConfig, overrides=True)
 
 
@@ -85,7 +93,7 @@ class GRPORunConfig(Config):
             description="The GRPO-trained policy as a standard HF checkpoint in the model store; each run is an MLflow run.",
         ),
     ],
-    op_tags=GPU_TAGS,
+    op_tags=run_pod_tags(Settings.from_env().launcher),
 )
 def grpo_training(
     context: AssetExecutionContext,

@@ -6,10 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from dagster import AssetKey, DefaultScheduleStatus, DefaultSensorStatus
 
+from resources import Settings
 from rlvr_assets.definitions import defs
-from rlvr_assets.training import grpo_training
+from rlvr_assets.training import grpo_training, run_pod_tags
 
 ROOT = Path(__file__).resolve().parents[1]
 ASSET_MODULES = ("data", "models", "sft", "training", "evaluation", "registry", "serving", "monitoring")
@@ -50,11 +52,15 @@ def test_jobs_sensors_and_schedules():
     }
 
 
-def test_training_runs_ask_kubernetes_for_a_gpu():
-    tags = grpo_training.op.tags
+def test_training_runs_ask_kubernetes_for_a_gpu_unless_their_pods_do(monkeypatch):
+    tags = grpo_training.op.tags  # the default, local launcher: the run pod trains, so it gets the GPU
     resources = json.loads(tags["dagster-k8s/config"])["container_config"]["resources"]
     assert resources["limits"]["nvidia.com/gpu"] == "1"
     assert AssetKey("grpo_checkpoint") in grpo_training.keys
+    assert run_pod_tags("k8s") == {}  # K8sTrainingLauncher: the training pods hold the GPUs, the run pod follows them
+    monkeypatch.setenv("RLVR_LAUNCHER", "slurm")
+    with pytest.raises(ValueError, match="RLVR_LAUNCHER must be one of"):
+        _ = Settings.from_env().launcher
 
 
 def test_the_rl_core_knows_nothing_of_dagster():
