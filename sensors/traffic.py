@@ -33,7 +33,7 @@ def traffic_sensor(context: SensorEvaluationContext):
             grown.setdefault(file_day(name) or "", {})[name] = size
     if not grown:
         return SkipReason("no new traffic")
-    known = set(traffic_days.get_partition_keys(dynamic_partitions_store=context.instance))
+    known = set(traffic_days.get_partition_keys())
     requests = [
         RunRequest(
             partition_key=day,

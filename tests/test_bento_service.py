@@ -311,9 +311,9 @@ def test_traffic_folder_must_be_absolute(monkeypatch, tmp_path):
 
 def test_monitoring_reads_the_folder_the_service_writes(monkeypatch, tmp_path):
     """One resolver: RLVR_TRAFFIC_DIR moves the service's logs and the monitoring's reads together."""
-    from dagster import RunRequest, build_sensor_context
+    from dagster import build_sensor_context
 
-    from rlvr.traffic import FILE_PREFIX, FILE_SUFFIX
+    from rlvr.traffic import TrafficLog
     from rlvr_assets.monitoring import TrafficConfig
     from sensors.traffic import traffic_sensor
 
@@ -321,9 +321,8 @@ def test_monitoring_reads_the_folder_the_service_writes(monkeypatch, tmp_path):
     monkeypatch.setenv("RLVR_TRAFFIC_DIR", str(tmp_path / "elsewhere"))
     assert Settings.from_env(require_absolute=True).traffic_dir == tmp_path / "elsewhere"
     assert Path(TrafficConfig().folder) == tmp_path / "elsewhere"
-    (tmp_path / "elsewhere").mkdir()
-    (tmp_path / "elsewhere" / f"{FILE_PREFIX}x{FILE_SUFFIX}").write_text("{}\n")
-    assert isinstance(traffic_sensor(build_sensor_context()), RunRequest)
+    TrafficLog(Settings.from_env().traffic_dir, clock=lambda: 1795392000 * 10**9).append({})  # 2026-11-23
+    assert [r.partition_key for r in traffic_sensor(build_sensor_context()).run_requests] == ["2026-11-23"]
 
 
 # ---------------------------------------------------------------------------------------------
