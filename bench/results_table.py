@@ -44,6 +44,14 @@ def main() -> None:
         f"{ {k.removeprefix('rewards.'): float(v) for k, v in params.items() if k.startswith('rewards.')} }: "
         f"{sum(m.value for m in steps) / 60:.1f} min of steps"
     )
+    if sft:
+        sft_run = client.search_runs(experiments, "tags.`rlvr.kind` = 'sft'", order_by=["attributes.start_time DESC"])[0]
+        losses = [m.value for m in sorted(client.get_metric_history(sft_run.info.run_id, "loss"), key=lambda m: m.step)]
+        p = sft_run.data.params
+        print(
+            f"SFT: {len(losses)} steps x {p['sft.batch_size']} solutions, lr {p['sft.lr']}, max {p['sft.max_completion_tokens']} target tokens; "
+            f"loss {losses[0]:.3f} (step 1) -> {losses[-1]:.3f}; {(sft_run.info.end_time - sft_run.info.start_time) / 60000:.1f} min"
+        )
     print(f"\nevaluation on {len(trained)} held-out problems, greedy, max {config.max_new_tokens} new tokens\n")
     print_table(stages, config)
     print("\ntraining reward per block of 10 steps: " + "; ".join(f"{name} {values}" for name, values in sorted(curve)))
@@ -65,7 +73,7 @@ def sft_rows(conn, trained: list[dict], settings: Settings) -> list[dict]:
 def print_table(stages: list[tuple[str, list[dict]]], config: EvalConfig) -> None:
     """The metrics of each stage side by side, then each stage against the one before (paired, strict and flexible)."""
     metrics = [(label, summarize(rows, config)) for label, rows in stages]
-    print("| metric | " + " | ".join(label for label, _ in metrics) + " |\n|---" * (len(metrics) + 1) + "|")
+    print("| metric | " + " | ".join(label for label, _ in metrics) + " |\n|" + "---|" * (len(metrics) + 1))
     for name in ("pass@1_strict", "pass@1_flexible", "pass@1_lm_eval_strict", "pass@1_lm_eval_flexible"):
         if all(name in m for _, m in metrics):
             cells = [f"{m[name]:.1%} [{m[name + '_ci_low']:.1%}, {m[name + '_ci_high']:.1%}]" for _, m in metrics]
