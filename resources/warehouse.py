@@ -88,9 +88,10 @@ class Warehouse(DuckDBResource):
                 raise
 
     def write(self, *writes: Write) -> None:
-        """Apply every write in one transaction: all of them land, or none does."""
+        """Apply every write in one transaction: all of them land, or none does. An empty upsert or
+        append changes nothing and is skipped (an empty frame's columns have no types to compare)."""
         with self.transaction() as conn:
-            for index, op in enumerate(writes):
+            for index, op in enumerate(w for w in writes if isinstance(w, Replace) or len(w.frame)):
                 view = f"_incoming_{index}"
                 conn.register(view, op.frame)
                 try:

@@ -187,6 +187,14 @@ def test_each_day_is_its_own_partition_and_a_backfill_rebuilds_one(env):
         assert conn.execute("SELECT count(*), count(well_formed) FROM serving_traffic").fetchone() == (240, 240)
 
 
+def test_a_day_without_traffic_is_an_empty_partition(env):
+    write_traffic(env["traffic"], env["questions"][:3], day="2026-11-23")
+    report = ingest_and_report(env)  # DAY has no log file: nothing to read, nothing to report
+    assert report["drifted"] is False and report["requests"] == 0
+    assert ingest_and_report(env, day="2026-11-23")["requests"] == 3  # the other day has its rows
+    assert ingest_and_report(env)["requests"] == 0 and count_rows(env) == 3  # and the empty day stays empty once the table exists
+
+
 def test_a_backfilled_past_day_does_not_start_a_retraining(env):
     prompts = [f"{OFF_TOPIC[i % len(OFF_TOPIC)]} (request {i})" for i in range(120)]
     write_traffic(env["traffic"], env["questions"][:120], day="2026-11-23")
