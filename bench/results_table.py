@@ -59,8 +59,9 @@ def main() -> None:
 
 def sft_rows(conn, trained: list[dict], settings: Settings) -> list[dict]:
     """The rows of the SFT policy GRPO started from, on the same problems (its policy_evaluation), or none."""
-    parent = ModelStore(root=str(settings.model_root)).latest("grpo_checkpoint").manifest["parent_version"]
-    if ModelStore(root=str(settings.model_root)).get("sft_policy", parent) is None:
+    store = ModelStore(root=str(settings.model_root))
+    parent = store.latest("grpo_checkpoint").manifest["parent_version"]
+    if store.get("sft_policy", parent) is None:
         return []
     problems = sorted(r["problem_id"] for r in trained)
     for (eval_id,) in conn.execute("SELECT DISTINCT eval_id FROM eval_results WHERE policy_version = ?", [parent]).fetchall():

@@ -60,18 +60,20 @@ class TrafficLog:
         self.clock = clock
         self._lock = threading.Lock()
         self._path: Path | None = None
+        self._day: tuple[int, int, int] | None = None  # the UTC (year, month, day) of the open file
 
     def append(self, record: dict) -> None:
         line = (json.dumps(record, ensure_ascii=False, default=str) + "\n").encode()
         with self._lock:
             now_ns = self.clock()
+            day = time.gmtime(now_ns / 1e9)[:3]
             if (
                 self._path is None
+                or day != self._day  # a new UTC day
                 or not self._path.exists()  # removed (retention)
                 or self._path.stat().st_size + len(line) > self.max_bytes
-                or not self._path.name.startswith(time.strftime(f"{FILE_PREFIX}%Y%m%dT", time.gmtime(now_ns / 1e9)))  # a new UTC day
             ):
-                self._path = self._new_path(now_ns)
+                self._path, self._day = self._new_path(now_ns), day
             with open(self._path, "ab") as f:
                 f.write(line)
 

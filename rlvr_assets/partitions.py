@@ -28,6 +28,4 @@ def parse_policy_key(key: str) -> tuple[str, str]:
 
 def add_policy_version(instance, name: str, version: str) -> None:
     """Give a newly stored policy its ``policy_versions`` partition (its evaluation can then run)."""
-    key = policy_key(name, version)
-    if not instance.has_dynamic_partition(policy_versions.name, key):
-        instance.add_dynamic_partitions(policy_versions.name, [key])
+    instance.add_dynamic_partitions(policy_versions.name, [policy_key(name, version)])  # a known key is left as it is
