@@ -12,6 +12,9 @@ gradient checkpointing; TRL is also run in float32 and without checkpointing, an
 configurations is compared with the fastest TRL run at its precision.
 
     python bench/grpo_vs_trl.py .rlvr/models/base_policy/<version> --prompts 2 --group 4 --tokens 128 --steps 5
+
+On a machine with CUDA both trainers run on the GPU (``--device``), and each row also reports its
+peak GPU memory.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def correct(text: str, answer: float) -> float:
 
 
 def run_rlvr(args, stop_at_final_answer: bool, compute_dtype: str = "float32") -> list[dict]:
-    model, tokenizer = load_policy(args.model)
+    model, tokenizer = load_policy(args.model, args.device)
     problems = [{"prompt": render_prompt(tokenizer, q), "answer_value": a, "problem_id": f"q{i}"} for i, (q, a) in enumerate(QUESTIONS)]
 
     def reward_fn(completions, batch):
@@ -130,7 +133,7 @@ def run_trl(args, gradient_checkpointing: bool, bf16: bool | None) -> list[dict]
             logging_steps=1,
             save_strategy="no",
             report_to=[],
-            use_cpu=True,
+            use_cpu=args.device == "cpu",
             gradient_checkpointing=gradient_checkpointing,
             shuffle_dataset=False,
             seed=0,
@@ -147,13 +150,14 @@ def summarize(name: str, steps: list[dict]) -> dict:
     counted = steps[1:] or steps  # the first step warms up
     step_s = statistics.median(s["step_s"] for s in counted)
     tokens_per_s = sum(s["tokens"] for s in counted) / sum(s["step_s"] for s in counted)
+    memory = {"max_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)} if torch.cuda.is_initialized() else {}
     return {
         "trainer": name,
         "median_step_s": round(step_s, 2),
         "tokens_per_s": round(tokens_per_s, 2),
         "mean_tokens_per_step": round(statistics.mean(s["tokens"] for s in counted), 1),
         "steps_counted": len(counted),
-    }
+    } | memory
 
 
 # (name, precision, runner): TRL's bf16=None is its default (bf16 mixed precision unless fp16)
@@ -180,6 +184,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--row", type=int, help=argparse.SUPPRESS)  # run one row here (the parent's child)
     args = parser.parse_args()
     if args.row is not None:
@@ -198,7 +203,8 @@ def main() -> None:
     trl = [r for r in results if r["trainer"].startswith("TRL")]
     baseline = trl[0]["tokens_per_s"]
     fastest_trl = {p: max(r["tokens_per_s"] for r in trl if r["precision"] == p) for p in ("fp32", "bf16")}
-    print(f"\n{args.prompts} prompts x {args.group} completions x {args.tokens} tokens, beta 0, {torch.get_num_threads()} threads\n")
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu, {torch.get_num_threads()} threads"
+    print(f"\n{args.prompts} prompts x {args.group} completions x {args.tokens} tokens, beta 0, {where}\n")
     print("| trainer | median step (s) | completion tokens / step | tokens / s | vs TRL defaults | vs fastest TRL, same precision |")
     print("|---|---|---|---|---|---|")
     for r in results:

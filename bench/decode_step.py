@@ -1,0 +1,102 @@
+"""Decode-step time of the rollout engine against today's plain path and the weight-read bound, in one run.
+
+    python bench/decode_step.py <checkpoint> --rows 8 128 --tokens 128 [--dtype bfloat16] [--from-config]
+
+For each row count the engine generates ``--tokens`` tokens per row twice: with its fast paths
+(on CUDA: fixed-shape steps replayed as CUDA graphs, ``rlvr.fastpaths.static_decode``; on CPU: the
+fused decoder) and with them all off (the model's own forward on a growing cache, which is what
+the engine ran on CUDA before). A decode step's time is the difference between a run of
+``--tokens`` tokens and a run of one token (so the prefill cancels), divided by ``--tokens - 1``:
+median of ``--repeats`` after a warm-up (which captures the graphs). The bound is the time to read
+the weights once per step at ``--bandwidth-gbs`` (default: an H100 SXM's 3,350 GB/s).
+
+``--from-config`` builds random weights from the folder's config (it needs only the config and
+tokenizer files): every row then runs to the token budget, which is what a step's time needs.
+With real weights rows that finish early make later steps cheaper.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from grpo_vs_trl import QUESTIONS  # bench/ is on sys.path when run as a script
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rlvr.fastpaths import FastPaths
+from rlvr.policy import load_policy, load_tokenizer
+from rlvr.prompts import render_prompt
+from rlvr.rollout import SamplingConfig, generate_rollouts
+
+PLAIN = FastPaths(fused_decode=False, packed_linears=False, cuda_graphs=False)
+
+
+def generation_time(model, tokenizer, prompts: list[str], samples: int, tokens: int, fast: FastPaths, device: str) -> float:
+    config = SamplingConfig(max_new_tokens=tokens, temperatures=[1.0], seed=0, max_batch_rows=len(prompts) * samples, fast_paths=fast)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    generate_rollouts(model, tokenizer, prompts, samples, config)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def step_ms(model, tokenizer, rows: int, tokens: int, fast: FastPaths, device: str, repeats: int) -> float:
+    prompts = [render_prompt(tokenizer, QUESTIONS[i % len(QUESTIONS)][0]) for i in range(max(1, rows // 8))]
+    samples = rows // len(prompts)
+    generation_time(model, tokenizer, prompts, samples, tokens, fast, device)  # warm-up: graph capture, allocator
+    steps = []
+    for _ in range(repeats):
+        full = generation_time(model, tokenizer, prompts, samples, tokens, fast, device)
+        prefill = generation_time(model, tokenizer, prompts, samples, 1, fast, device)
+        steps.append((full - prefill) / (tokens - 1) * 1000)
+    return statistics.median(steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model")
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 128], help="rows decoded together (multiples of 8, or fewer than 8)")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--bandwidth-gbs", type=float, default=3350.0, help="memory bandwidth of the weight-read bound")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--from-config", action="store_true", help="random weights from the folder's config: rows run to the budget")
+    args = parser.parse_args()
+    if args.tokens < 2:
+        parser.error("--tokens must be at least 2 (a step is the difference between a run of --tokens and one of 1)")
+    dtype = getattr(torch, args.dtype)
+    if args.from_config:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model), dtype=dtype).to(args.device)
+        tokenizer = load_tokenizer(args.model)
+    else:
+        model, tokenizer = load_policy(args.model, args.device, dtype)
+    model.eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    bound_ms = weight_bytes / (args.bandwidth_gbs * 1e9) * 1000
+    for rows in args.rows:
+        fast = step_ms(model, tokenizer, rows, args.tokens, FastPaths(), args.device, args.repeats)
+        plain = step_ms(model, tokenizer, rows, args.tokens, PLAIN, args.device, args.repeats)
+        report = {
+            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+            "dtype": args.dtype,
+            "rows": rows,
+            "engine_ms_per_step": round(fast, 3),
+            "plain_forward_ms_per_step": round(plain, 3),
+            "speedup": round(plain / fast, 2),
+            "weight_read_bound_ms": round(bound_ms, 4),
+            "engine_over_bound": round(fast / bound_ms, 1),
+        }
+        if args.device.startswith("cuda"):
+            report["max_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()
