@@ -3,7 +3,8 @@
 Tables the assets write: ``gsm8k_problems`` (replaced), ``rollouts`` / ``rewards`` (upserted by
 completion), ``eval_results`` (upserted by evaluation), ``serving_traffic`` and its per-file cursor
 (appended / upserted together), ``drift_history`` (appended). Tables with declared columns are
-created from :data:`SCHEMAS`; the others from the first frame written to them.
+created from :data:`SCHEMAS` (an older file gains later columns through :data:`MIGRATIONS`); the others from the
+first frame written to them.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ SCHEMAS = {
   mean_reward DOUBLE, best_reward DOUBLE, source_file VARCHAR, source_offset BIGINT)""",
     "serving_traffic_cursor": 'CREATE TABLE IF NOT EXISTS serving_traffic_cursor (file VARCHAR PRIMARY KEY, "offset" BIGINT)',
     "drift_history": "CREATE TABLE IF NOT EXISTS drift_history (reported_at TIMESTAMPTZ, run_id VARCHAR, metric VARCHAR, "
-    "value DOUBLE, threshold DOUBLE, drifted BOOLEAN)",
+    "value DOUBLE, threshold DOUBLE, drifted BOOLEAN, day VARCHAR)",
+}
+MIGRATIONS = {  # columns added since a table was first declared: an older database gains them (empty) on its next write
+    "drift_history": ["ALTER TABLE drift_history ADD COLUMN IF NOT EXISTS day VARCHAR"],
 }
 
 
@@ -204,9 +208,13 @@ class Warehouse(DuckDBResource):
         return current, previous
 
     def append_drift_history(self, frame: pd.DataFrame) -> pd.DataFrame:
-        """Append a report's rows to ``drift_history``; returns the whole history, oldest first."""
+        """Append a report's rows to ``drift_history``; returns the history by traffic day, each day's
+        latest report only (a backfill re-reports a day in place, not at the end), oldest first."""
         self.write(Append("drift_history", frame))
-        return self.query("SELECT * FROM drift_history ORDER BY reported_at")
+        return self.query(
+            "SELECT * FROM drift_history QUALIFY row_number() OVER (PARTITION BY coalesce(day, run_id), metric ORDER BY reported_at DESC) = 1 "
+            "ORDER BY coalesce(day, strftime(reported_at AT TIME ZONE 'UTC', '%Y-%m-%d')), reported_at"
+        )
 
 
 def _apply(conn, op: Write, view: str) -> None:
@@ -215,6 +223,8 @@ def _apply(conn, op: Write, view: str) -> None:
         conn.execute(f'CREATE OR REPLACE TABLE {table} AS SELECT * FROM "{view}"')
         return
     conn.execute(SCHEMAS.get(op.table) or f'CREATE TABLE IF NOT EXISTS {table} AS SELECT * FROM "{view}" LIMIT 0')
+    for statement in MIGRATIONS.get(op.table, []):
+        conn.execute(statement)
     if isinstance(op, Upsert):
         conn.execute(f'DELETE FROM {table} WHERE "{op.key}" IN (SELECT DISTINCT "{op.key}" FROM "{view}")')
         conn.execute(f'INSERT INTO {table} BY NAME SELECT * FROM "{view}"')

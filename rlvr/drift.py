@@ -233,11 +233,11 @@ class DriftReport:
             f"| {c.name} | {c.value:.4f} | {'' if c.threshold is None else c.threshold} | {'**yes**' if c.drifted else ''} |" for c in self.checks
         )
 
-    def history_rows(self, run_id: str, reported_at) -> pd.DataFrame:
-        """One row per check, as the drift history keeps them."""
+    def history_rows(self, run_id: str, reported_at, day: str | None = None) -> pd.DataFrame:
+        """One row per check, as the drift history keeps them (``day``: the traffic day reported on)."""
         return pd.DataFrame(
             [
-                {"reported_at": reported_at, "run_id": run_id, "metric": c.name, "value": c.value, "threshold": c.threshold, "drifted": c.drifted}
+                {"reported_at": reported_at, "run_id": run_id, "metric": c.name, "value": c.value, "threshold": c.threshold, "drifted": c.drifted, "day": day}
                 for c in self.checks
             ]
         )

@@ -69,7 +69,7 @@ def drift_report(context: AssetExecutionContext, config: DriftConfig, duckdb: Wa
     features against train questions, and embedding distance (MMD, mean cosine). Outputs against
     the served policy's last evaluation: format compliance, completion length, verified reward
     (traffic with ground truth); vote share against the previous window. ``drifted`` in the
-    metadata drives the drift sensor; every run appends to ``drift_history``."""
+    metadata drives the drift sensor; every run appends to ``drift_history`` (its plot: each day's latest report, by day)."""
     current, previous = duckdb.traffic_window(context.partition_key, config.window)
     if len(current) < config.min_requests:
         return MaterializeResult(
@@ -85,7 +85,7 @@ def drift_report(context: AssetExecutionContext, config: DriftConfig, duckdb: Wa
         embed_texts if config.use_embeddings else None,
         min_previous=config.min_requests,
     )
-    history = duckdb.append_drift_history(report.history_rows(context.run.run_id, datetime.now(timezone.utc)))
+    history = duckdb.append_drift_history(report.history_rows(context.run.run_id, datetime.now(timezone.utc), context.partition_key))
     curves = history_curves(history, [c.name for c in report.checks if c.threshold is not None])
     return MaterializeResult(
         metadata={

@@ -150,8 +150,8 @@ def test_traffic_drift_reports_every_check_and_its_history():
     report = traffic_drift(questions, window, thresholds=DriftThresholds(psi=0.25))
     assert report.drifted and all(reason.split("=")[0] in report.metrics for reason in report.reasons())
     assert "**yes**" in report.table() and report.table().count("\n") == len(report.checks) + 1
-    rows = report.history_rows("run-1", pd.Timestamp("2026-01-01", tz="UTC"))
-    assert list(rows.columns) == ["reported_at", "run_id", "metric", "value", "threshold", "drifted"]
+    rows = report.history_rows("run-1", pd.Timestamp("2026-01-01", tz="UTC"), day="2026-01-01")
+    assert list(rows.columns) == ["reported_at", "run_id", "metric", "value", "threshold", "drifted", "day"] and set(rows["day"]) == {"2026-01-01"}
     history = pd.concat([same.history_rows("run-0", pd.Timestamp("2025-12-31", tz="UTC")), rows])
     curves = history_curves(history, ["psi/num_words"])
     assert curves == {"psi/num_words": [(0, 0.0), (1, report.metrics["psi/num_words"])]}

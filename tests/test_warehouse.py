@@ -66,3 +66,18 @@ def test_problem_loaders_fail_the_step_without_problems(warehouse):
     assert sorted(warehouse.reference_questions(5)) == ["a", "b"]
     assert warehouse.eval_results("e1") is None and warehouse.latest_evaluation("v1") is None
     assert warehouse.traffic_cursor() == {} and all(w.empty for w in warehouse.traffic_window("2026-11-23", 10))
+
+
+def test_drift_history_is_by_traffic_day_with_each_days_latest_report(warehouse):
+    def report(day, reported_at, value, run_id):
+        frame = pd.DataFrame({"reported_at": [pd.Timestamp(reported_at, tz="UTC")], "run_id": [run_id], "metric": ["psi/x"], "value": [value]})
+        return warehouse.append_drift_history(frame.assign(threshold=0.2, drifted=value > 0.2, day=day))
+
+    with warehouse.transaction() as conn:  # a file written before drift_history had its day column
+        conn.execute("CREATE TABLE drift_history (reported_at TIMESTAMPTZ, run_id VARCHAR, metric VARCHAR, value DOUBLE, threshold DOUBLE, drifted BOOLEAN)")
+        conn.execute("INSERT INTO drift_history VALUES ('2026-11-01 09:00:00+00', 'old', 'psi/x', 0.05, 0.2, false)")
+    report("2026-11-23", "2026-11-23 10:00", 0.1, "a")
+    history = report("2026-11-22", "2026-11-23 11:00", 0.3, "backfill")  # an earlier day reported later
+    assert list(history["run_id"]) == ["old", "backfill", "a"] and pd.isna(history["day"].iloc[0])
+    history = report("2026-11-23", "2026-11-23 12:00", 0.4, "again")  # the day re-reported: its point moves, none is added
+    assert list(history["run_id"]) == ["old", "backfill", "again"] and list(history["value"]) == [0.05, 0.3, 0.4]
