@@ -73,11 +73,11 @@ case "$stage" in
     python3 bench/grpo_vs_trl.py "$model" --prompts 2 --group 4 --tokens 128 --steps 5 2>&1 | tee "$out/grpo_vs_trl_2x4x128.txt"
     ;;
   products)  # docs/results.md experiment 2's settings on the GPU, dynamic sampling off and on, each paired against the base
-    python3 bench/dynamic_sampling.py "$model" --device cuda --problems .device/data/products --steps 40 --test 200 --output "$out/products.json" 2>&1 | tee "$out/products.txt"
+    python3 bench/dynamic_sampling.py "$model" --device cuda --problems .device/data/products --arms 0:40 2:40 --test 200 --output "$out/products.json" 2>&1 | tee "$out/products.txt"
     ;;
   gsm8k)  # GSM8k from the embedded model with the full profile's shape, evaluated on the whole test split
     python3 bench/dynamic_sampling.py "$model" --device cuda --problems .device/data/gsm8k --rewards '{"math_answer": 1.0, "format": 0.2}' \
-      --profile full --compute-dtype bfloat16 --steps "${STEPS:-60}" --prompts 32 --group 8 --tokens 512 --lr 1e-6 --rounds 0 \
+      --profile full --compute-dtype bfloat16 --arms "0:${STEPS:-60}" --prompts 32 --group 8 --tokens 512 --lr 1e-6 \
       --train 7473 --test 1319 --output "$out/gsm8k.json" 2>&1 | tee "$out/gsm8k.txt"
     ;;
   *) echo "unknown stage $stage: expected prepare, shapes, weights, products or gsm8k" >&2; exit 2 ;;

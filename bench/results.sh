@@ -3,6 +3,7 @@
 # bench/results/, each in its own data directory (.rlvr-results/<name>), then its result table.
 #   bash bench/results.sh            # gsm8k and products (about 2 hours 10 minutes on 2 CPU cores)
 #   bash bench/results.sh products   # one of them
+#   bash bench/results.sh gsm8k_sft  # experiment 5 (its .sft, .eval and .full configs: about 2.5 hours)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 make setup >/dev/null
@@ -18,6 +19,13 @@ for experiment in "${@:-gsm8k products}"; do
   if [ -f "bench/results/$experiment.eval.yaml" ]; then  # the SFT policy on the same problems, as its own partition
     .venv/bin/dagster asset materialize -m rlvr_assets.definitions --select policy_evaluation \
       --partition "sft_policy/$(cat "$RLVR_HOME/models/sft_policy/LATEST")" -c "bench/results/$experiment.eval.yaml"
+  fi
+  if [ -f "bench/results/$experiment.full.yaml" ]; then  # every stage's policy on the whole test split, each its own partition
+    for policy in sft_policy grpo_checkpoint base_policy; do
+      [ -f "$RLVR_HOME/models/$policy/LATEST" ] || continue
+      .venv/bin/dagster asset materialize -m rlvr_assets.definitions --select policy_evaluation \
+        --partition "$policy/$(cat "$RLVR_HOME/models/$policy/LATEST")" -c "bench/results/$experiment.full.yaml"
+    done
   fi
   echo "pipeline wall time: $(( $(date +%s) - started )) s"
   .venv/bin/python bench/results_table.py

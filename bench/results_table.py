@@ -25,6 +25,7 @@ def main() -> None:
 
         base, trained = rows(meta["base_eval_id"].value), rows(meta["trained_eval_id"].value)
         sft = sft_rows(conn, trained, settings)
+        whole = widest_shared_evaluation(conn, [r[0]["policy_version"] for r in (base, sft, trained) if r], len(trained))
         source = conn.execute("SELECT any_value(source), count(*) FILTER (split = 'train') FROM gsm8k_problems").fetchone()
         curve = conn.execute(  # the training run's mean reward per reward function, per block of 10 steps
             "SELECT reward_name, list(round(value, 3) ORDER BY block) FROM (SELECT reward_name, (step - 1) // 10 AS block, "
@@ -54,6 +55,9 @@ def main() -> None:
         )
     print(f"\nevaluation on {len(trained)} held-out problems, greedy, max {config.max_new_tokens} new tokens\n")
     print_table(stages, config)
+    if whole:
+        print(f"\nthe same policies on {len(whole[0])} problems of the {whole[0][0]['split']} split (their policy_evaluation partitions)\n")
+        print_table([(label, rows_) for (label, _), rows_ in zip(stages, whole)], config)
     print("\ntraining reward per block of 10 steps: " + "; ".join(f"{name} {values}" for name, values in sorted(curve)))
 
 
@@ -69,6 +73,24 @@ def sft_rows(conn, trained: list[dict], settings: Settings) -> list[dict]:
         if sorted(r["problem_id"] for r in found) == problems:
             return found
     return []
+
+
+def widest_shared_evaluation(conn, versions: list[str], evaluated: int) -> list[list[dict]]:
+    """Each policy version's rows on the widest problem set every one of them was evaluated on, when it
+    is wider than the report's ``evaluated`` problems (e.g. the whole test split), or none."""
+    by_version = [
+        conn.execute(
+            "SELECT eval_id, list(problem_id ORDER BY problem_id) FROM eval_results WHERE policy_version = ? GROUP BY eval_id ORDER BY max(evaluated_at) DESC",
+            [version],
+        ).fetchall()
+        for version in versions
+    ]
+    shared = set.intersection(*({tuple(ids) for _, ids in found} for found in by_version))
+    widest = max(shared, key=len, default=())
+    if len(widest) <= evaluated:
+        return []
+    eval_ids = [next(eval_id for eval_id, ids in found if tuple(ids) == widest) for found in by_version]
+    return [conn.execute("SELECT * FROM eval_results WHERE eval_id = ? ORDER BY problem_id", [e]).df().to_dict("records") for e in eval_ids]
 
 
 def print_table(stages: list[tuple[str, list[dict]]], config: EvalConfig) -> None:

@@ -42,7 +42,7 @@ class GRPOConfig:
     advantage_eps: float = 1e-6
     mask_truncated: bool = False  # drop completions that hit max_new_tokens from the loss (DAPO)
     skip_zero_variance: bool = True  # drop groups whose rewards are all equal from the update
-    dynamic_sampling_rounds: int = 0  # DAPO: up to this many extra rounds refill groups whose rewards are all equal
+    dynamic_sampling_rounds: int = 0  # DAPO: up to this many extra rounds refill groups whose rewards are all equal (off: docs/results.md 6)
     num_iterations: int = 1  # μ: optimisation passes per batch of rollouts
     num_minibatches: int = 1  # optimizer steps per pass
     micro_batch_size: int = 8  # rows per forward/backward
