@@ -60,7 +60,7 @@ def step_ms(model, tokenizer, rows: int, tokens: int, fast: FastPaths, device: s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model")
-    parser.add_argument("--rows", type=int, nargs="+", default=[8, 128], help="rows decoded together (multiples of 8, or fewer than 8)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 128], help="rows decoded together (up to 8, or multiples of 8)")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--from-config", action="store_true", help="random weights from the folder's config: rows run to the budget")
     args = parser.parse_args()
+    if any(rows > 8 and rows % 8 for rows in args.rows):
+        parser.error("--rows above 8 must be multiples of 8 (prompts of 8 samples each)")
     if args.tokens < 2:
         parser.error("--tokens must be at least 2 (a step is the difference between a run of --tokens and one of 1)")
     dtype = getattr(torch, args.dtype)

@@ -46,8 +46,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--lr", type=float, default=5e-6)
-    parser.add_argument("--reward", default="math_answer_flexible")
-    parser.add_argument("--rewards", type=json.loads, help='reward weights as JSON, e.g. \'{"math_answer": 1.0, "format": 0.2}\' (default: --reward alone)')
+    parser.add_argument("--rewards", type=json.loads, default={"math_answer_flexible": 1.0}, help="reward weights as JSON")
     parser.add_argument("--problems", type=Path, help="a folder with train.jsonl and test.jsonl in GSM8k's format, instead of --task")
     parser.add_argument("--export-problems", type=Path, help="write the generated task's problems there in GSM8k's format, and stop")
     parser.add_argument("--profile", default="default", help="GRPO profile the overrides apply to (rlvr.grpo.profiles)")
@@ -65,7 +64,6 @@ def main() -> None:
         return
     train = [p.as_row() for p in problems if p.split == "train"][: args.train]
     test = [p.as_row() for p in problems if p.split == "test"][: args.test]
-    rewards = args.rewards or {args.reward: 1.0}
     protocol = EvalConfig(max_new_tokens=args.tokens, batch_rows=64)
     arms = [tuple(int(n) for n in arm.split(":")) for arm in args.arms]
     overrides = {
@@ -84,7 +82,7 @@ def main() -> None:
         config = build_config(args.profile, {**overrides, "dynamic_sampling_rounds": rounds, "total_steps": steps})
         with tempfile.TemporaryDirectory() as checkpoints:
             started = time.perf_counter()
-            trained = train_grpo(Path(args.model), train, config, rewards, Path(checkpoints), device=args.device)
+            trained = train_grpo(Path(args.model), train, config, args.rewards, Path(checkpoints), device=args.device)
             wall_s = time.perf_counter() - started
         rows[label] = evaluate_policy(trained.policy, tokenizer, test, protocol)
         history = trained.history
@@ -109,7 +107,7 @@ def main() -> None:
     labels = list(rows)[1:]
     for before, after in [("base", label) for label in labels] + list(itertools.combinations(labels, 2)):
         for column in ("correct_strict", "correct_flexible"):
-            paired = compare(*([dict(r, correct_strict=r[column]) for r in rows[label]] for label in (before, after)))
+            paired = compare(rows[before], rows[after], column=column)
             results[f"{after} vs {before}, {column}"] = paired
             print(
                 f"{after} vs {before}, {column.removeprefix('correct_')} pass@1: {paired['delta']:+.1%} (95% CI {paired['delta_ci_low']:+.1%} "

@@ -23,10 +23,10 @@ if [ "$stage" = prepare ]; then
   rm -rf .device && mkdir -p .device/whl .device/gguf-a .device/gguf-b .device/data
   # pure-Python wheels the image lacks (TRL and its datasets; gguf to read the embedded model), and
   # this project's transformers (the image has 5.17)
+  pins=$(grep -iE '^(trl|datasets|dill|multiprocess|gguf|transformers)==' requirements.lock)  # the versions this project locks
+  # shellcheck disable=SC2086
   .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .device/whl \
-    "$(grep -i '^trl==' requirements.lock)" "$(grep -i '^datasets==' requirements.lock)" "$(grep -i '^dill==' requirements.lock)" \
-    "$(grep -i '^multiprocess==' requirements.lock)" "$(grep -i '^gguf==' requirements.lock)" "$(grep -i '^transformers==' requirements.lock)"
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .device/whl $pins
   gguf=$(.venv/bin/python -c "from rlvr.policy import embedded_gguf_path; print(embedded_gguf_path())")
   first=$(( 38 * 1024 * 1024 ))  # the first call also carries the wheels and the config
   head -c "$first" "$gguf" >.device/gguf-a/part && tail -c +"$(( first + 1 ))" "$gguf" >.device/gguf-b/part

@@ -7,6 +7,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 make setup >/dev/null
+evaluate() {  # the latest stored version of policy $1 under run config $2: its policy_evaluation partition
+  .venv/bin/dagster asset materialize -m rlvr_assets.definitions --select policy_evaluation \
+    --partition "$1/$(cat "$RLVR_HOME/models/$1/LATEST")" -c "$2"
+}
 for experiment in "${@:-gsm8k products}"; do
   export RLVR_HOME="$PWD/.rlvr-results/$experiment" DAGSTER_HOME="$PWD/.rlvr-results/$experiment/dagster"
   export RLVR_GSM8K_DIR="${RLVR_GSM8K_DIR:-$(cd .. && pwd)/shared/data/gsm8k}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
@@ -17,14 +21,12 @@ for experiment in "${@:-gsm8k products}"; do
   fi
   .venv/bin/dagster job execute -m rlvr_assets.definitions -j rlvr_pipeline -c "bench/results/$experiment.yaml"
   if [ -f "bench/results/$experiment.eval.yaml" ]; then  # the SFT policy on the same problems, as its own partition
-    .venv/bin/dagster asset materialize -m rlvr_assets.definitions --select policy_evaluation \
-      --partition "sft_policy/$(cat "$RLVR_HOME/models/sft_policy/LATEST")" -c "bench/results/$experiment.eval.yaml"
+    evaluate sft_policy "bench/results/$experiment.eval.yaml"
   fi
   if [ -f "bench/results/$experiment.full.yaml" ]; then  # every stage's policy on the whole test split, each its own partition
     for policy in sft_policy grpo_checkpoint base_policy; do
       [ -f "$RLVR_HOME/models/$policy/LATEST" ] || continue
-      .venv/bin/dagster asset materialize -m rlvr_assets.definitions --select policy_evaluation \
-        --partition "$policy/$(cat "$RLVR_HOME/models/$policy/LATEST")" -c "bench/results/$experiment.full.yaml"
+      evaluate "$policy" "bench/results/$experiment.full.yaml"
     done
   fi
   echo "pipeline wall time: $(( $(date +%s) - started )) s"

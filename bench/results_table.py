@@ -19,11 +19,7 @@ def main() -> None:
     settings = Settings.from_env()
     meta = DagsterInstance.get().get_latest_materialization_event(AssetKey("eval_report")).asset_materialization.metadata
     with duckdb.connect(str(settings.duckdb_path), read_only=True) as conn:
-
-        def rows(eval_id):
-            return conn.execute("SELECT * FROM eval_results WHERE eval_id = ? ORDER BY problem_id", [eval_id]).df().to_dict("records")
-
-        base, trained = rows(meta["base_eval_id"].value), rows(meta["trained_eval_id"].value)
+        base, trained = evaluation_rows(conn, meta["base_eval_id"].value), evaluation_rows(conn, meta["trained_eval_id"].value)
         sft = sft_rows(conn, trained, settings)
         whole = widest_shared_evaluation(conn, [r[0]["policy_version"] for r in (base, sft, trained) if r], len(trained))
         source = conn.execute("SELECT any_value(source), count(*) FILTER (split = 'train') FROM gsm8k_problems").fetchone()
@@ -39,19 +35,21 @@ def main() -> None:
     steps = client.get_metric_history(run.info.run_id, "step_time_s")
     params = run.data.params
     print(f"\nsource {source[0]} ({source[1]} train problems); policy {meta['policy_version'].value}")
+    rewards = [k.removeprefix("rewards.") for k in params if k.startswith("rewards.")]
     print(
         f"training: {len(steps)} GRPO steps x {params['grpo.prompts_per_step']} prompts x {params['grpo.group_size']} "
         f"completions, max {params['grpo.sampling.max_new_tokens']} new tokens, lr {params['grpo.lr']}, rewards "
-        f"{ {k.removeprefix('rewards.'): float(v) for k, v in params.items() if k.startswith('rewards.')} }: "
-        f"{sum(m.value for m in steps) / 60:.1f} min of steps"
+        f"{ {name: float(params['rewards.' + name]) for name in rewards} }: {sum(m.value for m in steps) / 60:.1f} min of steps"
     )
+    for metric in [f"reward_{name}_mean" for name in sorted(rewards)] + ["frac_groups_kept"]:
+        print(f"  GRPO {metric} per step: {metric_curve(client, run.info.run_id, metric)}")
     if sft:
         sft_run = client.search_runs(experiments, "tags.`rlvr.kind` = 'sft'", order_by=["attributes.start_time DESC"])[0]
-        losses = [m.value for m in sorted(client.get_metric_history(sft_run.info.run_id, "loss"), key=lambda m: m.step)]
+        losses = metric_curve(client, sft_run.info.run_id, "loss")
         p = sft_run.data.params
         print(
             f"SFT: {len(losses)} steps x {p['sft.batch_size']} solutions, lr {p['sft.lr']}, max {p['sft.max_completion_tokens']} target tokens; "
-            f"loss {losses[0]:.3f} (step 1) -> {losses[-1]:.3f}; {(sft_run.info.end_time - sft_run.info.start_time) / 60000:.1f} min"
+            f"{(sft_run.info.end_time - sft_run.info.start_time) / 60000:.1f} min; loss per step {losses}"
         )
     print(f"\nevaluation on {len(trained)} held-out problems, greedy, max {config.max_new_tokens} new tokens\n")
     print_table(stages, config)
@@ -61,36 +59,43 @@ def main() -> None:
     print("\ntraining reward per block of 10 steps: " + "; ".join(f"{name} {values}" for name, values in sorted(curve)))
 
 
+def evaluation_rows(conn, eval_id: str) -> list[dict]:
+    """One evaluation's per-problem rows, by problem id."""
+    return conn.execute("SELECT * FROM eval_results WHERE eval_id = ? ORDER BY problem_id", [eval_id]).df().to_dict("records")
+
+
+def evaluations(conn, version: str) -> dict[tuple[str, ...], str]:
+    """A policy version's evaluations: the problem ids each covered -> its newest eval_id."""
+    found = conn.execute(
+        "SELECT eval_id, list(problem_id ORDER BY problem_id) FROM eval_results WHERE policy_version = ? GROUP BY eval_id ORDER BY max(evaluated_at)",
+        [version],
+    ).fetchall()
+    return {tuple(ids): eval_id for eval_id, ids in found}  # newest last: it wins a problem set evaluated twice
+
+
+def metric_curve(client, run_id: str, metric: str) -> list[float]:
+    """An MLflow run's metric by step."""
+    return [round(m.value, 3) for m in sorted(client.get_metric_history(run_id, metric), key=lambda m: m.step)]
+
+
 def sft_rows(conn, trained: list[dict], settings: Settings) -> list[dict]:
     """The rows of the SFT policy GRPO started from, on the same problems (its policy_evaluation), or none."""
     store = ModelStore(root=str(settings.model_root))
     parent = store.latest("grpo_checkpoint").manifest["parent_version"]
     if store.get("sft_policy", parent) is None:
         return []
-    problems = sorted(r["problem_id"] for r in trained)
-    for (eval_id,) in conn.execute("SELECT DISTINCT eval_id FROM eval_results WHERE policy_version = ?", [parent]).fetchall():
-        found = conn.execute("SELECT * FROM eval_results WHERE eval_id = ? ORDER BY problem_id", [eval_id]).df().to_dict("records")
-        if sorted(r["problem_id"] for r in found) == problems:
-            return found
-    return []
+    eval_id = evaluations(conn, parent).get(tuple(sorted(r["problem_id"] for r in trained)))
+    return evaluation_rows(conn, eval_id) if eval_id else []
 
 
 def widest_shared_evaluation(conn, versions: list[str], evaluated: int) -> list[list[dict]]:
     """Each policy version's rows on the widest problem set every one of them was evaluated on, when it
     is wider than the report's ``evaluated`` problems (e.g. the whole test split), or none."""
-    by_version = [
-        conn.execute(
-            "SELECT eval_id, list(problem_id ORDER BY problem_id) FROM eval_results WHERE policy_version = ? GROUP BY eval_id ORDER BY max(evaluated_at) DESC",
-            [version],
-        ).fetchall()
-        for version in versions
-    ]
-    shared = set.intersection(*({tuple(ids) for _, ids in found} for found in by_version))
-    widest = max(shared, key=len, default=())
+    by_version = [evaluations(conn, version) for version in versions]
+    widest = max(set.intersection(*(set(found) for found in by_version)), key=len, default=())
     if len(widest) <= evaluated:
         return []
-    eval_ids = [next(eval_id for eval_id, ids in found if tuple(ids) == widest) for found in by_version]
-    return [conn.execute("SELECT * FROM eval_results WHERE eval_id = ? ORDER BY problem_id", [e]).df().to_dict("records") for e in eval_ids]
+    return [evaluation_rows(conn, found[widest]) for found in by_version]
 
 
 def print_table(stages: list[tuple[str, list[dict]]], config: EvalConfig) -> None:
@@ -104,9 +109,14 @@ def print_table(stages: list[tuple[str, list[dict]]], config: EvalConfig) -> Non
     for name in ("format_compliance", "truncation_rate"):
         print(f"| {name} | " + " | ".join(f"{m[name]:.1%}" for _, m in metrics) + " |")
     print("| mean completion tokens | " + " | ".join(f"{m['mean_completion_tokens']:.1f}" for _, m in metrics) + " |")
+    for label, rows_ in stages:
+        graded = [r for r in rows_ if isinstance(r.get("correct_lm_eval_strict"), bool)]  # rows stored before the column have none
+        if graded:
+            differ = {kind: sum(r[f"correct_{kind}"] != r[f"correct_lm_eval_{kind}"] for r in graded) for kind in ("strict", "flexible")}
+            print(f"{label}: ours and lm-evaluation-harness's grading differ on {differ['strict']} (strict), {differ['flexible']} (flexible) of {len(graded)}")
     for (before, rows_before), (after, rows_after) in zip(stages, stages[1:]):
         for column in ("correct_strict", "correct_flexible"):
-            paired = compare([dict(r, correct_strict=r[column]) for r in rows_before], [dict(r, correct_strict=r[column]) for r in rows_after])
+            paired = compare(rows_before, rows_after, column=column)
             print(
                 f"\n{after} vs {before}, {column.removeprefix('correct_')} pass@1: {paired['delta']:+.1%} (95% CI {paired['delta_ci_low']:+.1%} to "
                 f"{paired['delta_ci_high']:+.1%}); McNemar p = {paired['mcnemar_p_value']:.3g} ({paired['mcnemar_method']}); paired bootstrap "

@@ -56,6 +56,9 @@ def test_compare_pairs_by_problem_id():
     assert result["shared_problems"] == 10 and result["delta"] == pytest.approx(0.6)
     assert result["new_only_correct"] == 6 and result["base_only_correct"] == 0
     assert result["mcnemar_p_value"] < 0.05
+    base_flexible, new_flexible = [dict(r, correct_flexible=not r["correct_strict"]) for r in base], [dict(r, correct_flexible=True) for r in new]
+    flexible = compare(base_flexible, new_flexible, column="correct_flexible")
+    assert flexible["delta"] == pytest.approx(0.2) and flexible["new_only_correct"] == 2  # the column asked for, not strict
     with pytest.raises(ValueError, match="share no problems"):
         compare(base, [{"problem_id": "other", "correct_strict": True}])
 

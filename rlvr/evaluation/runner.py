@@ -172,14 +172,15 @@ def summarize(results: list[dict], config: EvalConfig) -> dict:
     return metrics
 
 
-def compare(base: list[dict], new: list[dict], confidence: float = 0.95, seed: int = 0) -> dict:
-    """Paired comparison of two evaluations on the same problems (strict pass@1): McNemar and paired bootstrap."""
-    base_by_id = {r["problem_id"]: r["correct_strict"] for r in base}
+def compare(base: list[dict], new: list[dict], confidence: float = 0.95, seed: int = 0, column: str = "correct_strict") -> dict:
+    """Paired comparison of two evaluations on the same problems (pass@1 by ``column``, strict by
+    default): McNemar and paired bootstrap."""
+    base_by_id = {r["problem_id"]: r[column] for r in base}
     shared = [r for r in new if r["problem_id"] in base_by_id]
     if not shared:
         raise ValueError("the two evaluations share no problems")
     base_correct = np.array([base_by_id[r["problem_id"]] for r in shared])
-    new_correct = np.array([r["correct_strict"] for r in shared])
+    new_correct = np.array([r[column] for r in shared])
     test = mcnemar_test(base_correct, new_correct)
     boot = paired_bootstrap(base_correct.astype(float), new_correct.astype(float), confidence=confidence, seed=seed)
     return {
