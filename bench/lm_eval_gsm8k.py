@@ -50,10 +50,10 @@ from serve_load import ServedBento, post  # noqa: E402
 from bentos.build import build_bento, store_policy  # noqa: E402
 from rlvr.answers import lm_eval_gsm8k_answers  # noqa: E402
 from rlvr.gsm8k import make_problem  # noqa: E402
+from rlvr.settings import Settings  # noqa: E402
 
 TASK = "gsm8k_local"
 TASK_YAML = ROOT / "bench" / "lm_eval" / f"{TASK}.yaml"
-DEFAULT_GSM8K_DIR = ROOT.parent / "shared" / "data" / "gsm8k"
 MAX_NEW_TOKENS = 256  # both protocols: lm-eval's max_gen_toks default and our evaluation's
 
 
@@ -61,7 +61,7 @@ def task_folder(gsm8k_dir: Path, scratch: Path) -> Path:
     """A folder holding the task YAML with its data files at ``gsm8k_dir`` (absolute paths, so any cwd works)."""
     text = TASK_YAML.read_text()
     for split in ("train", "test"):
-        text = text.replace(f"../shared/data/gsm8k/{split}.jsonl", str(gsm8k_dir.resolve() / f"{split}.jsonl"))
+        text = text.replace(f"rlvr/data/gsm8k/{split}.jsonl", str(gsm8k_dir.resolve() / f"{split}.jsonl"))
     scratch.mkdir(parents=True, exist_ok=True)
     (scratch / TASK_YAML.name).write_text(text)
     return scratch
@@ -75,7 +75,7 @@ def run_harness(
     *,
     max_gen_toks: int = MAX_NEW_TOKENS,
     concurrency: int = 4,
-    gsm8k_dir: Path = DEFAULT_GSM8K_DIR,
+    gsm8k_dir: Path = Settings.from_env().gsm8k_dir,
     output_dir: Path,
 ) -> list[dict]:
     """lm-eval's gsm8k on the first ``limit`` test problems through ``url``/v1/completions: per problem,
@@ -217,7 +217,7 @@ def main() -> int:
     parser.add_argument("checkpoint", type=Path, help="a Hugging Face checkpoint folder (its tokenizer too)")
     parser.add_argument("--limit", type=int, default=100, help="the first N GSM8k test problems")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight, each protocol")
-    parser.add_argument("--gsm8k-dir", type=Path, default=Path(os.environ.get("RLVR_GSM8K_DIR", DEFAULT_GSM8K_DIR)))
+    parser.add_argument("--gsm8k-dir", type=Path, default=Settings.from_env().gsm8k_dir)
     parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of the server")
     parser.add_argument("--output", type=Path, help="write the per-problem results here (JSON)")
     args = parser.parse_args()

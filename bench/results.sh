@@ -7,19 +7,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 make setup >/dev/null
+export VIRTUAL_ENV="$PWD/.venv"  # dg runs in the project's environment
 evaluate() {  # the latest stored version of policy $1 under run config $2: its policy_evaluation partition
-  .venv/bin/dagster asset materialize -m rlvr_assets.definitions --select policy_evaluation \
-    --partition "$1/$(cat "$RLVR_HOME/models/$1/LATEST")" -c "$2"
+  .venv/bin/dg launch --assets policy_evaluation --partition "$1/$(cat "$RLVR_HOME/models/$1/LATEST")" --config "$2"
 }
 for experiment in "${@:-gsm8k products}"; do
   export RLVR_HOME="$PWD/.rlvr-results/$experiment" DAGSTER_HOME="$PWD/.rlvr-results/$experiment/dagster"
-  export RLVR_GSM8K_DIR="${RLVR_GSM8K_DIR:-$(cd .. && pwd)/shared/data/gsm8k}" TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
+  export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1
   make --no-print-directory "$DAGSTER_HOME/dagster.yaml" DAGSTER_HOME="$DAGSTER_HOME" >/dev/null
   started=$(date +%s)
   if [ -f "bench/results/$experiment.sft.yaml" ]; then  # an SFT cold start first (GRPO then starts from it)
-    .venv/bin/dagster asset materialize -m rlvr_assets.definitions --select gsm8k_problems,base_policy,sft_policy -c "bench/results/$experiment.sft.yaml"
+    .venv/bin/dg launch --assets gsm8k_problems,base_policy,sft_policy --config "bench/results/$experiment.sft.yaml"
   fi
-  .venv/bin/dagster job execute -m rlvr_assets.definitions -j rlvr_pipeline -c "bench/results/$experiment.yaml"
+  .venv/bin/dg launch --job rlvr_pipeline --config "bench/results/$experiment.yaml"
   if [ -f "bench/results/$experiment.eval.yaml" ]; then  # the SFT policy on the same problems, as its own partition
     evaluate sft_policy "bench/results/$experiment.eval.yaml"
   fi

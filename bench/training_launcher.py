@@ -1,6 +1,6 @@
 """GRPO through the torchrun/Pipes launcher against the in-process run it replaced, and 1 vs 2 processes.
 
-    python bench/training_launcher.py .rlvr/models/base_policy/<version> [--steps 4] [--gsm8k ../shared/data/gsm8k]
+    python bench/training_launcher.py .rlvr/models/base_policy/<version> [--steps 4] [--gsm8k <folder of train.jsonl/test.jsonl>]
 
 One invocation, same problems and config (the ``default`` profile: the embedded default run of
 ``make run``): (a) ``train_grpo`` called in this process, as the asset did before the launcher
@@ -21,6 +21,7 @@ from resources.launcher import TrainingJob, TrainingLauncher
 from rlvr.grpo.profiles import build_config
 from rlvr.gsm8k import load_local
 from rlvr.rewards import DEFAULT_GSM8K_REWARD
+from rlvr.settings import Settings
 from rlvr.training_run import train_grpo
 
 
@@ -44,7 +45,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--gsm8k", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k")
+    parser.add_argument("--gsm8k", type=Path, default=Settings.from_env().gsm8k_dir)
     args = parser.parse_args()
     rows = [p.as_row() for p in load_local(args.gsm8k) if p.split == "train"][:200]
     config = build_config("default", {"total_steps": args.steps, "checkpoint_every": 0})

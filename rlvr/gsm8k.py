@@ -2,7 +2,8 @@
 
 Sources:
 
-* ``local``: a folder holding the official ``train.jsonl`` and ``test.jsonl``;
+* ``local``: a folder holding the official ``train.jsonl`` and ``test.jsonl``; by default the copy
+  shipped in ``rlvr/data/gsm8k`` (MIT, with its LICENSE and SHA256SUMS);
 * ``hub``: ``datasets.load_dataset("openai/gsm8k", "main")`` (needs the network);
 * ``gsm_symbolic``: reasoning-gym's offline generator. Its templates were made from the GSM8k
   *test* split, so a policy trained on it must never be evaluated on GSM8k test
@@ -93,11 +94,39 @@ def make_problem(question: str, answer: str, split: str, index: int, source: str
     )
 
 
+def verify_checksums(folder: Path) -> list[str]:
+    """Check every file that ``folder/SHA256SUMS`` lists against its SHA-256; return the names verified.
+
+    A folder without ``SHA256SUMS`` (a user's own copy) verifies nothing; a listed file that is missing
+    or differs raises ``DataSourceError`` naming it, before any row is read.
+    """
+    sums = folder / "SHA256SUMS"
+    if not sums.is_file():
+        return []
+    verified = []
+    for line_no, line in enumerate(sums.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        digest, _, name = line.strip().partition("  ")
+        if not re.fullmatch(r"[0-9a-f]{64}", digest) or not name:
+            raise DataSourceError(f"{sums} line {line_no}: expected '<sha256>  <file name>', got {line!r}")
+        path = folder / name.lstrip("*")
+        if not path.is_file():
+            raise DataSourceError(f"{sums} lists {name}, which is not in {folder}")
+        actual = hashlib.sha256(path.read_bytes()).hexdigest()
+        if actual != digest:
+            raise DataSourceError(f"{path} does not match {sums}: sha256 {actual}, expected {digest} (the file was changed or damaged)")
+        verified.append(name)
+    return verified
+
+
 def load_local(folder: str | Path, limit: int | None = None) -> list[Problem]:
-    """Read ``train.jsonl`` and ``test.jsonl`` from ``folder`` (the official GSM8k release files)."""
+    """Read ``train.jsonl`` and ``test.jsonl`` from ``folder`` (the official GSM8k release files),
+    after checking them against the folder's ``SHA256SUMS`` where it has one."""
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         raise DataSourceError(f"GSM8k folder not found: {folder}")
+    verify_checksums(folder)
     problems = []
     for split in SPLITS:
         path = folder / f"{split}.jsonl"

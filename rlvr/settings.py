@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_GSM8K_DIR = "../shared/data/gsm8k"
+DEFAULT_GSM8K_DIR = Path(__file__).resolve().parent / "data" / "gsm8k"  # the official files, shipped in the package
 LAUNCHERS = ("local", "k8s")
 
 
@@ -81,6 +81,7 @@ class Settings:
 
     @property
     def gsm8k_dir(self) -> Path:
+        """The ``local`` source's folder: ``$RLVR_GSM8K_DIR``, else the GSM8k copy shipped in ``rlvr/data/gsm8k``."""
         return Path(os.environ.get("RLVR_GSM8K_DIR", DEFAULT_GSM8K_DIR)).expanduser().resolve()
 
     def ensure(self) -> "Settings":

@@ -1,4 +1,5 @@
-"""The one Definitions object of rlvr-ops, loaded by ``dagster dev`` through workspace.yaml."""
+"""The one Definitions object of rlvr-ops: the dg project's code location (``dg launch``, ``dg dev``,
+``dg check defs``; pyproject.toml's ``[tool.dg]``), also named by workspace.yaml."""
 
 from dagster import Definitions, in_process_executor
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -12,8 +11,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def gsm8k_dir() -> Path:
-    """The official GSM8k jsonl files (``$RLVR_GSM8K_DIR``, default ``../shared/data/gsm8k``)."""
-    path = Path(os.environ.get("RLVR_GSM8K_DIR", ROOT.parent / "shared" / "data" / "gsm8k")).resolve()
+    """The official GSM8k jsonl files: the local source's default (``$RLVR_GSM8K_DIR``, else the shipped copy)."""
+    from rlvr.settings import Settings
+
+    path = Settings.from_env().gsm8k_dir
     assert (path / "train.jsonl").is_file(), f"GSM8k data not found at {path}: set RLVR_GSM8K_DIR"
     return path
 

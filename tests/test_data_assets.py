@@ -2,8 +2,10 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import duckdb
 import pytest
@@ -11,6 +13,8 @@ from dagster import DagsterInstance, materialize
 
 from resources import Warehouse
 from rlvr_assets.data import gsm8k_problems
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(db_path, instance, **config):
@@ -115,19 +119,20 @@ def test_gsm_symbolic_source(tmp_path, instance):
         assert conn.execute("SELECT DISTINCT source FROM gsm8k_problems").fetchall() == [("gsm_symbolic",)]
 
 
-def test_cli_materialize_and_clear_failure(tmp_path, gsm8k_dir):
-    """`dagster asset materialize` on the project's Definitions, as a user runs it."""
-    env = {**os.environ, "RLVR_HOME": str(tmp_path / "home"), "DAGSTER_HOME": str(tmp_path / "dagster")}
+def test_dg_launch_on_the_shipped_files_and_a_clear_failure(tmp_path):
+    """`dg launch --assets` in the project, as a user types it: the shipped GSM8k copy by default,
+    no supersession or deprecation warning, a bad folder named and the table kept."""
+    env = {**os.environ, "RLVR_HOME": str(tmp_path / "home"), "DAGSTER_HOME": str(tmp_path / "dagster"), "VIRTUAL_ENV": sys.prefix}
+    env.pop("RLVR_GSM8K_DIR", None)
     (tmp_path / "dagster").mkdir()
-    good = tmp_path / "good.yaml"
-    good.write_text(json.dumps({"ops": {"gsm8k_problems": {"config": {"local_dir": str(gsm8k_dir), "limit": 25}}}}))
-    cmd = [sys.executable, "-m", "dagster", "asset", "materialize", "-m", "rlvr_assets.definitions", "--select", "gsm8k_problems"]
-    ok = subprocess.run(cmd + ["-c", str(good)], env=env, capture_output=True, text=True, timeout=300)
+    cmd = [str(Path(sys.executable).parent / "dg"), "launch", "--assets", "gsm8k_problems", "--config-json"]
+    good = {"ops": {"gsm8k_problems": {"config": {"limit": 25}}}}
+    ok = subprocess.run(cmd + [json.dumps(good)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0, ok.stderr[-3000:]
+    assert not re.findall(r"\w*(?:Supersession|Deprecation|Preview|Beta)Warning.*", ok.stdout + ok.stderr)
     assert table_counts(tmp_path / "home" / "rlvr.duckdb") == {"train": 25, "test": 25}
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(json.dumps({"ops": {"gsm8k_problems": {"config": {"local_dir": str(tmp_path / "missing")}}}}))
-    failed = subprocess.run(cmd + ["-c", str(bad)], env=env, capture_output=True, text=True, timeout=300)
+    bad = {"ops": {"gsm8k_problems": {"config": {"local_dir": str(tmp_path / "missing")}}}}
+    failed = subprocess.run(cmd + [json.dumps(bad)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert failed.returncode != 0
-    assert "GSM8k folder not found" in failed.stdout + failed.stderr
+    assert f"GSM8k folder not found: {tmp_path / 'missing'}" in failed.stdout + failed.stderr
     assert table_counts(tmp_path / "home" / "rlvr.duckdb") == {"train": 25, "test": 25}

@@ -1,5 +1,5 @@
 """Grading beside the harnesses: lm-evaluation-harness' gsm8k scoring, quirks included, in the
-evaluation runner's columns; and the guard that keeps explosive answers from sympy (issue 17)."""
+evaluation runner's columns; and the guard that keeps explosive answers from sympy."""
 
 from __future__ import annotations
 

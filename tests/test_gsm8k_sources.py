@@ -1,9 +1,14 @@
+import hashlib
 import json
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 
+import rlvr
 from rlvr import gsm8k
+from rlvr.settings import Settings
 
 
 def write_split(folder, split, records):
@@ -22,6 +27,38 @@ def test_load_local_official_files(gsm8k_dir):
     assert first.problem_id == "local-train-00000"
     assert first.answer_text == "72" and first.answer_value == 72.0 and first.num_steps == 2
     assert all(o.passed for o in gsm8k.validate_problems(problems, gsm8k.OFFICIAL_COUNTS))
+
+
+# The official release's SHA-256 (github.com/openai/grade-school-math, grade_school_math/data).
+OFFICIAL_SHA256 = {
+    "train.jsonl": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
+    "test.jsonl": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
+}
+
+
+def test_the_shipped_copy_is_the_default_and_the_official_release(monkeypatch):
+    monkeypatch.delenv("RLVR_GSM8K_DIR", raising=False)
+    folder = Settings.from_env().gsm8k_dir
+    assert folder == Path(rlvr.__file__).resolve().parent / "data" / "gsm8k"
+    assert (folder / "LICENSE").read_text().startswith("MIT License")
+    assert sorted(gsm8k.verify_checksums(folder)) == ["test.jsonl", "train.jsonl"]
+    assert {name: hashlib.sha256((folder / name).read_bytes()).hexdigest() for name in OFFICIAL_SHA256} == OFFICIAL_SHA256
+    monkeypatch.setenv("RLVR_GSM8K_DIR", "/somewhere/else")
+    assert Settings.from_env().gsm8k_dir == Path("/somewhere/else")
+
+
+def test_a_changed_file_fails_its_checksum_before_any_row_is_read(tmp_path, gsm8k_dir):
+    shutil.copytree(gsm8k_dir, tmp_path / "copy")
+    test_file = tmp_path / "copy" / "test.jsonl"
+    test_file.write_bytes(test_file.read_bytes().replace(b"#### 18", b"#### 19", 1))  # one answer changed
+    with pytest.raises(gsm8k.DataSourceError, match=r"copy/test\.jsonl does not match .*SHA256SUMS: sha256 [0-9a-f]{64}, expected 3730d3"):
+        gsm8k.load_local(tmp_path / "copy")
+    test_file.unlink()
+    with pytest.raises(gsm8k.DataSourceError, match="SHA256SUMS lists test.jsonl, which is not in"):
+        gsm8k.load_local(tmp_path / "copy")
+    (tmp_path / "copy" / "SHA256SUMS").write_text("not a checksum line\n")
+    with pytest.raises(gsm8k.DataSourceError, match="SHA256SUMS line 1: expected '<sha256>  <file name>'"):
+        gsm8k.load_local(tmp_path / "copy")
 
 
 def test_load_local_limit(gsm8k_dir):

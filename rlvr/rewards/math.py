@@ -6,7 +6,7 @@ alike. The two modes are registered separately so strict and flexible accuracy a
 by side. The answer is compared numerically with tolerance; when that fails and the final answer
 is written as LaTeX or an expression (``\\frac{3}{4}``, ``2^3``), math-verify checks symbolic
 equivalence, unless :func:`explosive_reason` refuses the answer or the reference first (sympy on
-``9^{9^{9}}`` held a process, and the GIL, past 40 s: issue 17).
+``9^{9^{9}}`` held a process, and the GIL, past 40 s).
 """
 
 from __future__ import annotations

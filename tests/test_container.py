@@ -1,0 +1,211 @@
+"""rlvr-ops's images built with podman and run for real, as ``make container`` builds and runs them.
+
+- The policy image: ``test_bento_service``'s Bento (the scripted tiny Llama) containerized by
+  ``deploy/container/build_images.py`` (BentoML's containerize on the shared Debian base) and started
+  by ``deploy/container/run-policy.sh``; ``/readyz``, ``/solve``, ``/v1/chat/completions`` and
+  ``/metrics`` over real HTTP on the published 127.0.0.1 port, and each request's traffic record read
+  on the host, from the mounted folder, with ``rlvr.traffic.read_traffic``.
+- The code-location image (``deploy/docker/Dockerfile``): its gRPC code server answers
+  ``dagster api grpc-health-check`` from the host through the published port, and its own
+  HEALTHCHECK command inside the container.
+
+Slow (minutes: a Debian base image once, cached in podman's storage, then each image's Python
+packages from PyPI and the local wheelhouse). Skips, with the reason, where podman cannot run
+(not installed, or not root: the builds use rootful podman).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from bentos.build import MODEL_VERSION_LABEL, bentoml_env
+from rlvr.answers import extract_final_answer
+from rlvr.traffic import read_traffic, traffic_row
+from test_bento_service import GREEDY_COMPLETION, LINEAGE, QUESTION, Server, _free_port, _metric, scripted_bento
+
+pytestmark = [
+    pytest.mark.slow,  # builds and runs container images
+    pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::pydantic.PydanticDeprecatedSince211"),
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTAINER_DIR = ROOT / "deploy" / "container"
+BUILD_IMAGES = CONTAINER_DIR / "build_images.py"
+RUN_POLICY = CONTAINER_DIR / "run-policy.sh"
+NEEDED_TOOLS = ("podman", "runc", "debootstrap", "iptables")  # iptables: podman's published ports
+BUILD_TIMEOUT_S = 1800
+READY_TIMEOUT_S = 300  # the code server imports torch, transformers and every asset module
+MODEL = LINEAGE[MODEL_VERSION_LABEL]
+SERVICE_UID = 1034  # the image's `bentoml` user
+
+
+def _podman_env() -> dict[str, str]:
+    return {**os.environ, "CONTAINERS_CONF": str(CONTAINER_DIR / "containers.conf")}
+
+
+def _podman(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["podman", *args], env=_podman_env(), capture_output=True, text=True, timeout=timeout_s)
+
+
+def _build(*args: str, env: dict[str, str]) -> str:
+    """``build_images.py *args``; the image's tag. A failed build fails the test with the build's log."""
+    started = time.monotonic()
+    result = subprocess.run([sys.executable, str(BUILD_IMAGES), *args], env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    assert result.returncode == 0, f"build_images.py {' '.join(args)} failed (exit {result.returncode}):\n{result.stderr[-6000:]}"
+    print(f"built {result.stdout.strip()} in {time.monotonic() - started:.0f} s")
+    return result.stdout.strip().splitlines()[-1]
+
+
+def _logs(name: str) -> str:
+    result = _podman("logs", name)
+    return (result.stdout + result.stderr)[-4000:]
+
+
+@pytest.fixture(scope="module")
+def podman_ready() -> None:
+    missing = [tool for tool in NEEDED_TOOLS if shutil.which(tool) is None]
+    if missing:
+        pytest.skip(f"{', '.join(missing)} not installed: apt-get install -y podman runc netavark aardvark-dns iptables debootstrap (.ci/run does)")
+    if os.geteuid() != 0:
+        pytest.skip("the image builds use rootful podman and debootstrap: run as root")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    return scripted_bento(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def policy_image(podman_ready, built):
+    bento, _, home = built
+    tag = f"localhost/rlvr-test-policy:{bento.tag.split(':', 1)[1]}"
+    yield _build("policy", bento.tag, "--tag", tag, env={**bentoml_env(home), **_podman_env()})
+    _podman("rmi", "--force", tag)
+
+
+@pytest.fixture(scope="module")
+def policy_container(policy_image, built, tmp_path_factory):
+    """The policy image started as ``make container`` starts it; its traffic folder is on this host."""
+    bento, model_tag, home = built
+    folder = tmp_path_factory.mktemp("policy-container")
+    traffic, port, name = folder / "traffic", _free_port(), f"rlvr-test-policy-{os.getpid()}"
+    started = subprocess.run(
+        ["bash", str(RUN_POLICY), policy_image, str(traffic), str(port), name], env=_podman_env(), capture_output=True, text=True, timeout=120
+    )
+    assert started.returncode == 0, f"run-policy.sh failed:\n{started.stderr}"
+    try:
+        server = Server(f"http://127.0.0.1:{port}", traffic, bento, model_tag, home, folder / "container.log", proc=None)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            state = _podman("inspect", "--format", "{{.State.Status}}", name).stdout.strip()
+            assert state == "running", f"the policy container is {state}:\n{_logs(name)}"
+            assert time.monotonic() < deadline, f"/readyz not 200 within {READY_TIMEOUT_S} s:\n{_logs(name)}"
+            try:
+                if server.request("/readyz", timeout_s=5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(1)
+        yield server
+    finally:
+        server.log_path.write_text(_logs(name))
+        _podman("rm", "--force", "--time", "5", name)
+
+
+def test_policy_image_is_cpu_and_keeps_no_build_input(policy_image):
+    """torch is the CPU wheel from the wheelhouse; the build's CA bundle and uv settings were mounts only."""
+    probe = "import torch; print(torch.__version__, torch.cuda.is_available())"
+    script = f"id -u; python -c '{probe}'; cat /etc/uv/uv.toml; ls -A /run/rlvr-build/wheelhouse; sha256sum /etc/ssl/certs/ca-certificates.crt"
+    result = _podman("run", "--rm", "--network", "none", "--entrypoint", "bash", policy_image, "-c", script)
+    assert result.returncode == 0, result.stderr
+    uid, torch_line, uv_config, *rest = result.stdout.splitlines()
+    assert uid == str(SERVICE_UID)
+    assert torch_line == "2.13.0+cpu False"
+    assert uv_config.startswith("# empty:")  # the base image's placeholder, not the build's settings
+    assert len(rest) == 1  # no wheel left behind
+    base = _podman("run", "--rm", "--network", "none", "localhost/rlvr-base:bookworm-py311", "sha256sum", "/etc/ssl/certs/ca-certificates.crt")
+    assert rest[0] == base.stdout.strip(), "the image's CA bundle is not the base image's: the build's bundle leaked into it"
+
+
+def test_policy_container_serves_over_the_published_port_and_logs_to_the_host(policy_container):
+    server = policy_container
+    for probe in ("/healthz", "/readyz"):
+        assert server.request(probe, timeout_s=5)[0] == 200, probe
+    marker = f"container-{os.getpid()}"
+    solved = server.post_ok("/solve", {"question": f"{QUESTION} ({marker})", "k": 1, "max_new_tokens": 16})
+    assert solved["k"] == 1 and solved["model_version"] == MODEL
+    assert solved["answer"] == extract_final_answer(GREEDY_COMPLETION)
+    messages = [{"role": "user", "content": f"What is 2 cubed? ({marker})"}]
+    chat = server.post_ok("/v1/chat/completions", {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 16})
+    assert chat["choices"][0]["message"]["content"] == GREEDY_COMPLETION and chat["model"] == MODEL
+
+    metrics = server.metrics()
+    assert _metric(metrics, "rlvr_requests_total", endpoint="/solve", status="200") >= 1
+    assert _metric(metrics, "rlvr_requests_total", endpoint="/v1/chat/completions", status="200") >= 1
+
+    # The container wrote into the host folder, as its own user; the project's reader reads it here.
+    records = {r["request_id"]: r for r in read_traffic(server.traffic_dir).records}
+    solve_record, chat_record = records[solved["request_id"]], records[chat["id"]]
+    assert (solve_record["endpoint"], solve_record["status"], solve_record["model_version"]) == ("/solve", 200, MODEL)
+    assert marker in solve_record["prompt"] and solve_record["answer"] == solved["answer"]
+    assert (chat_record["endpoint"], chat_record["status"], chat_record["messages"]) == ("/v1/chat/completions", 200, messages)
+    assert traffic_row(chat_record)["endpoint"] == "/v1/chat/completions"  # what serving_traffic ingests
+    log_files = list(server.traffic_dir.glob("traffic-*.jsonl"))
+    assert log_files and all(f.stat().st_uid == SERVICE_UID for f in log_files)
+
+
+@pytest.fixture(scope="module")
+def code_location_container(podman_ready, tmp_path_factory):
+    tag = "localhost/rlvr-test-code-location:latest"
+    _build("code-location", "--tag", tag, env=_podman_env())
+    port, name = _free_port(), f"rlvr-test-code-location-{os.getpid()}"
+    started = _podman("run", "--detach", "--name", name, "--publish", f"127.0.0.1:{port}:4000", tag)
+    assert started.returncode == 0, started.stderr
+    try:
+        yield tag, name, port
+    finally:
+        _podman("rm", "--force", "--time", "5", name)
+        _podman("rmi", "--force", tag)
+
+
+def test_code_location_answers_the_grpc_health_check(code_location_container):
+    tag, name, port = code_location_container
+    dagster = str(Path(sys.executable).with_name("dagster"))
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:  # from this host, through the published loopback port
+        check = subprocess.run([dagster, "api", "grpc-health-check", "-h", "127.0.0.1", "-p", str(port)], capture_output=True, text=True, timeout=60)
+        if check.returncode == 0:
+            break
+        state = _podman("inspect", "--format", "{{.State.Status}}", name).stdout.strip()
+        assert state == "running", f"the code-location container is {state}:\n{_logs(name)}"
+        assert time.monotonic() < deadline, f"no healthy gRPC server within {READY_TIMEOUT_S} s:\n{check.stdout}{check.stderr}\n{_logs(name)}"
+        time.sleep(2)
+    # The image's own HEALTHCHECK command, inside the container; the same check on a dead port fails.
+    healthcheck = json.loads(_podman("image", "inspect", "--format", "{{json .Config.Healthcheck}}", tag).stdout)
+    command = healthcheck["Test"]
+    assert command[0] == "CMD" and command[1:4] == ["dagster", "api", "grpc-health-check"], healthcheck
+    inside = _podman("exec", name, *command[1:])
+    assert inside.returncode == 0, inside.stdout + inside.stderr
+    dead_port = [*command[1:-1], "4001"]
+    assert _podman("exec", name, *dead_port).returncode != 0
+
+
+def test_policy_container_is_reachable_only_on_loopback(policy_container):
+    """The port is published on 127.0.0.1 only: a request to another address of this host is refused."""
+    port = policy_container.port
+    addresses = {line.split()[3].split("/")[0] for line in subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout.splitlines()}
+    others = sorted(a for a in addresses if not a.startswith("127.") and not a.startswith("10.88."))
+    if not others:
+        pytest.skip("this host has no non-loopback IPv4 address to try")
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://{others[0]}:{port}/readyz", timeout=5)
