@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -37,12 +38,24 @@ from dagster_pipes import (
 )
 from pydantic import Field
 
-from resources.launcher import WORKER_MODULE, TrainingJob, TrainingLauncher, check_digests, clear_attempt, process_count, training_failure
+from resources.launcher import (
+    WORKER_MODULE,
+    OnStep,
+    StepMetrics,
+    TrainingJob,
+    TrainingLauncher,
+    check_digests,
+    clear_attempt,
+    process_count,
+    step_history,
+    training_failure,
+)
 
 GPU = "nvidia.com/gpu"
 RUN_LABEL = "rlvr-ops/training-run"  # every object of one run: kubectl delete pod,job,service -l rlvr-ops/training-run=<name>
 ROLE_LABEL = "rlvr-ops/node-role"  # pipes (node 0) or worker
 CONTEXT_FILE = "pipes-context.json"  # in the run's scratch folder
+ATTEMPT_FILE = "k8s-attempt.json"  # in the run's scratch folder: the objects of the attempt training there, for the next one to stop
 ENV_PREFIX = "RLVR_TRAINING_"  # K8sTrainingLauncher.from_env: RLVR_TRAINING_<FIELD>
 
 
@@ -196,10 +209,12 @@ class K8sTrainingLauncher(ConfigurableResource):
             spec["serviceAccountName"] = self.service_account_name
         return spec
 
-    def train(self, context: Any, job: TrainingJob, nproc: int, restart: bool = False) -> list[tuple[int, dict]]:
-        """Run ``job`` on ``nproc`` processes in pods; returns (step, metrics) of the steps run. Creates the
-        rendezvous Service and worker Job (several nodes), runs the Pipes pod, deletes them all whatever
-        happens. A failed run raises :class:`dagster.Failure` with each failed rank's error text."""
+    def train(self, context: Any, job: TrainingJob, nproc: int, restart: bool = False, on_step: OnStep | None = None) -> list[tuple[int, dict]]:
+        """Run ``job`` on ``nproc`` processes in pods; returns (step, metrics) of every step of the run (earlier
+        attempts' included), handing each to ``on_step`` as it ends. First deletes the pods an earlier attempt
+        left running on the same scratch folder (its run pod killed); creates the rendezvous Service and worker
+        Job (several nodes), runs the Pipes pod, deletes them all whatever happens. A failed run raises
+        :class:`dagster.Failure` with each rank's account."""
         from dagster_k8s import PipesK8sClient  # the cluster client, only where a run needs it
         from dagster_k8s.client import DagsterK8sError
         from dagster_k8s.utils import detect_current_namespace
@@ -212,22 +227,56 @@ class K8sTrainingLauncher(ConfigurableResource):
             raise Failure(description="K8sTrainingLauncher: set image (RLVR_TRAINING_IMAGE): this run has no container image of its own")
         name, namespace = f"grpo-{context.run.run_id[:8]}-{context.retry_number}", self.namespace or detect_current_namespace(None) or "default"
         job = replace(job, device=("cuda" if self.gpus_per_node else "cpu") if nproc == 1 else None)  # the pod's device, not the run pod's
+        stop_earlier_attempt(job.scratch, context)
         clear_attempt(job.scratch, restart)
         plan, extras = self.manifests(name, nproc, image, namespace, job.scratch), job.extras()
         apis, created = kubernetes_apis() if plan.workers is not None else None, []
+        record = {"name": name, "namespace": namespace, "objects": [o for o in (plan.workers, plan.service) if o is not None]}
+        (job.scratch / ATTEMPT_FILE).write_text(json.dumps(record))
+        metrics, done = StepMetrics(job.scratch, on_step), threading.Event()
+
+        def follow() -> None:  # each step's metrics as it ends, while PipesK8sClient follows the pod
+            while not done.wait(1.0):
+                metrics.poll()
+
+        follower = threading.Thread(target=follow, daemon=True)
         try:
             if plan.workers is not None:
                 created = create_objects(apis, namespace, [plan.service, plan.workers])
+            follower.start()
             pipes = PipesK8sClient(context_injector=PipesFileContextInjector(str(job.scratch / CONTEXT_FILE)))
-            invocation = pipes.run(
+            pipes.run(
                 context=context, extras=extras, namespace=namespace, base_pod_meta=plan.pod_meta, base_pod_spec=plan.pod_spec, pod_wait_timeout=self.timeout_s
             )
         except DagsterK8sError as err:
             raise training_failure(err, job.scratch, nproc) from None
         finally:
+            done.set()
+            if follower.is_alive():
+                follower.join()
+            metrics.poll()
             delete_objects(apis, namespace, created, context)
+            (job.scratch / ATTEMPT_FILE).unlink(missing_ok=True)
         check_digests(job.scratch, nproc)
-        return [(m["step"], m["metrics"]) for m in invocation.get_custom_messages() if "metrics" in m]
+        return step_history(job.scratch)
+
+
+def stop_earlier_attempt(scratch: Path, context: Any) -> None:
+    """Delete what an earlier attempt on ``scratch`` left running (its run pod killed before it could):
+    its worker Job (with its pods), rendezvous Service and Pipes pod, named in its ``k8s-attempt.json``."""
+    path = scratch / ATTEMPT_FILE
+    if not path.is_file():
+        return
+    earlier = json.loads(path.read_text())
+    apis, namespace = kubernetes_apis(), earlier["namespace"]
+    delete_objects(apis, namespace, earlier["objects"], context)
+    pods = apis[0].list_namespaced_pod(namespace, label_selector=f"{RUN_LABEL}={earlier['name']}").items
+    for pod in pods:
+        apis[0].delete_namespaced_pod(pod.metadata.name, namespace)
+    context.log.warning(
+        f"K8sTrainingLauncher: deleted what attempt {earlier['name']} left on {scratch}: {len(earlier['objects'])} object(s), {len(pods)} pod(s)"
+    )
+    path.unlink()
 
 
 def pipes_bootstrap_env(context_file: Path) -> dict[str, str]:

@@ -1,32 +1,54 @@
 """Launching GRPO training outside the orchestrator's process: torchrun through Dagster Pipes.
 
-:class:`TrainingLauncher` runs ``rlvr_assets.grpo_worker`` under ``torchrun --nproc_per_node N``
-with :class:`dagster.PipesSubprocessClient`: the worker's per-step logs reach the event log as they
-happen, its per-step metrics come back as Pipes messages, its rows as Parquet files in the run's
-scratch folder (:meth:`TrainingLauncher.step_rows` reads them back for the one DuckDB writer), its
-checkpoint as a folder there, and each rank's final weights digest (a run whose ranks disagree
-fails). Every run size takes this path, one process included.
+:class:`TrainingLauncher` runs ``rlvr_assets.grpo_worker`` under ``torchrun --nproc_per_node N`` in a
+Pipes session: the worker's per-step logs reach the event log as they happen, its per-step metrics
+are streamed from the run's scratch folder as each step ends (:class:`StepMetrics`), its rows come
+back as Parquet files there (:meth:`TrainingLauncher.step_rows` reads them for the one DuckDB
+writer), its checkpoint as a folder there, and each rank's final weights digest (a run whose ranks
+disagree fails). Every run size takes this path, one process included.
+
+Training lives and dies with its run: torchrun runs in a process group of its own that the launcher
+stops when the step fails or is cancelled, and with a parent-death signal (as every rank has), so a
+killed run worker takes its training along. One attempt at a time holds the scratch folder
+(:func:`attempt_lock`, a lock naming its PID and training's process group): a re-execution first
+stops whatever an earlier attempt left running there.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
+import fcntl
+import json
 import os
 import shutil
+import signal
 import sys
+import time
+import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from subprocess import Popen, TimeoutExpired
+from typing import Any, Callable, Iterator, Mapping
 
 import pandas as pd
-from dagster import ConfigurableResource, Failure, PipesSubprocessClient
-from dagster._core.errors import DagsterPipesExecutionError  # what PipesSubprocessClient raises on a failed process
+from dagster import ConfigurableResource, Failure, PipesTempFileContextInjector, PipesTempFileMessageReader, PreviewWarning, open_pipes_session
 from pydantic import Field
 
 from rlvr.grpo import GRPOConfig
+from rlvr.grpo.checkpoint import latest_checkpoint
 from rlvr.rewards import pickled_reward
+from rlvr.training_run import die_with_parent
 
 WORKER_MODULE = "rlvr_assets.grpo_worker"
+LOCK_FILE = "attempt.lock"  # in the scratch folder: {"pid": run worker, "pgid": its training's process group}
+TRAINING_MARKERS = (b"torch.distributed.run", b"torchrun", WORKER_MODULE.encode())  # what a training process's command line holds
+OnStep = Callable[[int, dict], None]
+
+# Dagster's own Pipes session reads this preview property of every message reader it is given (ours
+# included), warning on each training run about code that is not ours.
+warnings.filterwarnings("ignore", message=r"Function `PipesMessageReader\.expected_writer_count`", category=PreviewWarning)
 
 
 def process_count(nproc: str | int, cuda_devices: int) -> int:
@@ -78,6 +100,7 @@ class TrainingLauncher(ConfigurableResource):
     """Runs the GRPO worker under torchrun through Dagster Pipes on this machine."""
 
     python: str = Field(default=sys.executable, description="the interpreter torchrun and the worker run with")
+    stop_grace_s: float = Field(default=10.0, description="how long a stopped training gets to end after SIGTERM before SIGKILL")
 
     def processes(self, nproc: str | int) -> int:
         """:func:`process_count` for this machine's visible GPUs."""
@@ -89,18 +112,41 @@ class TrainingLauncher(ConfigurableResource):
         """The torchrun command line of a run of ``nproc`` processes on this node."""
         return [self.python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", WORKER_MODULE]
 
-    def train(self, context: Any, job: TrainingJob, nproc: int, restart: bool = False) -> list[tuple[int, dict]]:
-        """Run ``job`` on ``nproc`` processes; returns (step, metrics) of the steps run. ``restart``
-        drops the run's checkpoints first (a run cannot resume on another number of processes). A
-        failed run raises :class:`dagster.Failure` with each failed rank's error text."""
-        clear_attempt(job.scratch, restart)
-        path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))  # the worker imports what this process can
-        try:
-            invocation = PipesSubprocessClient().run(context=context, command=self.command(nproc), extras=job.extras(), env={"PYTHONPATH": path})
-        except DagsterPipesExecutionError as err:
-            raise training_failure(err, job.scratch, nproc) from None
+    def train(self, context: Any, job: TrainingJob, nproc: int, restart: bool = False, on_step: OnStep | None = None) -> list[tuple[int, dict]]:
+        """Run ``job`` on ``nproc`` processes; returns (step, metrics) of every step of the run, earlier
+        attempts' included, and hands each to ``on_step`` as it ends (those of earlier attempts first).
+        ``restart`` drops the run's checkpoints first (a run cannot resume on another number of
+        processes). A failed run raises :class:`dagster.Failure` with each rank's account."""
+        with attempt_lock(job.scratch, context.log.warning, self.stop_grace_s) as record:
+            clear_attempt(job.scratch, restart)
+            metrics = StepMetrics(job.scratch, on_step)
+            try:
+                returncode = self._run(context, job, nproc, record, metrics)
+            finally:
+                metrics.poll()
+        if returncode != 0:
+            raise training_failure(f"torchrun exited with code {returncode}", job.scratch, nproc)
         check_digests(job.scratch, nproc)
-        return [(m["step"], m["metrics"]) for m in invocation.get_custom_messages() if "metrics" in m]
+        return step_history(job.scratch)
+
+    def _run(self, context: Any, job: TrainingJob, nproc: int, record: Callable[[int], None], metrics: "StepMetrics") -> int:
+        """torchrun in a Pipes session, in its own process group, dying with this process; stopped if
+        this step is interrupted (a cancelled run). Returns torchrun's exit code."""
+        path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))  # the worker imports what this process can
+        with open_pipes_session(context, PipesTempFileContextInjector(), PipesTempFileMessageReader(), extras=job.extras()) as session:
+            env = {**os.environ, "PYTHONPATH": path, **session.get_bootstrap_env_vars()}
+            process = Popen(self.command(nproc), env=env, start_new_session=True, preexec_fn=die_with_parent)
+            try:
+                record(process.pid)  # its process group: what a later attempt stops if this one is killed
+                while process.poll() is None:  # each step's metrics as it ends
+                    metrics.poll()
+                    with contextlib.suppress(TimeoutExpired):
+                        process.wait(timeout=0.5)
+            finally:
+                if process.poll() is None:
+                    context.log.warning(f"stopping the training (process group {process.pid}): the step ended before it")
+                    stop_group(process.pid, self.stop_grace_s, process)
+            return process.returncode
 
     @staticmethod
     def step_rows(scratch: Path, table: str) -> pd.DataFrame:
@@ -114,16 +160,134 @@ class TrainingLauncher(ConfigurableResource):
         return lambda folder: shutil.copytree(scratch / "export", folder, dirs_exist_ok=True)
 
 
+class StepMetrics:
+    """Each step's metrics as rank 0 leaves them in ``<scratch>/steps``, handed to ``on_step`` once each
+    as they appear (:meth:`poll`): the run's curve, live, and whole on a resumed run."""
+
+    def __init__(self, scratch: Path, on_step: OnStep | None):
+        self.scratch, self.on_step, self.seen = scratch, on_step, set()
+
+    def poll(self) -> None:
+        for step, metrics in step_history(self.scratch):
+            if step not in self.seen and self.on_step is not None:
+                self.on_step(step, metrics)
+            self.seen.add(step)
+
+
+def step_history(scratch: Path) -> list[tuple[int, dict]]:
+    """(step, metrics) of every step whose metrics are in ``<scratch>/steps``, in step order."""
+    files = sorted((scratch / "steps").glob("metrics-step*.json"))
+    return [(int(f.stem.removeprefix("metrics-step")), json.loads(f.read_text())) for f in files]
+
+
 def clear_attempt(scratch: Path, restart: bool) -> None:
-    """Drop an earlier attempt's errors, digests and export (and with ``restart`` its checkpoints: a run
-    cannot resume on another number of processes)."""
-    for folder in ("errors", "export", "digests", *(["checkpoints"] if restart else [])):
+    """Drop an earlier attempt's errors, digests and (stale) export, and the metrics of steps past the
+    resume point (they run again); with ``restart`` its checkpoints and steps too (a run cannot resume on
+    another number of processes)."""
+    for folder in ("errors", "export", "export.tmp", "digests", *(["checkpoints", "steps"] if restart else [])):
         shutil.rmtree(scratch / folder, ignore_errors=True)
+    resume = latest_checkpoint(scratch / "checkpoints")
+    done = int(resume.name.removeprefix("step-")) if resume is not None else 0
+    for step, _ in step_history(scratch):
+        if step > done:
+            (scratch / "steps" / f"metrics-step{step:06d}.json").unlink()
 
 
-def training_failure(err: Exception, scratch: Path, nproc: int) -> Failure:
+@contextmanager
+def attempt_lock(scratch: Path, warn: Callable[[str], None], grace_s: float = 10.0, wait_s: float = 120.0) -> Iterator[Callable[[int], None]]:
+    """Hold the scratch folder for one attempt (an ``flock`` on ``attempt.lock``); yields ``record(pgid)``,
+    which writes this process's PID and its training's process group there. Taking it stops the
+    training an earlier attempt left running (a killed run worker's) and waits at most ``wait_s`` for a
+    live earlier run worker to let go."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    with open(scratch / LOCK_FILE, "a+") as handle:
+        deadline = time.monotonic() + wait_s
+        while True:
+            handle.seek(0)
+            earlier = json.loads(handle.read() or "{}")
+            if earlier.get("pgid") and stop_group(earlier["pgid"], grace_s):
+                warn(
+                    f"stopped the training an earlier attempt left running on {scratch} (run worker PID {earlier.get('pid')}, process group {earlier['pgid']})"
+                )
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise Failure(
+                        description=f"GRPO training: {scratch} is still held by the run worker PID {earlier.get('pid')} after {wait_s:.0f} s"
+                    ) from None
+                time.sleep(0.2)
+
+        def record(pgid: int) -> None:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(json.dumps({"pid": os.getpid(), "pgid": pgid}))
+            handle.flush()
+
+        yield record
+
+
+def stop_group(pgid: int, grace_s: float, process: Popen | None = None) -> bool:
+    """Stop the training of process group ``pgid`` (torchrun's) and every process under it (its ranks,
+    which torchrun puts in groups of their own): SIGTERM, then SIGKILL after ``grace_s``; returns once
+    they are gone, False when there was no training there (a recycled group id is left alone).
+    ``process``: torchrun when it is this process's child (reaped here)."""
+    pids = training_tree(pgid)
+    if not pids:
+        return False
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if process is not None:
+                process.poll()
+            if not any(_alive(pid) for pid in pids):
+                return True
+            time.sleep(0.1)
+    raise Failure(description=f"GRPO training: could not stop processes {[pid for pid in pids if _alive(pid)]} of process group {pgid}")
+
+
+def training_tree(pgid: int) -> list[int]:
+    """Live processes of group ``pgid`` and all their descendants; empty unless one of them is torchrun or
+    a training rank (a recycled id is not ours). Linux ``/proc``; empty elsewhere."""
+    table: dict[int, tuple[int, int]] = {}  # pid -> (parent, group) of live processes
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
+            state, parent, group = stat[stat.rindex(")") + 2 :].split()[:3] if stat else ("Z", 0, 0)
+        except (OSError, ValueError):
+            continue
+        if state != "Z":
+            table[int(entry)] = (int(parent), int(group))
+    tree = {pid for pid, (_, group) in table.items() if group == pgid}
+    while grown := {pid for pid, (parent, _) in table.items() if parent in tree} - tree:
+        tree |= grown
+    return sorted(tree) if any(_is_training(pid) for pid in tree) else []
+
+
+def _is_training(pid: int) -> bool:
+    try:
+        return any(marker in Path(f"/proc/{pid}/cmdline").read_bytes() for marker in TRAINING_MARKERS)
+    except OSError:
+        return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def training_failure(err: object, scratch: Path, nproc: int) -> Failure:
     """A failed run: what the orchestrator saw, then each rank's account from the scratch folder."""
-    report = rank_errors(scratch / "errors", nproc)
+    report = rank_errors(scratch, nproc)
     hint = " (set restart: true to start it afresh)" if "cannot resume" in report else ""
     return Failure(description=f"GRPO training failed{hint} ({err}):\n{report}")
 
@@ -135,12 +299,17 @@ def check_digests(scratch: Path, nproc: int) -> None:
         raise Failure(description=f"GRPO training: the ranks' final weights differ or are missing: {digests}")
 
 
-def rank_errors(errors: Path, nproc: int) -> str:
-    """Which ranks died without a word (killed by a signal, out of memory), the tracebacks of those that failed, and
-    which ranks torchrun merely stopped because another one failed."""
-    texts = {int(path.stem.split("-")[1]): path.read_text()[-4000:] for path in errors.glob("rank-*.txt")}
-    stopped = sorted(int(path.stem.split("-")[1]) for path in errors.glob("rank-*.stopped"))
-    silent = [rank for rank in range(nproc) if rank not in texts and rank not in stopped]
+def rank_errors(scratch: Path, nproc: int) -> str:
+    """Each rank's account: those that died without a word (killed by a signal, out of memory), the
+    tracebacks of those that failed, those stopped (SIGTERM) after another failed, those that finished."""
+
+    def ranks(folder: str, pattern: str) -> dict[int, Path]:
+        return {int(path.name.split("-")[1].split(".")[0]): path for path in (scratch / folder).glob(pattern)}
+
+    texts = {rank: path.read_text()[-4000:] for rank, path in ranks("errors", "rank-*.txt").items()}
+    stopped, finished = sorted(ranks("errors", "rank-*.stopped")), sorted(ranks("digests", "rank-*.txt"))
+    silent = [rank for rank in range(nproc) if rank not in texts and rank not in stopped and rank not in finished]
     lines = [f"rank(s) {silent} died without leaving an error (killed by a signal, or out of memory?)"] if silent else []
     lines += [f"--- rank {rank} ---\n{text}" for rank, text in sorted(texts.items())]
-    return "\n".join(lines + ([f"rank(s) {stopped} stopped by torchrun after another rank failed"] if stopped else []))
+    lines += [f"rank(s) {stopped} stopped (SIGTERM, after another rank failed or the run was stopped)"] if stopped else []
+    return "\n".join(lines + ([f"rank(s) {finished} finished"] if finished else []))

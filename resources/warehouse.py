@@ -5,18 +5,32 @@ completion), ``eval_results`` (upserted by evaluation), ``serving_traffic`` and 
 (appended / upserted together), ``drift_history`` (appended). Tables with declared columns are
 created from :data:`SCHEMAS` (an older file gains later columns through :data:`MIGRATIONS`); the others from the
 first frame written to them.
+
+Readers never fail writers. DuckDB lets one process hold the file (a read-only session too), so every
+committed ``write`` also publishes a read-only copy, ``<name>.snapshot.duckdb`` (written beside it and
+renamed into place), for SQL sessions (``make sql``: :func:`main`): a session keeps the copy it
+opened while the pipeline goes on. A connection that finds the file held by another process waits for
+it (``lock_wait_s``), saying which process holds it, instead of failing at once.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import sys
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import date, timedelta
+from pathlib import Path
 from typing import Iterator, Mapping
 
+import duckdb
 import pandas as pd
-from dagster import Failure
+from dagster import Failure, get_dagster_logger
 from dagster_duckdb import DuckDBResource
+from pydantic import Field
 
 from rlvr.traffic import TRAFFIC_COLUMNS, TrafficBatch, day_prefix, traffic_row
 
@@ -62,46 +76,74 @@ class Append:
 
 
 Write = Replace | Upsert | Append
+WRITER_POOL = "duckdb_writer"  # the Dagster pool of every asset that writes the file; the instance runs one step of it at a time (deploy/)
 
 
 class Warehouse(DuckDBResource):
     """The DuckDB file of rlvr-ops: loaders of the tables assets read, and atomic writes."""
 
+    lock_wait_s: float = Field(default=900.0, description="how long a connection waits while another process holds the file, then fails naming it")
+    publish_snapshot: bool = Field(default=True, description="after every committed write, publish the read-only copy SQL sessions open")
+
     # --- transactions and writes ---------------------------------------------------------------
+
+    @property
+    def snapshot_path(self) -> Path:
+        """The read-only copy published after each committed write: ``rlvr.duckdb`` -> ``rlvr.snapshot.duckdb``."""
+        return snapshot_path(self.database)
 
     @contextmanager
     def get_connection(self) -> Iterator:
         """A connection to the file, closed when the block ends, also when it raises (so a failed
-        write never keeps the single-writer file open)."""
-        with super().get_connection() as conn:
+        write never keeps the single-writer file open). While another process holds the file it
+        waits, up to ``lock_wait_s``, saying which process that is."""
+        conn = self._connect()
+        try:
+            yield conn
+        finally:
+            conn.close()
+
+    def _connect(self):
+        deadline, told = time.monotonic() + self.lock_wait_s, None
+        while True:
             try:
-                yield conn
-            finally:
-                conn.close()
+                return duckdb.connect(self.database, read_only=False, config={"custom_user_agent": "dagster", **self.connection_config})
+            except duckdb.IOException as err:
+                holder = lock_holder(str(err))
+                if holder is None:
+                    raise
+                if time.monotonic() > deadline:
+                    raise Failure(
+                        description=f"DuckDB file {self.database} is held by {holder} (waited {self.lock_wait_s:.0f} s): end that session; "
+                        f"read-only SQL belongs on the snapshot {self.snapshot_path} (make sql)"
+                    ) from None
+                if holder != told:
+                    get_dagster_logger().warning(f"waiting for DuckDB file {self.database}: it is held by {holder}")
+                    told = holder
+                time.sleep(0.25)
 
     @contextmanager
     def transaction(self) -> Iterator:
         """A connection inside one transaction: committed when the block ends, rolled back if it raises."""
         with self.get_connection() as conn:
-            conn.execute("BEGIN TRANSACTION")
-            try:
+            with _transaction(conn):
                 yield conn
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
 
     def write(self, *writes: Write) -> None:
-        """Apply every write in one transaction: all of them land, or none does. An empty upsert or
+        """Apply every write in one transaction: all of them land, or none does; then publish the
+        snapshot (still holding the file, so it is exactly what was committed). An empty upsert or
         append changes nothing and is skipped (an empty frame's columns have no types to compare)."""
-        with self.transaction() as conn:
-            for index, op in enumerate(w for w in writes if isinstance(w, Replace) or len(w.frame)):
-                view = f"_incoming_{index}"
-                conn.register(view, op.frame)
-                try:
-                    _apply(conn, op, view)
-                finally:
-                    conn.unregister(view)
+        with self.get_connection() as conn:
+            with _transaction(conn):
+                for index, op in enumerate(w for w in writes if isinstance(w, Replace) or len(w.frame)):
+                    view = f"_incoming_{index}"
+                    conn.register(view, op.frame)
+                    try:
+                        _apply(conn, op, view)
+                    finally:
+                        conn.unregister(view)
+            if self.publish_snapshot:
+                publish_snapshot(conn, Path(self.database))
 
     def replace_tables(self, tables: Mapping[str, pd.DataFrame]) -> None:
         """Replace each named table by its DataFrame in one transaction."""
@@ -217,6 +259,50 @@ class Warehouse(DuckDBResource):
         )
 
 
+@contextmanager
+def _transaction(conn) -> Iterator:
+    conn.execute("BEGIN TRANSACTION")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
+def snapshot_path(database: str | Path) -> Path:
+    path = Path(database)
+    return path.with_name(f"{path.stem}.snapshot{path.suffix}")
+
+
+def publish_snapshot(conn, database: Path) -> None:
+    """Checkpoint the file (the write-ahead log into it) and copy it, through a temporary file renamed
+    into place, to its snapshot: a session on the old snapshot keeps reading it until it reconnects."""
+    if str(database) == ":memory:":
+        return
+    conn.execute("CHECKPOINT")
+    target = snapshot_path(database)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    shutil.copyfile(database, tmp)
+    os.replace(tmp, target)
+
+
+LOCK_HOLDER = re.compile(r"Conflicting lock is held in (?P<program>.*?) \(PID (?P<pid>\d+)\)")
+
+
+def lock_holder(error: str) -> str | None:
+    """Who holds the file, from DuckDB's lock error: ``PID 123 (python -m ...)``; None for another error."""
+    match = LOCK_HOLDER.search(error)
+    if match is None:
+        return None
+    pid = match["pid"]
+    try:
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        command = match["program"]
+    return f"PID {pid} ({command[:200]})"
+
+
 def _apply(conn, op: Write, view: str) -> None:
     table = f'"{op.table}"'
     if isinstance(op, Replace):
@@ -232,3 +318,35 @@ def _apply(conn, op: Write, view: str) -> None:
         conn.execute(f'INSERT INTO {table} BY NAME SELECT * FROM "{view}"')
     else:
         conn.execute(f'INSERT INTO {table} BY NAME SELECT * FROM "{view}" WHERE "{op.key}" NOT IN (SELECT "{op.key}" FROM {table})')
+
+
+def sql_session(snapshot: Path) -> None:
+    """A SQL prompt on the snapshot, read-only: each statement (ended by ``;``) reads the latest published copy."""
+    if not snapshot.is_file():
+        raise SystemExit(f"{snapshot} does not exist yet: the next write to the warehouse publishes it")
+    print(f"read-only SQL on {snapshot} (the latest committed data; Ctrl-D ends)")
+    statement = ""
+    while True:
+        statement += input("sql> " if not statement else "...> ") + "\n"
+        if statement.rstrip().endswith(";"):
+            try:
+                with duckdb.connect(str(snapshot), read_only=True) as conn:
+                    result = conn.sql(statement)
+                    print(result if result is not None else "ok")
+            except duckdb.Error as err:
+                print(f"error: {err}")
+            statement = ""
+
+
+def main() -> None:
+    """``make sql``: a SQL session on the snapshot of the DuckDB file in argv[1] (default: $RLVR_HOME's)."""
+    from rlvr.settings import Settings
+
+    try:
+        sql_session(snapshot_path(sys.argv[1] if len(sys.argv) > 1 else Settings.from_env().duckdb_path))
+    except (EOFError, KeyboardInterrupt):
+        print()
+
+
+if __name__ == "__main__":
+    main()

@@ -9,6 +9,9 @@ sees every step's metrics and per-completion records (rank 0 under torchrun);
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -59,6 +62,21 @@ def train_grpo(
         )
         history = trainer.train(problems)
     return TrainedPolicy(trainer.policy, tokenizer, history, trainer.step_count)
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Have Linux send ``sig`` to this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``), so a
+    launched training process never outlives its launcher; exits at once if the parent is already gone.
+    A no-op off Linux."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() == 1:  # re-parented before the call: the parent died already
+        os._exit(1)
 
 
 def problems_hash(rows: list[dict]) -> str:

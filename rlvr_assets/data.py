@@ -12,7 +12,7 @@ from dagster import (
     asset,
 )
 
-from resources import Warehouse, config_from
+from resources import WRITER_POOL, Warehouse, config_from
 from rlvr import gsm8k
 from rlvr.plots import histogram_markdown
 from rlvr.problem_source import ProblemSource, load_problems
@@ -34,6 +34,7 @@ class GSM8kSourceConfig(config_from(ProblemSource)):
     kinds={"duckdb"},
     owners=["team:rlvr-data"],
     tags={"domain": "math"},
+    pool=WRITER_POOL,
     check_specs=[AssetCheckSpec(name, asset="gsm8k_problems", description=text, blocking=True) for name, text in CHECKS.items()],
 )
 def gsm8k_problems(context: AssetExecutionContext, config: GSM8kSourceConfig, duckdb: Warehouse):

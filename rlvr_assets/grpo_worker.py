@@ -3,9 +3,13 @@
 ``torchrun --nproc_per_node N -m rlvr_assets.grpo_worker``: every rank trains (``train_grpo``) and
 writes its own rollouts and rewards of each step as Parquet files in the run's scratch folder (the
 asset loads them into DuckDB afterwards: DuckDB keeps one writer); rank 0 streams per-step logs and
-metrics to the Dagster event log and exports the trained checkpoint. A rank that fails leaves its
-traceback in ``<scratch>/errors/rank-<r>.txt`` for the asset to report (``rank-<r>.stopped`` when torchrun
-ended it because another rank failed). The job is described by the
+metrics to the Dagster event log, keeps each step's metrics as ``steps/metrics-step<n>.json`` (the
+launcher streams them to MLflow; a resumed run keeps the whole curve) and exports the trained
+checkpoint. A step's rows and metrics are on disk before the trainer saves its resume point. A rank
+that fails leaves its traceback in ``<scratch>/errors/rank-<r>.txt`` for the asset to report
+(``rank-<r>.stopped`` when it was stopped by SIGTERM: torchrun after another rank failed, or the
+launcher); a finished rank leaves its weights digest. Every rank dies with torchrun (parent-death
+signal), so none outlives a killed run. The job is described by the
 Pipes extras (``resources.launcher.TrainingJob.extras`` writes them); its rewards arrive pickled and
 are registered here before training.
 """
@@ -13,7 +17,9 @@ are registered here before training.
 from __future__ import annotations
 
 import base64
+import json
 import os
+import shutil
 import signal
 import traceback
 from pathlib import Path
@@ -22,11 +28,12 @@ from dagster_pipes import PipesContext, PipesDefaultContextLoader, PipesEnvVarPa
 
 from rlvr.grpo import GRPOConfig
 from rlvr.rewards import load_pickled_reward
-from rlvr.training_run import train_grpo, training_tables
+from rlvr.training_run import die_with_parent, train_grpo, training_tables
 
 
 def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
+    die_with_parent()  # torchrun killed (its run worker killed): this rank goes too, no orphan trains on
     signal.signal(signal.SIGTERM, _stopped)  # torchrun stops every rank when one fails: say so, not die silently
     if rank == 0:
         with open_dagster_pipes() as pipes:
@@ -69,9 +76,10 @@ def _train(job: dict, rank: int, scratch: Path, pipes: PipesContext | None) -> N
             tmp = path.with_suffix(".tmp")
             frame.to_parquet(tmp, index=False)
             os.replace(tmp, path)  # a reader sees a whole file or none
-        if pipes is not None:
+        if rank == 0:  # the run's curve: the launcher streams it to MLflow, whole on a resumed run
             numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            pipes.report_custom_message({"step": step, "metrics": numbers})
+            _write_atomically(steps / f"metrics-step{step:06d}.json", json.dumps(numbers).encode())
+        if pipes is not None:
             pipes.log.info(
                 f"step {step}/{config.total_steps}: reward {metrics['reward_mean']:.3f}, loss {metrics['loss']:.4f}, "
                 f"zero-variance groups {metrics['frac_zero_variance_groups']:.0%}, {metrics['tokens_per_s']:.0f} tok/s"
@@ -84,6 +92,8 @@ def _train(job: dict, rank: int, scratch: Path, pipes: PipesContext | None) -> N
     if rank == 0:
         export = Path(job["export_dir"])
         tmp = export.with_name(export.name + ".tmp")
+        for stale in (tmp, export):  # an earlier attempt's, left by a kill
+            shutil.rmtree(stale, ignore_errors=True)
         trained.export(tmp)
         os.replace(tmp, export)
 
@@ -100,11 +110,11 @@ def weights_digest(model) -> str:
 
 
 class Stopped(SystemExit):
-    """torchrun's SIGTERM: it ends every rank once one of them fails."""
+    """SIGTERM: torchrun ends every rank once one of them fails; the launcher ends a cancelled run."""
 
 
 def _stopped(signum: int, frame) -> None:
-    raise Stopped(f"stopped by torchrun (signal {signum}) after another rank failed")
+    raise Stopped(f"stopped by signal {signum} (torchrun after another rank failed, or the launcher)")
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

@@ -1,8 +1,12 @@
-"""Request the retraining job when a drift report crosses a threshold: one run per drift episode."""
+"""Request the retraining job when a drift report crosses a threshold: one run per drift episode, and
+none while the registry has no champion to retrain from (the tick says so)."""
 
+import functools
 import json
 
 from dagster import AssetKey, DefaultSensorStatus, RunRequest, SensorEvaluationContext, SkipReason, sensor
+
+from resources import CHAMPION, MLflowResource
 
 DRIFT_REPORT = AssetKey("drift_report")
 
@@ -13,14 +17,17 @@ DRIFT_REPORT = AssetKey("drift_report")
     default_status=DefaultSensorStatus.RUNNING,
     description="Retrains when drift_report flags drift; consecutive drifted reports are one episode, one run.",
 )
-def drift_sensor(context: SensorEvaluationContext):
+def drift_sensor(context: SensorEvaluationContext, mlflow: MLflowResource):
     """Walks new ``drift_report`` materializations in order. A drifted report opens an episode (and
     requests one run, keyed by the episode); further drifted reports belong to it; a clean report
     closes it. Reports of a day older than the newest day seen (a backfill) are history, not a
-    reason to retrain. The cursor holds the last storage id read, the newest day and the open episode."""
+    reason to retrain. An episode that opens while the registry has no champion is skipped (retraining
+    starts from the champion), with the reason in the tick. The cursor holds the last storage id read,
+    the newest day and the open episode."""
     state = json.loads(context.cursor) if context.cursor else {"after_cursor": None, "episode": None}
     records = context.instance.fetch_materializations(DRIFT_REPORT, limit=100, cursor=state.get("after_cursor"), ascending=True)
-    requests = []
+    requests, skipped = [], []
+    has_champion = functools.cache(lambda: mlflow.registry().version_for(CHAMPION) is not None)  # asked once, when an episode opens
     for record in records.records:
         day = record.asset_materialization.partition if record.asset_materialization else None
         if day is not None and day < state.get("day", ""):
@@ -31,6 +38,9 @@ def drift_sensor(context: SensorEvaluationContext):
         if drifted and state["episode"] is None:
             state["episode"] = record.storage_id
             reasons = metadata["drift_reasons"].value if "drift_reasons" in metadata else []
+            if not has_champion():
+                skipped.append(f"drift episode {record.storage_id} ({'; '.join(reasons)[:300]}): the registry has no champion to retrain from")
+                continue
             requests.append(
                 RunRequest(
                     run_key=f"drift-episode-{record.storage_id}",
@@ -46,4 +56,4 @@ def drift_sensor(context: SensorEvaluationContext):
             state["episode"] = None
     state["after_cursor"] = records.cursor if records.records else state.get("after_cursor")
     context.update_cursor(json.dumps(state))
-    return requests or SkipReason("no new drift episode")
+    return requests or SkipReason("; ".join(skipped) if skipped else "no new drift episode")

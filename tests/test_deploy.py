@@ -196,15 +196,16 @@ def test_dagster_instance_passes_dagster_schemas():
     assert postgres["password"] == {"env": "DAGSTER_POSTGRES_PASSWORD"}
     assert config["run_launcher"]["class"] == "DefaultRunLauncher"
     assert config["run_coordinator"]["class"] == "QueuedRunCoordinator"
-    limits = config["run_coordinator"]["config"]["tag_concurrency_limits"]
+    limits = config["concurrency"]["runs"]["tag_concurrency_limits"]
     assert {"key": DUCKDB_TAG, "limit": 1} in limits
+    assert config["concurrency"]["pools"] == {"default_limit": 1, "granularity": "op"}  # one step of the writer pool at a time
 
 
 def test_dagster_instance_rejects_a_broken_run_queue(tmp_path):
     from dagster._core.errors import DagsterInvalidConfigError
 
     config = yaml.safe_load((DOCKER / "dagster.yaml").read_text())
-    config["run_coordinator"]["config"]["tag_concurrency_limits"] = [{"key": DUCKDB_TAG, "limt": 1}]
+    config["concurrency"]["runs"]["tag_concurrency_limits"] = [{"key": DUCKDB_TAG, "limt": 1}]
     (tmp_path / "dagster.yaml").write_text(yaml.safe_dump(config))
     with pytest.raises(DagsterInvalidConfigError):
         _validate_instance(tmp_path)
@@ -431,19 +432,26 @@ def test_helm_values_launch_each_run_as_a_kubernetes_job(helm_values, k8s_defini
     assert _partial_errors(k8s_definitions, "io.k8s.api.core.v1.PodSpec", {"securityContex": {}})
 
 
-def test_helm_values_queue_duckdb_runs_one_at_a_time(helm_values):
-    """The chart renders queuedRunCoordinator into dagster.yaml's run_coordinator: same schema, same limit."""
-    from dagster._config import validate_config
-    from dagster._core.run_coordinator import QueuedRunCoordinator
+def test_helm_values_queue_duckdb_runs_one_at_a_time(helm_values, tmp_path):
+    """The chart renders `concurrency` into dagster.yaml's concurrency (snake_case keys) beside a bare
+    QueuedRunCoordinator: that instance config passes Dagster's own loader, with the compose file's limits."""
+    from dagster._core.instance.config import dagster_instance_config
 
     coordinator = helm_values["dagsterDaemon"]["runCoordinator"]
-    assert coordinator["enabled"] and coordinator["type"] == "QueuedRunCoordinator"
-    queued = coordinator["config"]["queuedRunCoordinator"]
-    as_instance_config = {re.sub(r"([A-Z])", r"_\1", k).lower(): v for k, v in queued.items()}
-    result = validate_config(QueuedRunCoordinator.config_type(), as_instance_config)
-    assert result.success, result.errors
+    assert coordinator["enabled"] and coordinator["type"] == "QueuedRunCoordinator" and not coordinator.get("config")
+
+    def snake(tree):
+        return {re.sub(r"([A-Z])", r"_\1", k).lower(): v for k, v in tree.items()}
+
+    concurrency = helm_values["concurrency"]
+    rendered = {
+        "run_coordinator": {"module": "dagster._core.run_coordinator", "class": "QueuedRunCoordinator"},
+        "concurrency": {"runs": snake(concurrency["runs"]), "pools": snake(concurrency["pools"])},
+    }
+    (tmp_path / "dagster.yaml").write_text(yaml.safe_dump(rendered))
+    config, _ = dagster_instance_config(str(tmp_path))
     compose_instance = yaml.safe_load((DOCKER / "dagster.yaml").read_text())
-    assert queued["tagConcurrencyLimits"] == compose_instance["run_coordinator"]["config"]["tag_concurrency_limits"]
+    assert config["concurrency"] == compose_instance["concurrency"]
 
 
 def test_helm_values_use_an_external_postgres_secret(helm_values):

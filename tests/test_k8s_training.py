@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import socket
 import subprocess
@@ -28,6 +29,7 @@ from dagster_pipes import PipesContext, PipesDefaultContextLoader, PipesDefaultM
 from pydantic import ValidationError
 
 from resources.k8s_launcher import (
+    ATTEMPT_FILE,
     CONTEXT_FILE,
     EXAMPLE_FILES,
     RUN_LABEL,
@@ -211,6 +213,7 @@ class FakeKubernetes:
         self.extras_by_rank: dict[int, dict] = {}
         self.pod: dict | None = None
         self.exit_code, self.log = 0, b""
+        self.leftover_pods: dict[str, dict] = {}  # pods of an earlier attempt still running: name -> labels
 
     def create_namespaced_service(self, namespace, body):
         self.calls.append(("services", "create"))
@@ -250,7 +253,9 @@ class FakeKubernetes:
             # what open_dagster_pipes builds in a fresh process (this one may hold an earlier test's context)
             with PipesContext(PipesMappingParamsLoader(env_of(self.pod["spec"])), PipesDefaultContextLoader(), PipesDefaultMessageWriter()) as pipes:
                 self.extras_by_rank[0] = dict(pipes.extras)
-                pipes.report_custom_message({"step": 1, "metrics": {"reward_mean": 0.25, "loss": 0.5}})
+                pipes.log.info("step 1/1: reward 0.250")
+        (scratch / "steps").mkdir(parents=True, exist_ok=True)  # rank 0 keeps each step's metrics, as grpo_worker does
+        (scratch / "steps" / "metrics-step000001.json").write_text(json.dumps({"reward_mean": 0.25, "loss": 0.5}))
         (scratch / "digests").mkdir(parents=True, exist_ok=True)
         for rank in self.extras_by_rank:
             (scratch / "digests" / f"rank-{rank}.txt").write_text("same weights")
@@ -262,8 +267,11 @@ class FakeKubernetes:
         with PipesDefaultContextLoader().load_context(PipesMappingParamsLoader(env).load_context_params()) as data:
             return dict(data["extras"])
 
-    def list_namespaced_pod(self, namespace, field_selector):
+    def list_namespaced_pod(self, namespace, field_selector=None, label_selector=None):
         self.calls.append(("pods", "list"))
+        if label_selector is not None:  # the pods an attempt left behind, by their run label
+            key, value = label_selector.split("=")
+            return SimpleNamespace(items=[SimpleNamespace(metadata=SimpleNamespace(name=n)) for n, pod in self.leftover_pods.items() if pod[key] == value])
         name = self.pod["metadata"]["name"]
         assert field_selector == f"metadata.name={name}"
         terminated = SimpleNamespace(exit_code=self.exit_code, message=None, reason="Error" if self.exit_code else "Completed")
@@ -277,6 +285,7 @@ class FakeKubernetes:
 
     def delete_namespaced_pod(self, name, namespace):
         self.calls.append(("pods", "delete"))
+        self.leftover_pods.pop(name, None)
 
 
 def env_of(pod_spec: dict) -> dict:
@@ -303,7 +312,7 @@ def training_job(home: Path) -> TrainingJob:
     return TrainingJob("r", home / "models" / "base_policy" / "v1", rows, GRPOConfig(), dict(DEFAULT_GSM8K_REWARD), scratch, device="cpu")
 
 
-def launch(launcher: K8sTrainingLauncher, job: TrainingJob, nproc: int) -> dict:
+def launch(launcher: K8sTrainingLauncher, job: TrainingJob, nproc: int, on_step=None) -> dict:
     """``launcher.train`` inside a real materialization (a real Dagster context and Pipes session)."""
     outcome: dict = {}
 
@@ -311,7 +320,7 @@ def launch(launcher: K8sTrainingLauncher, job: TrainingJob, nproc: int) -> dict:
     def grpo_training(context):
         outcome["name"] = f"grpo-{context.run.run_id[:8]}-0"
         try:
-            outcome["history"] = launcher.train(context, job, nproc)
+            outcome["history"] = launcher.train(context, job, nproc, on_step=on_step)
         except Failure as failure:
             outcome["failure"] = failure
         return MaterializeResult()  # a step that opened a Pipes session reports its asset
@@ -323,9 +332,9 @@ def launch(launcher: K8sTrainingLauncher, job: TrainingJob, nproc: int) -> dict:
 def test_train_runs_the_pipes_pod_between_creating_and_deleting_the_rendezvous(tmp_path, fake_cluster):
     fake = fake_cluster(FakeKubernetes(per_node=2))
     launcher = K8sTrainingLauncher(nodes=3, gpus_per_node=2, image="rlvr-ops:0.1.0", namespace="rlvr", mount_path=str(tmp_path))
-    job = training_job(tmp_path)
-    outcome = launch(launcher, job, 6)
-    assert outcome["history"] == [(1, {"reward_mean": 0.25, "loss": 0.5})]
+    job, streamed = training_job(tmp_path), []
+    outcome = launch(launcher, job, 6, on_step=lambda step, metrics: streamed.append((step, metrics)))
+    assert outcome["history"] == streamed == [(1, {"reward_mean": 0.25, "loss": 0.5})]
     creates = [c for c in fake.calls if c[1] == "create"]
     assert creates == [("services", "create"), ("jobs", "create"), ("pods", "create")]
     assert fake.calls[-3:] == [("pods", "delete"), ("jobs", "delete"), ("services", "delete")] and not fake.objects
@@ -414,3 +423,25 @@ def test_the_deployment_selects_the_launcher_by_environment(tmp_path, monkeypatc
     monkeypatch.setenv("RLVR_TRAINING_NODE_SELECTOR", '{"pool": "h100"}')
     launcher = default_resources(Settings(tmp_path))["launcher"]
     assert isinstance(launcher, K8sTrainingLauncher) and launcher.nodes == 2 and launcher.node_selector == {"pool": "h100"}
+
+
+def test_an_attempt_first_deletes_what_a_killed_earlier_attempt_left_running(tmp_path, fake_cluster):
+    """The run pod of an earlier attempt was killed: its training pods, worker Job and rendezvous Service
+    went on. The re-execution deletes them (named in the scratch folder) before it trains."""
+    fake = fake_cluster(FakeKubernetes(per_node=2))
+    launcher = K8sTrainingLauncher(nodes=2, gpus_per_node=2, image="rlvr-ops:0.1.0", namespace="rlvr", mount_path=str(tmp_path))
+    job = training_job(tmp_path)
+    earlier = launcher.manifests("grpo-0ld-0", 4, "rlvr-ops:0.1.0", "rlvr", job.scratch)
+    for obj in (earlier.service, earlier.workers):
+        fake.objects[obj["kind"], obj["metadata"]["name"]] = obj
+    fake.leftover_pods = {"dagster-0ld-grpo-training": {RUN_LABEL: "grpo-0ld-0"}, "someone-else": {RUN_LABEL: "grpo-other-0"}}
+    job.scratch.mkdir(parents=True)
+    (job.scratch / ATTEMPT_FILE).write_text(json.dumps({"name": "grpo-0ld-0", "namespace": "rlvr", "objects": [earlier.workers, earlier.service]}))
+    (job.scratch / "export.tmp").mkdir()  # the killed attempt's half-written export
+    outcome = launch(launcher, job, 4)
+    assert outcome["history"] == [(1, {"reward_mean": 0.25, "loss": 0.5})]
+    assert set(fake.calls[:2]) == {("jobs", "delete"), ("services", "delete")}  # before anything is created
+    assert fake.calls[2:4] == [("pods", "list"), ("pods", "delete")]
+    assert list(fake.leftover_pods) == ["someone-else"] and not fake.objects
+    assert not (job.scratch / ATTEMPT_FILE).exists() and not (job.scratch / "export.tmp").exists()
+    assert set(fake.calls) <= granted(_by_kind("Role")), "deploy/k8s/training-launcher-role.yaml must allow every call"

@@ -36,13 +36,17 @@ def rows(home: Path, sql: str) -> list[tuple]:
         return conn.execute(sql).fetchall()
 
 
-def test_rank_errors_name_the_silent_the_failed_and_the_stopped(tmp_path):
-    (tmp_path / "rank-0.stopped").write_text("SystemExit: stopped by torchrun (signal 15)")
-    (tmp_path / "rank-2.txt").write_text("RuntimeError: gloo connection closed by peer")
-    report = rank_errors(tmp_path, 4)
+def test_rank_errors_blame_only_the_ranks_that_died(tmp_path):
+    (tmp_path / "errors").mkdir()
+    (tmp_path / "digests").mkdir()
+    (tmp_path / "errors" / "rank-0.stopped").write_text("SystemExit: stopped by signal 15")
+    (tmp_path / "errors" / "rank-2.txt").write_text("RuntimeError: gloo connection closed by peer")
+    (tmp_path / "digests" / "rank-4.txt").write_text("abc")  # finished normally: not a suspect
+    report = rank_errors(tmp_path, 5)
     assert report.splitlines()[0] == "rank(s) [1, 3] died without leaving an error (killed by a signal, or out of memory?)"
     assert "--- rank 2 ---\nRuntimeError: gloo" in report and "--- rank 0" not in report
-    assert report.splitlines()[-1] == "rank(s) [0] stopped by torchrun after another rank failed"
+    assert "rank(s) [0] stopped (SIGTERM, after another rank failed or the run was stopped)" in report
+    assert report.splitlines()[-1] == "rank(s) [4] finished"
 
 
 def test_two_processes_from_a_materialization(home, gsm8k_dir, tiny_llama_dir):
@@ -79,18 +83,23 @@ def launch_job():
     ).resolve_job_def("train")
 
 
+def resumable_at(scratch_root: Path, step: int) -> bool:
+    """The run's resume point is ``step`` (its checkpoint complete and ``latest`` naming it)."""
+    return any(p.read_text().strip() == f"step-{step:06d}" for p in scratch_root.rglob("checkpoints/latest"))
+
+
 def kill_rank_when_step_written(scratch_root: Path, rank: int, step: int, stop: threading.Event) -> None:
-    """Kill the worker process of ``rank`` once its rows of ``step`` are on disk (a crash mid-run)."""
-    target = f"rollouts-step{step:06d}-rank{rank:03d}.parquet"
+    """Kill the worker process of ``rank`` once ``step`` is a resume point (a crash mid-run)."""
     while not stop.is_set():
-        if any(scratch_root.rglob(target)):
+        if resumable_at(scratch_root, step):
             for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
                 try:
                     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
                     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                 except OSError:
                     continue
-                if b"rlvr_assets.grpo_worker" in cmdline and f"RANK={rank}".encode() in environ and b"torch.distributed.run" not in cmdline:
+                ours = f"RLVR_TEST_HOME={os.environ['RLVR_TEST_HOME']}".encode() in environ  # not another test's (or person's) run
+                if ours and b"rlvr_assets.grpo_worker" in cmdline and f"RANK={rank}".encode() in environ and b"torch.distributed.run" not in cmdline:
                     os.kill(pid, 9)
                     return
         time.sleep(0.05)
@@ -98,8 +107,8 @@ def kill_rank_when_step_written(scratch_root: Path, rank: int, step: int, stop: 
 
 @register_reward("test_paced_length", replace=True)
 def paced_length(completion: str, **_) -> float:
-    """A reward that takes 0.1 s: the tiny model's steps last long enough for the killer to land mid-run."""
-    time.sleep(0.1)
+    """A reward that takes 0.5 s: the tiny model's steps last long enough for the killer to land between two resume points."""
+    time.sleep(0.5)
     return min(1.0, len(completion) / 400)
 
 

@@ -15,7 +15,8 @@ One step, top to bottom (:meth:`GRPOTrainer.step`):
 Rewards come from a callback, ``reward_fn(completions, problems) -> (totals, {name: values})``, so
 any reward library plugs in. ``on_step(step, metrics, records)`` receives each step's metrics and
 one record per completion: every rank's on rank 0, or with ``records_per_rank`` each rank's own on
-that rank (so that every rank can write its rows itself), for whatever logging the caller wants.
+that rank (so that every rank can write its rows itself), for whatever logging the caller wants;
+it runs before the step's checkpoint, so what it stores is never behind a resume point.
 """
 
 from __future__ import annotations
@@ -136,12 +137,12 @@ class GRPOTrainer:
             batch = step_problems(problems, step, n, seed)
             refill = partial(_refill_problems, problems, step, n, seed)
             metrics, records = self.step(batch, refill)
-            if self._checkpoint_due():
-                metrics["checkpoint"] = str(self.save_checkpoint())
             history.append(metrics)
             self.history.append(metrics)
             if self.on_step is not None and (self.dist.is_main or self.records_per_rank):
-                self.on_step(self.step_count, metrics, records)
+                self.on_step(self.step_count, metrics, records)  # the step's rows before its resume point: a kill loses nothing
+            if self._checkpoint_due():
+                metrics["checkpoint"] = str(self.save_checkpoint())
         return history
 
     def step(self, problems: list[dict], refill: Callable[[int], list[dict]] | None = None) -> tuple[dict, list[dict]]:
