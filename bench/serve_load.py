@@ -50,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bentos.build import bentoml_cli, bentoml_env, build_bento, store_policy  # noqa: E402
 from bentos.schemas import MAX_COMPLETION_TOKENS, MAX_NEW_TOKENS  # noqa: E402
+from rlvr.settings import Settings  # noqa: E402
 from rlvr.traffic import read_traffic  # noqa: E402
 
 FALLBACK_QUESTIONS = [
@@ -62,9 +63,8 @@ FALLBACK_QUESTIONS = [
 
 
 def questions(n: int) -> list[str]:
-    """The first ``n`` GSM8k test questions (``$RLVR_GSM8K_DIR``), else a few built-in ones, cycled."""
-    default = Path(__file__).resolve().parents[2] / "shared/data/gsm8k"
-    path = Path(os.environ.get("RLVR_GSM8K_DIR", default)) / "test.jsonl"
+    """The first ``n`` GSM8k test questions (the local source's folder), else a few built-in ones, cycled."""
+    path = Settings.from_env().gsm8k_dir / "test.jsonl"
     found = [json.loads(line)["question"] for line in path.open()][:n] if path.is_file() else FALLBACK_QUESTIONS
     return [found[i % len(found)] for i in range(n)]
 
@@ -101,12 +101,18 @@ def post(url: str, body: dict, timeout_s: float) -> tuple[int, dict | str]:
 class ServedBento:
     """``bentoml serve`` in its own process group on a free loopback port; killed on exit."""
 
-    def __init__(self, tag: str, home: Path, traffic_dir: Path, batching: bool, threads: int, log_path: Path):
+    def __init__(self, tag: str, home: Path, traffic_dir: Path, batching: bool, threads: int, log_path: Path, env: dict[str, str] | None = None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**bentoml_env(home), "RLVR_TRAFFIC_DIR": str(traffic_dir), "RLVR_BATCHING": "1" if batching else "0", "OMP_NUM_THREADS": str(threads)}
+        env = {
+            **bentoml_env(home),
+            "RLVR_TRAFFIC_DIR": str(traffic_dir),
+            "RLVR_BATCHING": "1" if batching else "0",
+            "OMP_NUM_THREADS": str(threads),
+            **(env or {}),
+        }
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [bentoml_cli(), "serve", tag, "--port", str(self.port), "--host", "127.0.0.1"],

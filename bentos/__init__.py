@@ -8,4 +8,5 @@ Imports only the core library ``rlvr`` (never Dagster, DuckDB or MLflow).
 """
 
 MODEL_NAME = "rlvr_policy"  # the policy's name in the BentoML model store (and the Bento's name)
+SERVICE_NAME = MODEL_NAME  # the BentoML service's name (its config: services.rlvr_policy)
 MODEL_VERSION_LABEL = "model_version"  # the model label each traffic record carries (else the tag's version)

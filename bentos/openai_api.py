@@ -72,18 +72,23 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
 
 
-def chat_logprobs(tokens: list[str], logprobs: list[float]) -> ChatLogprobs:
-    """Each generated token (the end token included) with its log-prob and UTF-8 bytes; no alternatives."""
-    return ChatLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(t.encode())) for t, lp in zip(tokens, logprobs)])
+def chat_logprobs(tokens: list[str], token_bytes: list[bytes], logprobs: list[float]) -> ChatLogprobs:
+    """Each generated token (the end token included) with its log-prob and its own bytes (part of a
+    character when it splits one: joined, they are the text's UTF-8); no alternatives."""
+    return ChatLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(b)) for t, b, lp in zip(tokens, token_bytes, logprobs)])
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float]) -> CompletionLogprobs:
-    """Legacy completions log-probs: each token, its log-prob, itself as its only "top" entry, and its offset."""
+def completion_logprobs(tokens: list[str], logprobs: list[float | None], alternatives: list[dict[str, float] | None] | None = None) -> CompletionLogprobs:
+    """Legacy completions log-probs: each token, its log-prob, the most likely tokens at its position with
+    the token itself (itself alone without ``alternatives``; null where its log-prob is: an echoed
+    prompt's first token), and its offset in the text."""
     offsets, offset = [], 0
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
-    return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, top_logprobs=[{t: lp} for t, lp in zip(tokens, logprobs)], text_offset=offsets)
+    alternatives = alternatives or [{} for _ in tokens]
+    top = [None if lp is None else {**(alt or {}), t: lp} for t, lp, alt in zip(tokens, logprobs, alternatives)]
+    return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, top_logprobs=top, text_offset=offsets)
 
 
 def sse(payload: dict) -> bytes:

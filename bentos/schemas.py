@@ -178,7 +178,8 @@ MAX_NAME_CHARS = 256  # model, user
 MAX_SEED = 2**63 - 1
 DEFAULT_CHAT_MAX_TOKENS = DEFAULT_MAX_NEW_TOKENS  # OpenAI's default is the rest of the context
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's
-NO_ALTERNATIVES = "the engine records the sampled token's log-prob, not its alternatives"
+NO_ALTERNATIVES = "chat log-probs are the sampled tokens' (use /v1/completions with logprobs: k for alternatives)"
+MAX_TOP_LOGPROBS = 5  # /v1/completions logprobs: the k most likely tokens at each position (OpenAI's bound)
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
 RawPrompt = Annotated[str, Field(min_length=1, max_length=MAX_RAW_PROMPT_CHARS)]
@@ -327,19 +328,57 @@ class CompletionRequest(_OpenAIRequest):
 
     prompt: Annotated[list[str] | list[list[int]], PlainValidator(_prompts, json_schema_input_type=PromptInput)]
     max_tokens: NewTokens = DEFAULT_COMPLETION_MAX_TOKENS
-    logprobs: Annotated[int, Field(ge=0, json_schema_extra={"maximum": 0})] | None = Field(
-        default=None, description=f"0: each generated token's log-prob; more: not supported ({NO_ALTERNATIVES})"
+    logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = Field(
+        default=None, description="each token's log-prob and, at each position, the k most likely tokens' (with the token's own)"
     )
-    echo: bool = Field(default=False, description="only false")
+    echo: bool = Field(default=False, description="the prompt before the completion, with its tokens' log-probs under logprobs (the first: null)")
     best_of: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] | None = Field(default=None, description="only n")
     suffix: str | None = Field(default=None, description="only null")
 
     _bounded = _completion_tokens_bounded("n", "max_tokens")
     _no_stream_logprobs = _unsupported_unless(lambda v, data: v is None or not data.get("stream"), "log-probs are not streamed", "logprobs")
-    _no_alternatives = _unsupported_unless(lambda v, _: not v, NO_ALTERNATIVES, "logprobs")
-    _no_echo = _unsupported_unless(lambda v, _: not v, "the prompt is not echoed (nor scored)", "echo")
+    _no_stream_echo = _unsupported_unless(lambda v, data: not v or not data.get("stream"), "an echo is not streamed", "echo")
     _no_best_of = _unsupported_unless(lambda v, data: v is None or v == data.get("n"), "choices are not ranked (best_of must equal n)", "best_of")
     _no_suffix = _unsupported_unless(lambda v, _: not v, "no insertion (suffix)", "suffix")
+
+
+class TokenizeRequest(_Request):
+    """``POST /tokenize`` (vLLM's): the served tokenizer's ids of ``prompt``."""
+
+    model: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)] | None = None
+    prompt: RawPrompt
+    add_special_tokens: bool = Field(default=True, description="the tokenizer's own (this one adds none)")
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int | None
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    """``POST /detokenize`` (vLLM's): the text of token ids."""
+
+    model: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)] | None = None
+    tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_PROMPT_TOKENS + MAX_NEW_TOKENS)]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """``GET /tokenizer_info`` (vLLM's): what a client needs to tokenize and template as the server does."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+    model_max_length: int | None
 
 
 class Usage(BaseModel):
@@ -389,8 +428,8 @@ class ChatCompletion(_CompletionAnswer):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] = Field(description="the sampled token alone")
+    token_logprobs: list[float | None] = Field(description="null for an echoed prompt's first token")
+    top_logprobs: list[dict[str, float] | None] = Field(description="the k most likely tokens and the token itself; null where token_logprobs is")
     text_offset: list[int]
 
 

@@ -4,7 +4,8 @@ The loop is written out (no HF ``generate``) so that GRPO gets exactly what it n
 
 * each prompt is prefilled once (left-padded batch, attention mask, position ids, logits of the last
   position only) and its KV cache repeated for its G samples;
-* decoding steps one token at a time with a per-row temperature (0 = greedy) and top-p, writing
+* decoding steps one token at a time with a per-row temperature (below ``GREEDY_BELOW_TEMPERATURE``,
+  0 included: greedy) and top-p, writing
   keys and values into a cache preallocated for the whole token budget (no concatenation per
   step); on CPU, Llama-family models step through ``rlvr.fastpaths.fused_decode`` (fused, packed weights,
   a few large operations per layer), other models through their own forward with every linear
@@ -43,6 +44,7 @@ from rlvr.fastpaths.packed_linear import packed_linears
 from rlvr.fastpaths.static_decode import StaticDecoder, static_decoder
 
 FINISH_REASONS = ("eos", "answer", "stop", "length", "cancelled")
+GREEDY_BELOW_TEMPERATURE = 1e-5  # a lower temperature is greedy: logits / T would overflow float32 (NaN probabilities)
 _TAIL_TOKENS = 48  # tokens decoded to check for a just-completed '#### <number>' line
 
 
@@ -173,40 +175,64 @@ def concat_rollouts(chunks: list[Rollouts]) -> Rollouts:
     )
 
 
-def sample_tokens(logits: torch.Tensor, temperatures: torch.Tensor, top_p: float, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row; return (tokens, their log-probs).
+def sample_tokens(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_p: float | torch.Tensor,
+    generator: torch.Generator | None,
+    uniforms: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return (tokens, their log-probs). ``top_p``: one for all rows or one
+    per row; ``uniforms``: each row's draw in [0, 1) (the caller's own generators), else drawn from
+    ``generator``.
 
     Row r samples from softmax(logits_r / T_r) truncated to its top-p nucleus, or takes the argmax
-    when T_r = 0. The log-prob is log softmax(logits_r / T_r)[token] before truncation (T_r = 1
+    when T_r < ``GREEDY_BELOW_TEMPERATURE`` (0 included: dividing by a tinier T overflows float32 into
+    NaN probabilities). The log-prob is log softmax(logits_r / T_r)[token] before truncation (T_r = 1
     for greedy rows), matching what training recomputes.
     """
-    greedy = temperatures == 0
-    scaled = logits.float() / torch.where(greedy, 1.0, temperatures).unsqueeze(1)
+    greedy = temperatures < GREEDY_BELOW_TEMPERATURE
+    scaled = logits.float() / logprob_temperatures(temperatures).unsqueeze(1)
     probs = torch.softmax(scaled, dim=-1)
     if greedy.all():
         tokens = probs.argmax(dim=-1)
     else:
-        sampling_probs = _top_p_filter(probs, top_p) if top_p < 1.0 else probs
-        tokens = _inverse_cdf_sample(sampling_probs, generator)
+        truncated = bool((torch.as_tensor(top_p) < 1.0).any())
+        sampling_probs = _top_p_filter(probs, top_p) if truncated else probs
+        tokens = _inverse_cdf_sample(sampling_probs, generator, uniforms)
         if greedy.any():
             tokens = torch.where(greedy, probs.argmax(dim=-1), tokens)
     return tokens, probs.gather(1, tokens.unsqueeze(1)).squeeze(1).log()
 
 
-def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def logprob_temperatures(temperatures: torch.Tensor) -> torch.Tensor:
+    """The temperature each row's log-probs are taken at: its own, 1 for a greedy row (below
+    ``GREEDY_BELOW_TEMPERATURE``). The sampler and every recomputation of its log-probs use this."""
+    return torch.where(temperatures < GREEDY_BELOW_TEMPERATURE, 1.0, temperatures)
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether a row at ``temperature`` decodes greedily (see :func:`sample_tokens`)."""
+    return temperature < GREEDY_BELOW_TEMPERATURE
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """One draw per row from unnormalized ``probs`` (many times faster than ``torch.multinomial`` on CPU).
 
     Zero-probability tokens are never drawn, so the sampled token's log-prob is finite.
     """
     cdf = probs.cumsum(dim=-1)
-    u = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device) * cdf[:, -1:]
+    if uniforms is None:
+        uniforms = torch.rand((probs.shape[0],), generator=generator, device=probs.device)
+    u = uniforms.unsqueeze(1) * cdf[:, -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
-def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Zero the tail of each row outside the smallest set of tokens whose mass reaches ``top_p``."""
+def _top_p_filter(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """Zero the tail of each row outside the smallest set of tokens whose mass reaches ``top_p`` (its own, per row)."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # mass before this token already enough
+    threshold = top_p.unsqueeze(1) if isinstance(top_p, torch.Tensor) else top_p
+    outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= threshold  # mass before this token already enough
     sorted_probs[outside] = 0.0
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
@@ -505,3 +531,37 @@ def _newline_counts(tokenizer: Any, model: Any) -> torch.Tensor:
     counts[:known] = torch.tensor([text.count("\n") for text in texts])
     _NEWLINE_TABLES[id(tokenizer)] = (weakref.ref(tokenizer), counts)
     return counts
+
+
+@dataclass
+class TokenScores:
+    """One sequence scored by the model: each token's log-prob after its prefix (from the second token
+    on), and the ``top_k`` most likely tokens at each of those positions with their log-probs."""
+
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+def score_tokens(model: Any, sequences: list[list[int]], temperatures: list[float], top_k: int = 0, positions_per_chunk: int = 256) -> list[TokenScores]:
+    """Score each sequence in one forward pass (``temperatures``: one per sequence; a greedy one scores at
+    1, as :func:`sample_tokens` records): what serving's prompt log-probs (``echo``) and alternatives
+    (``logprobs: k``) read. The vocabulary projection runs ``positions_per_chunk`` positions at a time,
+    so a long prompt never holds its whole [positions, vocabulary] logits."""
+    device = next(model.parameters()).device
+    head, scores = model.get_output_embeddings(), []
+    with torch.inference_mode():
+        for ids, temperature in zip(sequences, temperatures):
+            scale = float(logprob_temperatures(torch.tensor([float(temperature)]))[0])
+            hidden = model.get_decoder()(input_ids=torch.tensor([ids], device=device)).last_hidden_state[0, :-1]
+            targets = torch.tensor(ids[1:], device=device)
+            logprobs, top_ids, top_logprobs = [], [], []
+            for start in range(0, hidden.shape[0], positions_per_chunk):
+                part = torch.log_softmax(head(hidden[start : start + positions_per_chunk]).float() / scale, dim=-1)
+                logprobs += part.gather(1, targets[start : start + positions_per_chunk, None]).squeeze(1).tolist()
+                if top_k:
+                    values, indices = part.topk(top_k, dim=-1)
+                    top_ids += indices.tolist()
+                    top_logprobs += values.tolist()
+            scores.append(TokenScores(logprobs, top_ids, top_logprobs))
+    return scores

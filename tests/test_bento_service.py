@@ -13,6 +13,7 @@ happens.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import math
 import os
@@ -35,7 +36,9 @@ from openapi_spec_validator import validate as validate_openapi
 from schemathesis.config import SchemathesisConfig
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
+from bentos.admission import MAX_CONCURRENCY
 from bentos.build import MODEL_VERSION_LABEL, bentoml_cli, bentoml_env, build_bento, store_policy
+from bentos.header_timeout import HEADER_TIMEOUT_S
 from bentos.schemas import (
     BODY_TIMEOUT_S,
     MAX_BODY_BYTES,
@@ -44,7 +47,7 @@ from bentos.schemas import (
     MAX_PROMPT_TOKENS,
     openapi_document,
 )
-from bentos.service import MAX_CONCURRENCY, REWARD_TIMEOUT_S
+from bentos.service import REWARD_TIMEOUT_S
 from conftest import tiny_llama_with_embedded_tokenizer
 from rlvr import policy
 from rlvr.answers import extract_final_answer
@@ -475,6 +478,8 @@ HOSTILE = [
     ("/solve", b'{"question": "hi", "k": 2.5}', "k"),
     ("/solve", b'{"k": 3}', "question"),
     ("/solve", b'{"question": "hi", "k": 9, "max_new_tokens": 1000}', "max_new_tokens"),
+    ("/generate", b'{"prompt": "hi \\ud800 there"}', "prompt"),  # a lone surrogate: valid JSON, no Unicode text
+    ("/solve", b'{"question": "hi", "k": 1, "\\udc00": 1}', "\\\\udc00"),
 ]
 
 
@@ -673,6 +678,27 @@ def test_slow_bodies_hold_no_slot_and_get_408(server):
     assert _metric(after, "rlvr_requests_total", endpoint="/solve", status="408") - _metric(
         before, "rlvr_requests_total", endpoint="/solve", status="408"
     ) == len(slow)
+
+
+def test_connections_that_stall_in_their_headers_are_closed(server):
+    """Clients that open a connection and send nothing, or part of their headers, are cut off after
+    ``HEADER_TIMEOUT_S``; a kept-alive connection with complete requests is served as before."""
+    stalled = [socket.create_connection(("127.0.0.1", server.port), timeout=HEADER_TIMEOUT_S + 10) for _ in range(40)]
+    try:
+        for i, sock in enumerate(stalled[1:]):
+            sock.sendall(b"POST /solve HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Ty"[: 10 + i])
+        server.assert_ready()
+        started = time.monotonic()
+        assert [sock.recv(1) for sock in stalled] == [b""] * len(stalled)  # closed by the server
+        assert time.monotonic() - started < HEADER_TIMEOUT_S + 5
+    finally:
+        for sock in stalled:
+            sock.close()
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)  # kept alive: two requests
+    for _ in range(2):
+        connection.request("GET", "/readyz")
+        assert connection.getresponse().read() and connection.sock is not None
+    connection.close()
 
 
 def test_a_full_door_answers_503_and_hung_up_requests_stop(server):

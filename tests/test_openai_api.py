@@ -17,10 +17,12 @@ from pathlib import Path
 
 import openai
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from bentos.build import MODEL_VERSION_LABEL
 from bentos.schemas import MAX_BODY_BYTES, MAX_STOP_STRINGS
+from bentos.vocabulary import Vocabulary
 from rlvr.answers import lm_eval_gsm8k_answers
 from rlvr.prompts import SYSTEM_PROMPT
 from rlvr.traffic import read_traffic, traffic_row
@@ -144,6 +146,42 @@ def test_n_choices_and_seeded_sampling_reproduce_batched_or_not(client):
     assert sample(8) != alone
 
 
+def test_logprob_bytes_are_each_tokens_own_and_rebuild_the_text(client, server, tokenizer):
+    """Sampled gibberish of the byte-level vocabulary splits multi-byte characters: each token's bytes are
+    its part of one (not U+FFFD's), and the joined bytes are the completion's UTF-8 (the end token's text aside)."""
+    vocabulary = Vocabulary(tokenizer)
+    text = "你好😀 ok<|im_end|>"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    assert b"".join(vocabulary.token_bytes(ids)) == text.encode() and not all(map(_is_utf8, vocabulary.token_bytes(ids)))
+    messages = [{"role": "user", "content": "你好😀"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, temperature=1, seed=3, n=4, max_tokens=128, logprobs=True)
+    split = False
+    for choice in chat.choices:
+        parts = [bytes(t.bytes) for t in choice.logprobs.content]
+        if choice.finish_reason == "stop":
+            assert parts.pop() == tokenizer.eos_token.encode()
+        assert b"".join(parts).decode("utf-8", errors="replace") == choice.message.content
+        assert b"\xef\xbf\xbd" not in b"".join(parts)
+        split |= any(p and not _is_utf8(p) for p in parts)
+    assert split  # some sampled token did split a character
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 5e-324])
+def test_a_temperature_too_small_to_divide_by_is_greedy_and_logged_as_served(client, server, tokenizer, temperature):
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=temperature, max_tokens=16, logprobs=True)
+    (choice,) = chat.choices
+    assert choice.message.content == GREEDY_COMPLETION and all(-100 < t.logprob < 0 for t in choice.logprobs.content)
+    assert _record(server, chat.id)["status"] == 200
+
+
 def test_logprobs_are_the_sampled_tokens(client, tokenizer):
     chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0, max_tokens=16, logprobs=True)
     (choice,) = chat.choices
@@ -222,8 +260,8 @@ BAD_COMPLETIONS = [
     ({"prompt": ["a", [1]]}, "prompt"),
     ({"prompt": ["a"] * 17}, "prompt"),
     ({"prompt": ["a"] * 4, "n": 5}, "n"),
-    ({"logprobs": 2}, "logprobs"),
-    ({"echo": True}, "echo"),
+    ({"logprobs": 6}, "logprobs"),
+    ({"echo": True, "stream": True}, "echo"),
     ({"best_of": 3}, "best_of"),
     ({"suffix": "end"}, "suffix"),
 ]
@@ -244,6 +282,19 @@ def test_a_malformed_completion_request_gets_400_naming_the_param(client, kwargs
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(**{"model": MODEL, "prompt": "Q: 2+2\n", "max_tokens": 4, **kwargs})
     assert err.value.param == param, err.value.body
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'{"messages": [{"role": "user", "content": "hi \\ud800 there"}]}', "messages[0].content"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "stop": ["ok", "\\udfff"]}', "stop[1]"),
+    ],
+)
+def test_a_lone_surrogate_gets_400_naming_its_field(server, raw, param):
+    status, text = server.request("/v1/chat/completions", raw=raw)
+    error = json.loads(text)["error"]
+    assert status == 400 and error["param"] == param and param in error["message"], text
 
 
 def test_v1_requests_pass_the_guard_and_are_counted(server):
@@ -311,3 +362,117 @@ def test_lm_eval_harness_runs_gsm8k_against_the_served_bento(server, built, tmp_
         assert bench.harness_answers(row) == lm_eval_gsm8k_answers(row["response"])
     served = [r for r in read_traffic(server.traffic_dir).records if r["prompt"] in {row["prompt"] for row in rows}]
     assert len(served) == 10 and {r["endpoint"] for r in served} == {"/v1/completions"}
+
+
+MC_TASK = """task: tiny_choice
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: multiple_choice
+test_split: test
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{label}}}}"
+metric_list:
+  - metric: acc
+"""
+GEN_TASK = """task: tiny_generation
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+output_type: generate_until
+test_split: test
+doc_to_text: "Q: {{{{question}}}}\\n"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["Q:"]
+  do_sample: false
+  max_gen_toks: 12
+metric_list:
+  - metric: exact_match
+"""
+
+
+def test_lm_eval_runs_log_likelihood_and_generation_tasks_with_the_servers_tokenizer(server, built, tokenizer, tmp_path):
+    """lm-eval's ``local-completions`` as a user runs it against vLLM, no tokenizer named: it finds
+    ``/tokenizer_info`` and ``/tokenize``, scores each multiple-choice answer with ``echo`` + prompt
+    log-probs (the model's own, recomputed here), and generates greedily (the scripted ``#### 2^{3}``)."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoModelForCausalLM
+
+    choice_docs = [
+        {"question": "What is 2 + 2?", "choices": [" 4", " five", " 22 apples"], "label": 0},
+        {"question": "Which is a colour?", "choices": [" red", " seven"], "label": 0},
+        {"question": "你好?", "choices": [" 😀", " no"], "label": 1},
+    ]
+    generation_docs = [{"question": "2^3?", "answer": GREEDY_COMPLETION}, {"question": "1+1?", "answer": "2"}]
+    for name, docs, task in (("choice", choice_docs, MC_TASK), ("generation", generation_docs, GEN_TASK)):
+        data = tmp_path / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+        (tmp_path / f"{name}.yaml").write_text(task.format(data=data))
+    before = server.metrics()
+    out = simple_evaluate(
+        model="local-completions",
+        model_args={"model": MODEL, "base_url": f"{server.url}/v1/completions", "num_concurrent": 2, "max_retries": 1, "timeout": 120},
+        tasks=["tiny_choice", "tiny_generation"],
+        task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
+        log_samples=True,
+    )
+    assert _metric(server.metrics(), "rlvr_requests_total", endpoint="/tokenize", status="200") > _metric(
+        before, "rlvr_requests_total", endpoint="/tokenize", status="200"
+    )  # the remote tokenizer, found by itself
+    _, model_tag, home = built
+    model = AutoModelForCausalLM.from_pretrained(str(home / "models" / Path(*model_tag.split(":")))).eval()
+    samples = out["samples"]["tiny_choice"]
+    assert len(samples) == len(choice_docs)
+    for sample in samples:
+        context, doc = sample["arguments"][0][0], sample["doc"]
+        for continuation_args, (loglikelihood, _) in zip(sample["arguments"], [r[0] for r in sample["resps"]]):
+            context_ids = tokenizer(continuation_args[0], add_special_tokens=False).input_ids
+            whole = context_ids + tokenizer(continuation_args[1], add_special_tokens=False).input_ids
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([whole])).logits[0, :-1].float()
+            expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(whole[1:])[:, None])[len(context_ids) - 1 :].sum()
+            assert loglikelihood == pytest.approx(float(expected), abs=1e-3), (context, doc)
+    generations = out["samples"]["tiny_generation"]
+    assert [s["resps"][0][0] for s in generations] == [GREEDY_COMPLETION] * 2
+    assert out["results"]["tiny_generation"]["exact_match,none"] == 0.5
+
+
+def test_tokenize_detokenize_and_tokenizer_info_as_vllm_has_them(server, tokenizer):
+    status, text = server.request("/tokenizer_info")
+    info = json.loads(text)
+    assert status == 200 and info["eos_token"] == tokenizer.eos_token and info["chat_template"] == tokenizer.chat_template
+    status, text = server.request("/tokenize", {"prompt": "你好😀 ok", "add_special_tokens": False, "return_token_strs": True})
+    out = json.loads(text)
+    ids = tokenizer("你好😀 ok", add_special_tokens=False).input_ids
+    assert status == 200 and out["tokens"] == ids and out["count"] == len(ids) and out["max_model_len"] == 2048
+    assert out["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
+    assert json.loads(server.request("/detokenize", {"tokens": ids})[1]) == {"prompt": "你好😀 ok"}
+    for path, body, param in [
+        ("/tokenize", {"prompt": ""}, "prompt"),
+        ("/tokenize", {"prompt": "x", "messages": []}, "messages"),
+        ("/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens[0]"),
+    ]:
+        status, text = server.request(path, body)
+        assert status == 400 and json.loads(text)["error"]["param"] == param, text
+    assert server.request("/tokenize", {"prompt": "x", "model": "other"})[0] == 404
+
+
+def test_echo_scores_the_prompt_and_logprobs_k_gives_the_top_tokens(client, tokenizer):
+    prompt = _newline_prompt(tokenizer)
+    out = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=3, logprobs=2, echo=True)
+    (choice,) = out.choices
+    logprobs = choice.logprobs
+    texts = tokenizer.batch_decode([[t] for t in prompt])
+    assert logprobs.tokens[: len(prompt)] == texts and choice.text.startswith(tokenizer.decode(prompt))
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp < 0 for lp in logprobs.token_logprobs[1:])
+    for token, lp, top in zip(logprobs.tokens[1:], logprobs.token_logprobs[1:], logprobs.top_logprobs[1:]):
+        assert top[token] == lp and 2 <= len(top) <= 3
+    generated = list(zip(logprobs.token_logprobs[len(prompt) :], logprobs.top_logprobs[len(prompt) :]))
+    assert len(generated) == 3 and all(lp == max(top.values()) for lp, top in generated)  # greedy: each is the top one

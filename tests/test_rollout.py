@@ -8,7 +8,16 @@ from transformers import DynamicCache, LlamaConfig
 
 from rlvr import policy
 from rlvr.prompts import ControlTokensError, render_messages, render_prompt
-from rlvr.rollout import Rollouts, SamplingConfig, _top_p_filter, generate_rollouts, sample_tokens, stream_rollouts
+from rlvr.rollout import (
+    GREEDY_BELOW_TEMPERATURE,
+    Rollouts,
+    SamplingConfig,
+    _top_p_filter,
+    generate_rollouts,
+    sample_tokens,
+    score_tokens,
+    stream_rollouts,
+)
 from tiny_policy import char_tokenizer, tiny_llama
 
 PROMPTS = ["what is 12+30?", "7", "count: a b c d e f"]
@@ -111,6 +120,44 @@ def test_top_p_keeps_the_smallest_nucleus():
     tokens, logprobs = sample_tokens(logits, torch.tensor([1.0]), top_p=1e-6, generator=generator)
     assert tokens.tolist() == [1]
     torch.testing.assert_close(logprobs, torch.log(torch.tensor([0.5])))
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 5e-324, GREEDY_BELOW_TEMPERATURE / 2])
+def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
+    """logits / 1e-38 overflows float32: such a row (sampled beside an ordinary one) takes the argmax,
+    its log-prob the model's own (temperature 1), finite."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, -2.0], [0.5, 0.1, 0.2, 2.5]]) * 50
+    assert torch.isinf(logits.float() / torch.tensor(1e-38)).any() or temperature == 5e-324
+    generator = torch.Generator().manual_seed(0)
+    for top_p in (1.0, 0.9):
+        tokens, logprobs = sample_tokens(logits, torch.tensor([temperature, 1.0]), top_p, generator)
+        assert tokens[0].item() == 1 and torch.isfinite(logprobs).all()
+        torch.testing.assert_close(logprobs[0], torch.log_softmax(logits[0], dim=-1)[1])
+
+
+def test_a_tiny_temperature_decodes_as_greedy_end_to_end(model, tokenizer):
+    greedy = generate_rollouts(model, tokenizer, PROMPTS, 2, SamplingConfig(max_new_tokens=8, temperatures=[0.0], stop_at_final_answer=False))
+    tiny = generate_rollouts(model, tokenizer, PROMPTS, 2, SamplingConfig(max_new_tokens=8, temperatures=[1e-38], stop_at_final_answer=False))
+    assert torch.equal(greedy.completion_ids, tiny.completion_ids) and torch.isfinite(tiny.logprobs).all()
+    torch.testing.assert_close(greedy.logprobs, tiny.logprobs)
+
+
+def test_scored_tokens_are_the_sampled_log_probs_and_the_top_alternatives(model, tokenizer):
+    """Scoring prompt + completion in one forward gives the engine's own log-probs of the completion (at
+    each row's temperature), the full forward's for the prompt, and top-1 is the argmax (greedy rows' token)."""
+    rollouts = generate_rollouts(model, tokenizer, PROMPTS, 2, SamplingConfig(max_new_tokens=6, temperatures=[0.0, 0.7], stop_at_final_answer=False))
+    sequences = [p + c for p, c in zip(rollouts.prompt_ids, rollouts.completion_token_lists())]
+    scores = score_tokens(model, sequences, rollouts.temperatures.tolist(), top_k=2, positions_per_chunk=3)
+    for row, (prompt, completion, score) in enumerate(zip(rollouts.prompt_ids, rollouts.completion_token_lists(), scores)):
+        assert len(score.logprobs) == len(score.top_ids) == len(prompt) + len(completion) - 1
+        torch.testing.assert_close(torch.tensor(score.logprobs[len(prompt) - 1 :]), rollouts.logprobs[row, : len(completion)], atol=1e-4, rtol=0)
+        assert all(v[0] >= v[1] for v in score.top_logprobs)
+        if rollouts.temperatures[row] == 0:
+            assert [ids[0] for ids in score.top_ids[len(prompt) - 1 :]] == completion
+    ids = torch.tensor([sequences[0]])
+    with torch.no_grad():
+        full = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1).gather(1, ids[0, 1:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(scores[0].logprobs), full, atol=1e-4, rtol=0)
 
 
 def test_micro_batches_stream_the_same_rollouts(model, tokenizer):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from rlvr.fastpaths import FastPaths
-from rlvr.rollout import SamplingConfig
+from rlvr.rollout import SamplingConfig, is_greedy
 
 from .loss import AGGREGATIONS, POLICY_LOSSES
 
@@ -78,7 +78,7 @@ class GRPOConfig:
             if self.sampling.fast_paths != FastPaths():
                 raise ValueError("set fast_paths on the GRPOConfig (it governs the rollouts too), not on its sampling")
             self.sampling = replace(self.sampling, fast_paths=self.fast_paths)
-        if any(t == 0 for t in self.sampling.temperatures):
+        if any(is_greedy(t) for t in self.sampling.temperatures):
             raise ValueError(
                 f"sampling.temperatures {self.sampling.temperatures} holds 0: a greedy row is not a sample "
                 "of the policy, so its group's advantages and importance ratios would be wrong; "

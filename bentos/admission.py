@@ -1,0 +1,229 @@
+"""The way in of a public request, each bound enforced before any work (``RequestGuard``, an ASGI
+middleware): JSON only (415); a lone UTF-16 surrogate in it refused naming its field (400); the body
+whole within ``MAX_BODY_BYTES`` (413, chunked bodies included) and ``BODY_TIMEOUT_S`` (408), read
+before the request takes one of the ``MAX_CONCURRENCY`` slots, so a slow client holds none; no free
+slot, or the policy not loaded yet: 503 with ``Retry-After``. Every request is counted in
+``rlvr_requests_total`` with the status its client got; one whose client hangs up is cancelled.
+(Connections that stall before their headers are complete are ``bentos.header_timeout``'s.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import functools
+import logging
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+from starlette.responses import JSONResponse
+
+from bentos import SERVICE_NAME, openai_api
+from bentos.json_body import lone_surrogate_field
+from bentos.metrics import REQUESTS
+from bentos.schemas import BODY_TIMEOUT_S, MAX_BODY_BYTES
+
+OPENAI_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")  # errors in OpenAI's shape
+PUBLIC_ENDPOINTS = ("/generate", "/solve", *OPENAI_ENDPOINTS)
+REQUEST_TIMEOUT_S = 300  # the whole request, queueing included: BentoML answers 504 and we stop its rows
+STREAM_GRACE_S = 2.0  # past the timeout, the guard ends a stream whose client stopped reading
+MAX_CONCURRENCY = 64  # per replica: public requests past the body and in the handler; more get 503
+RETRY_AFTER_S = 2
+CLIENT_GONE = 499  # the status counted and logged for a request whose client hung up first (nginx's)
+
+
+class Door:
+    """The slots of this worker's public requests: ``RequestGuard`` admits through it, the service
+    opens it once the policy is loaded, and ``/readyz`` reads it (a saturated worker is not ready)."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.in_flight, self.loaded = capacity, 0, False
+
+    @property
+    def saturated(self) -> bool:
+        return self.in_flight >= self.capacity
+
+
+DOOR = Door(MAX_CONCURRENCY)
+
+
+@dataclass
+class Exchange:
+    """What the guard knows of one public request: the status its client got, whether it hung up."""
+
+    status: int | None = None
+    client_gone: bool = False
+
+
+EXCHANGE: contextvars.ContextVar[Exchange] = contextvars.ContextVar("rlvr_exchange")
+
+
+def cancelled_status() -> tuple[int, str]:
+    """Why a public request's handler was cancelled: its client hung up (the guard then cancels it),
+    else its time ran out (BentoML's traffic timeout, the only other canceller, answers 504)."""
+    exchange = EXCHANGE.get(None)
+    if exchange is not None and exchange.client_gone:
+        return CLIENT_GONE, "client disconnected"
+    return 504, "timed out (the service's request timeout)"
+
+
+@functools.cache
+def request_timeout_s() -> float:
+    """The service's traffic timeout as BentoML runs it (``BENTOML_CONFIG_OPTIONS`` included)."""
+    from bentoml._internal.configuration.containers import BentoMLContainer
+
+    try:
+        return float(BentoMLContainer.config.services[SERVICE_NAME].get()["traffic"]["timeout"])
+    except (KeyError, TypeError, ValueError):
+        return float(REQUEST_TIMEOUT_S)
+
+
+class RequestGuard:
+    """ASGI middleware on the public endpoints: the way in (module docstring), each refusal a JSON
+    ``ErrorResponse`` (OpenAI's error shape on ``/v1``); every request counted in
+    ``rlvr_requests_total`` with the status its client got. BentoML's timeout stops at a response's
+    first message, so the guard ends a stream still running ``STREAM_GRACE_S`` past it (a client
+    that stops reading would hold its slot)."""
+
+    def __init__(self, app, door: Door):
+        self.app, self.door = app, door
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] not in PUBLIC_ENDPOINTS:
+            return await self.app(scope, receive, send)
+        exchange = Exchange()
+        EXCHANGE.set(exchange)  # this request's task context: the handler reads it when cancelled
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                exchange.status = message["status"]
+            await send(message)
+
+        try:
+            await self._admit(scope, receive, counting_send, exchange)
+        except asyncio.CancelledError:  # the request timed out: BentoML's TimeoutMiddleware answers 504
+            exchange.status = exchange.status or 504
+            raise
+        except Exception:  # Starlette's ServerErrorMiddleware answers 500
+            exchange.status = exchange.status or 500
+            raise
+        finally:
+            REQUESTS.labels(endpoint=scope["path"], status=str(exchange.status)).inc()
+
+    async def _admit(self, scope, receive, send, exchange: Exchange) -> None:
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send)  # 405 from the router
+        _refuse = functools.partial(refuse, openai=scope["path"] in OPENAI_ENDPOINTS)  # in the path's shape
+        headers = dict(scope["headers"])
+        media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+        if media_type != b"application/json":
+            return await _refuse(send, 415, f"Content-Type: {media_type.decode('latin-1') or 'none'}; send the body as application/json")
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > MAX_BODY_BYTES):
+            return await _refuse(send, 413, f"request body: larger than {MAX_BODY_BYTES} bytes", close=True)
+        body = bytearray()
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                more = True
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        exchange.client_gone = True
+                        return await _refuse(send, CLIENT_GONE, "client disconnected")
+                    body += message.get("body", b"")
+                    if len(body) > MAX_BODY_BYTES:  # a chunked body without Content-Length
+                        return await _refuse(send, 413, f"request body: larger than {MAX_BODY_BYTES} bytes", close=True)
+                    more = message.get("more_body", False)
+        except TimeoutError:
+            return await _refuse(send, 408, f"request body: not received within {BODY_TIMEOUT_S:g} s", close=True)
+        if (location := lone_surrogate_field(bytes(body))) is not None:
+            name = openai_api.param_name(location)
+            return await _refuse(send, 400, f"{name}: holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not Unicode text", field=location)
+        if not self.door.loaded:
+            return await _refuse(send, 503, "the policy is not loaded yet", retry_after=True)
+        if self.door.saturated:
+            return await _refuse(send, 503, f"overloaded: all {self.door.capacity} slots are taken", retry_after=True)
+        self.door.in_flight += 1
+        try:
+            await self._run(scope, bytes(body), receive, send, exchange)
+        finally:
+            self.door.in_flight -= 1
+
+    async def _run(self, scope, body: bytes, receive, send, exchange: Exchange) -> None:
+        """The app on the buffered body, cancelled when the client hangs up."""
+        hung_up = asyncio.Event()
+        delivered = False
+
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            await hung_up.wait()
+            return {"type": "http.disconnect"}
+
+        async def watch():  # with the body read, the client's next message is its disconnect
+            while (await receive())["type"] != "http.disconnect":
+                pass
+
+        app = asyncio.ensure_future(self.app(scope, replay, send))
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await asyncio.wait({app, watcher}, timeout=request_timeout_s() + STREAM_GRACE_S, return_when=asyncio.FIRST_COMPLETED)
+            if not app.done():
+                # the client hung up, or a stream outlived its time: the handler reads which when cancelled
+                exchange.client_gone = watcher.done()
+                hung_up.set()
+                app.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await app
+                if exchange.status is None:
+                    await refuse(send, CLIENT_GONE, "client disconnected")
+                else:  # a stream under way: its client got part of it
+                    exchange.status = CLIENT_GONE if exchange.client_gone else 504
+            else:
+                app.result()
+        finally:
+            watcher.cancel()
+            app.cancel()  # a no-op once done; when this request timed out it stops the handler
+
+
+async def refuse(send, status: int, message: str, *, openai: bool = False, retry_after: bool = False, close: bool = False, field: tuple | None = None) -> None:
+    """A JSON ``ErrorResponse`` (``openai``: OpenAI's error shape), naming ``field`` when given. Sent to a
+    client that hung up (499) it goes nowhere, but it ends the exchange for BentoML's middleware (its
+    timeout would hold the request's task for the full timeout)."""
+    if openai:
+        content = openai_api.error_body(status, message, openai_api.param_name(field or ()), "invalid_value" if field else None)
+    else:
+        content = {"error": message, **({"detail": [{"type": "invalid_value", "loc": list(field), "msg": message}]} if field else {})}
+    body = JSONResponse(content).body
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if retry_after:
+        headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
+    if close:  # the rest of the body is never read: the connection cannot serve another request
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class ClientErrorsInOneLine(logging.Filter):
+    """BentoML logs each request that fails validation at ERROR with a traceback: a client's error is
+    one INFO line naming its fields (a flood of bad requests would fill the log with tracebacks)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, ValidationError):
+            fields = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in error.errors(include_url=False, include_input=False, include_context=False)
+            )
+            record.msg, record.args = "400 on %s: %s", (record.getMessage().removeprefix("Exception on "), fields[:300])
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+logging.getLogger("bentoml._internal.server.http_app").addFilter(ClientErrorsInOneLine())
+
+
+logging.getLogger("bentoml._internal.server.http_app").addFilter(ClientErrorsInOneLine())

@@ -1,0 +1,77 @@
+"""A request's cost on the loaded model, priced before it is queued: a 400 naming the field when a
+prompt is over ``MAX_PROMPT_TOKENS``, its new tokens over the model's context, a token id outside the
+vocabulary, or the KV cache of all its rows over the budget (``$RLVR_KV_CACHE_BUDGET_MIB``)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from pydantic import ValidationError
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from bentos.scheduler import RolloutJob
+from bentos.schemas import MAX_PROMPT_TOKENS
+from rlvr.prompts import render_prompt
+
+
+def invalid_request(title: str, field_name: str, message: str) -> ValidationError:
+    """A 400 naming ``field_name`` in the shape of pydantic's own (BentoML answers a ValidationError so)."""
+    error = PydanticCustomError("request_cost", "{message}", {"message": message})
+    return ValidationError.from_exception_data(title, [InitErrorDetails(type=error, loc=(field_name,), input=None)])
+
+
+class CostFields(NamedTuple):
+    """The request fields a 400 on its cost names."""
+
+    title: str  # the request model
+    prompt: str
+    rows: str
+    new_tokens: str
+    templated: bool  # the prompt is counted in the chat template
+
+
+class Pricing:
+    """The service's pricing (a mixin of ``RlvrPolicy``: the loaded model's ``context_tokens``,
+    ``vocab_size``, ``kv_bytes_per_token``, ``kv_cache_budget_bytes`` and ``prompt_tokenizer``)."""
+
+    def _rendered(self, title: str, text_field: str, question: str) -> list[int]:
+        """The question in the training prompt, as token ids; a 400 naming the field when the prompt
+        builder refuses it (control tokens)."""
+        try:
+            prompt = render_prompt(self.prompt_tokenizer, question)
+        except ValueError as err:
+            raise invalid_request(title, text_field, f"{text_field} refused by the prompt builder: {err}") from None
+        return self.prompt_tokenizer(prompt, add_special_tokens=False).input_ids
+
+    def _priced_jobs(self, names: CostFields, prompts: list[list[int]], rows: int, max_new_tokens: int, **sampling) -> list[RolloutJob]:
+        """One rollout job per prompt once the request's cost on the loaded model fits; else a 400 naming
+        the field: each prompt within ``MAX_PROMPT_TOKENS`` and, with its new tokens, the model's context;
+        the KV cache of all the request's rows within the budget."""
+        title, where = names.title, " in the chat template" if names.templated else ""
+        for ids in prompts:
+            tokens = len(ids)
+            if tokens > MAX_PROMPT_TOKENS:
+                raise invalid_request(title, names.prompt, f"{names.prompt} is {tokens} tokens{where}; at most {MAX_PROMPT_TOKENS}")
+            if self.context_tokens is not None and tokens + max_new_tokens > self.context_tokens:
+                raise invalid_request(
+                    title,
+                    names.new_tokens,
+                    f"{names.prompt} ({tokens} tokens{where}) + {names.new_tokens} "
+                    f"({max_new_tokens}) is over the model's context of {self.context_tokens} tokens",
+                )
+            if max(ids) >= self.vocab_size:
+                raise invalid_request(title, names.prompt, f"{names.prompt} holds token id {max(ids)}, outside the model's vocabulary of {self.vocab_size}")
+        kv_bytes = [rows * (len(ids) + max_new_tokens) * self.kv_bytes_per_token for ids in prompts]
+        if sum(kv_bytes) > self.kv_cache_budget_bytes:
+            tokens = " + ".join(str(len(ids)) for ids in prompts)
+            raise invalid_request(
+                title,
+                names.rows,
+                f"{names.rows} x ({names.prompt} + {names.new_tokens}) = {rows} x ({tokens} + "
+                f"{max_new_tokens}) tokens: a KV cache of {sum(kv_bytes) / 2**20:.1f} MiB, over the "
+                f"budget of {self.kv_cache_budget_bytes / 2**20:.0f} MiB",
+            )
+        return [
+            RolloutJob(prompt_ids=tuple(ids), num_samples=rows, max_new_tokens=max_new_tokens, kv_cache_bytes=kv, **sampling)
+            for ids, kv in zip(prompts, kv_bytes)
+        ]

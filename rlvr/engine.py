@@ -1,0 +1,528 @@
+"""Iteration-level scheduling (continuous batching, as Orca, vLLM and TGI do) over one model.
+
+Requests join and leave the running batch at every decode step. Each :meth:`Engine.step`:
+
+1. drops the rows of cancelled requests;
+2. admits rows of prefilled requests into free row slots, shortest request first, each request held
+   to a fair share of the slots (``max_rows`` / requests waiting or running) and to ``max_share`` of
+   the KV budget the other requests leave (so a new request always finds room for its first row);
+   a row's first token is sampled from its prompt's last logits;
+3. prefills waiting prompts in chunks (shortest remaining first, older first among equals) under the
+   step's token budget (``step_tokens`` minus the running rows: a long prompt is spread over several
+   steps, interleaved with everyone's decoding);
+4. runs one decode step of every running row (``rlvr.fastpaths.fused_decode``), samples each row's
+   next token (``rlvr.rollout.sample_tokens``: per-row temperature and top-p; each row draws from its
+   own generator, seeded by its request's seed and its sample index, so a seeded request samples the
+   same tokens alone or beside any others), and retires the rows that finished.
+
+KV cache: a :class:`SlotCache` holds one slot per running row, every slot as long as the longest
+row of its :class:`Lane` needs (prompt + new tokens), in buffers of [slots, KV heads, length, head
+dim] per layer; rows of at most ``SHORT_LANE_TOKENS`` have a lane (and a decode call) of their own, so
+a long request does not pad every short row to its length. A finished row's slot is refilled by the
+last row's (one row copied, no compaction). The engine holds the buffers within ``kv_budget_bytes``
+(the padded footprint: slots x slot length), reserving a slot when a row joins and releasing it when
+it leaves; a prompt's prefill cache counts too until its last row has joined. Finish reasons and stop
+rules are the rollout engine's (``rlvr.rollout``).
+
+The core of the service's generation (``bentos``); training keeps ``rlvr.rollout``'s static batches
+(every prompt known at once: see docs/benchmarks.md, "Serving").
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from transformers import DynamicCache
+
+from rlvr.answers import is_well_formed
+from rlvr.fastpaths import FastPaths
+from rlvr.fastpaths.fused_decode import fused_decoder
+from rlvr.rollout import _TAIL_TOKENS, SamplingConfig, _newline_counts, _stop_token_ids, is_greedy, last_position_logits, sample_tokens
+
+SLOT_LENGTH_QUANTUM = 128  # slot lengths grow and shrink in these steps (fewer buffer reallocations)
+SHORT_LANE_TOKENS = 512  # rows of at most this many tokens (prompt + new) decode in a lane of their own
+
+
+def kv_cache_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
+    """Keys and values one token of one row holds in the cache: layers x 2 x KV heads x head dim x dtype size."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers * 2 * kv_heads * head_dim * dtype.itemsize
+
+
+def continuous_batching_eligible(model: Any, fast: FastPaths = FastPaths()) -> bool:
+    """The engine decodes through the fused decoder (Llama-family models on CPU); other models are
+    served by whole generation passes of ``rlvr.rollout``."""
+    return fused_decoder(model, 8, fast) is not None
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One prompt's ``num_samples`` completions. ``on_tokens`` sees each step's (sample, token) pairs,
+    ``on_done`` the finished request (both on the engine's thread); ``cancelled`` stops its rows."""
+
+    prompt_ids: list[int]
+    num_samples: int
+    temperatures: tuple[float, ...]  # cycled over the samples
+    max_new_tokens: int
+    top_p: float = 1.0
+    seed: int = 0
+    stop_at_final_answer: bool = True
+    stop_strings: tuple[str, ...] = ()
+    on_tokens: Callable[[list[tuple[int, int]]], None] | None = None
+    on_done: Callable[[EngineRequest], None] | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    # filled by the engine
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)
+    submitted_s: float = 0.0
+    first_token_s: float | None = None
+    done_s: float | None = None
+    max_neighbours: int = 1  # most requests that shared a decode step with it
+    error: Exception | None = None  # set when a step failed under it
+    _prefilled: int = 0
+    _cache: DynamicCache | None = None
+    _last_logits: torch.Tensor | None = None
+    _next_sample: int = 0
+    _running: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = [[] for _ in range(self.num_samples)]
+        self.logprobs = [[] for _ in range(self.num_samples)]
+        self.finish_reasons = [None] * self.num_samples
+
+    @property
+    def slot_length(self) -> int:
+        return len(self.prompt_ids) + self.max_new_tokens
+
+    @property
+    def prefilled(self) -> bool:
+        return self._prefilled == len(self.prompt_ids)
+
+    @property
+    def pending_rows(self) -> int:
+        return self.num_samples - self._next_sample
+
+    def temperature(self, sample: int) -> float:
+        return self.temperatures[sample % len(self.temperatures)]
+
+
+class SlotLayer:
+    """One layer's keys and values by row slot; :meth:`update` (what the decoder calls) writes each
+    row's new token at its own position and returns the keys and values up to the longest row."""
+
+    def __init__(self, cache: SlotCache):
+        self.cache, self.keys, self.values = cache, None, None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        rows, positions, used = self.cache.rows, self.cache.lengths[: self.cache.rows], self.cache.step_length
+        index = torch.arange(rows)
+        self.keys[index, :, positions] = key_states[:, :, 0]
+        self.values[index, :, positions] = value_states[:, :, 0]
+        return self.keys[:rows, :, :used], self.values[:rows, :, :used]
+
+
+class SlotCache:
+    """Running rows' KV cache: slot r holds row r's tokens at positions 0 .. lengths[r] - 1."""
+
+    def __init__(self, num_layers: int):
+        self.layers = [SlotLayer(self) for _ in range(num_layers)]
+        self.rows = 0
+        self.capacity_rows = self.capacity_length = 0
+        self.lengths = torch.zeros(0, dtype=torch.long)
+        self.step_length = 0
+
+    def bytes(self, bytes_per_token: int, rows: int | None = None, length: int | None = None) -> int:
+        rows = self.capacity_rows if rows is None else rows
+        return rows * (self.capacity_length if length is None else length) * bytes_per_token
+
+    def resize(self, rows: int, length: int, like: torch.Tensor) -> None:
+        """Buffers for ``rows`` slots of ``length`` positions, the running rows' contents kept."""
+        kept = min(self.capacity_length, length)
+        for layer in self.layers:
+            shape = (rows, like.shape[1], length, like.shape[3])
+            for name in ("keys", "values"):
+                new = like.new_zeros(shape)
+                old = getattr(layer, name)
+                if old is not None and self.rows:
+                    new[: self.rows, :, :kept] = old[: self.rows, :, :kept]
+                setattr(layer, name, new)
+        lengths = torch.zeros(rows, dtype=torch.long)
+        lengths[: self.rows] = self.lengths[: self.rows]
+        self.lengths, self.capacity_rows, self.capacity_length = lengths, rows, length
+
+    def add_rows(self, prompt_cache: DynamicCache, count: int) -> range:
+        """``count`` new rows holding the prompt's keys and values (capacity already there)."""
+        start = self.rows
+        for layer, source in zip(self.layers, prompt_cache.layers):
+            length = source.keys.shape[-2]
+            layer.keys[start : start + count, :, :length] = source.keys[0]
+            layer.values[start : start + count, :, :length] = source.values[0]
+        self.lengths[start : start + count] = prompt_cache.layers[0].keys.shape[-2]
+        self.rows += count
+        return range(start, start + count)
+
+    def remove_row(self, row: int) -> int | None:
+        """Free ``row``: the last row moves into it; returns the row that moved (None if it was the last)."""
+        last = self.rows - 1
+        self.rows = last
+        if row == last:
+            return None
+        used = int(self.lengths[last])
+        for layer in self.layers:
+            layer.keys[row, :, :used] = layer.keys[last, :, :used]
+            layer.values[row, :, :used] = layer.values[last, :, :used]
+        self.lengths[row] = self.lengths[last]
+        return last
+
+
+@dataclass
+class Row:
+    request: EngineRequest
+    sample: int
+    generator: torch.Generator | None  # None: greedy
+
+
+class Lane:
+    """Running rows whose slots share one :class:`SlotCache` and one decode step: rows whose slot (prompt
+    + new tokens) is at most ``max_length`` (``None``: any), so a long request's rows do not pad every
+    short one to their length."""
+
+    def __init__(self, num_layers: int, max_length: int | None):
+        self.num_layers, self.max_length = num_layers, max_length
+        self.cache = SlotCache(num_layers)
+        self.rows: list[Row] = []
+        self.next_tokens = torch.zeros(0, dtype=torch.long)
+
+    def takes(self, request: EngineRequest) -> bool:
+        return self.max_length is None or request.slot_length <= self.max_length
+
+    def slot_length(self, request: EngineRequest) -> int:
+        """The lane's slot length once ``request``'s rows join."""
+        return max(self.cache.capacity_length if self.rows else 0, _quantized(request.slot_length))
+
+    def clear(self) -> None:
+        self.cache, self.rows, self.next_tokens = SlotCache(self.num_layers), [], torch.zeros(0, dtype=torch.long)
+
+
+class Engine:
+    """Continuous batching over ``model`` (see the module docstring). :meth:`submit` from any thread;
+    :meth:`run` (or :meth:`step`) on the one thread that owns the model."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        max_rows: int = 64,
+        step_tokens: int = 256,
+        kv_budget_bytes: int = 2**30,
+        max_share: float = 0.5,
+        short_lane_tokens: int | None = SHORT_LANE_TOKENS,
+        fast_paths: FastPaths = FastPaths(),
+    ):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_rows, self.step_tokens, self.kv_budget_bytes, self.max_share = max_rows, step_tokens, kv_budget_bytes, max_share
+        self.decoder = fused_decoder(model, max_rows, fast_paths)
+        if self.decoder is None:
+            raise ValueError("continuous batching needs the fused decoder (rlvr.engine.continuous_batching_eligible)")
+        self.device = next(model.parameters()).device
+        self.bytes_per_token = kv_cache_bytes_per_token(model.config, model.dtype)
+        self.stop_ids = _stop_token_ids(model, tokenizer, SamplingConfig())
+        self.newlines = _newline_counts(tokenizer, model)
+        layers = model.config.num_hidden_layers
+        self.lanes = [Lane(layers, short_lane_tokens), Lane(layers, None)] if short_lane_tokens else [Lane(layers, None)]
+        self.waiting: list[EngineRequest] = []  # submitted, some rows not yet running
+        self.running: set[EngineRequest] = set()  # some rows running
+        self._inbox: deque[EngineRequest | Callable[[], None]] = deque()
+        self._wakeup = threading.Condition()
+        self.step_seconds = 0.05  # a moving average, for the start-wait estimate
+
+    @property
+    def rows(self) -> list[Row]:
+        """Every running row (all lanes)."""
+        return [row for lane in self.lanes for row in lane.rows]
+
+    def kv_bytes(self) -> int:
+        """The KV cache held: every lane's slots, and the prompt caches of requests whose rows wait."""
+        return sum(lane.cache.bytes(self.bytes_per_token) for lane in self.lanes) + self._prompt_cache_bytes()
+
+    # ---- from any thread ----------------------------------------------------------------------
+
+    def submit(self, request: EngineRequest) -> None:
+        request.submitted_s = time.monotonic()
+        self._post(request)
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the engine's thread between two steps (work that needs the model, e.g. scoring)."""
+        self._post(fn)
+
+    def _post(self, item) -> None:
+        with self._wakeup:
+            self._inbox.append(item)
+            self._wakeup.notify()
+
+    def start_wait_s(self) -> float:
+        """How long a new short request would wait to start: the oldest waiting request's wait so far,
+        or, with every slot taken, the steps until the first running row ends at the budget."""
+        now, waited = time.monotonic(), 0.0
+        for request in list(self.waiting):
+            if request._running == 0 and request.first_token_s is None:
+                waited = max(waited, now - request.submitted_s)
+        rows = self.rows
+        if len(rows) >= self.max_rows:
+            left = min((r.request.max_new_tokens - len(r.request.token_ids[r.sample]) for r in rows), default=0)
+            waited = max(waited, left * self.step_seconds)
+        return waited
+
+    # ---- on the engine's thread ---------------------------------------------------------------
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Steps for as long as there is work (waiting for it in between); a failing step fails every
+        request in the engine (``error``) and the engine starts afresh."""
+        while stop is None or not stop.is_set():
+            self._take_inbox(block=not (self.waiting or self.rows))
+            try:
+                self.step()
+            except Exception as err:  # noqa: BLE001 - each request in the engine gets it
+                self._fail_all(err)
+
+    def _fail_all(self, err: Exception) -> None:
+        requests = {*self.waiting, *(r.request for r in self.rows)}
+        self.waiting, self.running = [], set()
+        for lane in self.lanes:
+            lane.clear()
+        for request in requests:
+            request.error = err
+            self._finish(request)
+
+    def _take_inbox(self, block: bool) -> None:
+        with self._wakeup:
+            if block:
+                self._wakeup.wait_for(lambda: self._inbox, timeout=1.0)
+            items = list(self._inbox)
+            self._inbox.clear()
+        for item in items:
+            if isinstance(item, EngineRequest):
+                self.waiting.append(item)
+            else:
+                item()
+
+    def step(self) -> None:
+        started = time.monotonic()
+        with torch.inference_mode():
+            self._drop_cancelled()
+            self._admit_rows()
+            self._prefill(max(self.step_tokens - len(self.rows), self.step_tokens // 8))
+            self._admit_rows()
+            for lane in self.lanes:
+                if lane.rows:
+                    self._decode(lane)
+        if self.rows:
+            self.step_seconds = 0.9 * self.step_seconds + 0.1 * (time.monotonic() - started)
+
+    def _drop_cancelled(self) -> None:
+        for request in [q for q in self.waiting if q.cancelled.is_set()]:
+            for sample in range(request._next_sample, request.num_samples):
+                request.finish_reasons[sample] = "cancelled"
+            request._next_sample = request.num_samples
+            self._release_prompt(request)
+        for lane in self.lanes:
+            for i in reversed(range(len(lane.rows))):
+                if lane.rows[i].request.cancelled.is_set():
+                    self._retire(lane, i, "cancelled")
+
+    def _wanting(self) -> int:
+        return len({*self.running, *(q for q in self.waiting if q.pending_rows)})
+
+    def _lane(self, request: EngineRequest) -> Lane:
+        return next(lane for lane in self.lanes if lane.takes(request))
+
+    def _admit_rows(self) -> None:
+        ready = [q for q in self.waiting if q.prefilled and q.pending_rows]
+        if not ready:
+            return
+        ready.sort(key=lambda q: (q.pending_rows * q.max_new_tokens, q.submitted_s))  # short requests first
+        wanting = self._wanting()
+        for request in ready:
+            room = self.max_rows - len(self.rows)
+            share = self.max_rows if wanting == 1 else max(1, self.max_rows // wanting)
+            count = min(request.pending_rows, room, max(0, share - request._running))
+            count = self._fitting(request, count)
+            if count:
+                self._add_rows(request, count)
+
+    def _fitting(self, request: EngineRequest, count: int) -> int:
+        """As many of ``count`` rows as the KV budget holds (slots padded to the longest row of their
+        lane), the request keeping to ``max_share`` of what the others leave of it (so there is always
+        room for one more request's first row); a request's first row needs only to fit."""
+        lane = self._lane(request)
+        length = lane.slot_length(request)
+        other_lanes = sum(other.cache.bytes(self.bytes_per_token) for other in self.lanes if other is not lane)
+        held = self._prompt_cache_bytes() + other_lanes
+        own_prompt = request._prefilled * self.bytes_per_token if request._cache is not None else 0
+        others = (len(lane.rows) - request._running) * length * self.bytes_per_token + held - own_prompt
+        while count:
+            fits = lane.cache.bytes(self.bytes_per_token, len(lane.rows) + count, length) + held <= self.kv_budget_bytes
+            own = (request._running + count) * length * self.bytes_per_token
+            if fits and (own <= self.max_share * (self.kv_budget_bytes - others) or request._running == 0 and count == 1):
+                return count
+            count -= 1
+        return 0
+
+    def _prompt_cache_bytes(self) -> int:
+        return sum(q._prefilled for q in self.waiting if q._cache is not None) * self.bytes_per_token
+
+    def _add_rows(self, request: EngineRequest, count: int) -> None:
+        lane = self._lane(request)
+        cache, length = lane.cache, lane.slot_length(request)
+        rows_needed = len(lane.rows) + count
+        if rows_needed > cache.capacity_rows or length > cache.capacity_length:
+            capacity = min(self.max_rows, max(rows_needed, 8, 2 * cache.capacity_rows if cache.capacity_rows < rows_needed else 0))
+            held = self.kv_bytes() - cache.bytes(self.bytes_per_token)
+            while cache.bytes(self.bytes_per_token, capacity, length) + held > self.kv_budget_bytes and capacity > rows_needed:
+                capacity -= 1
+            cache.resize(capacity, length, request._cache.layers[0].keys)
+        slots = cache.add_rows(request._cache, count)
+        samples = range(request._next_sample, request._next_sample + count)
+        request._next_sample += count
+        request._running += count
+        self.running.add(request)
+        new_rows = []
+        for sample in samples:
+            temperature = request.temperature(sample)
+            generator = None if is_greedy(temperature) else torch.Generator().manual_seed((request.seed * 1_000_003 + sample) % 2**63)
+            new_rows.append(Row(request, sample, generator))
+        lane.rows += new_rows
+        tokens, logprobs = self._sample(request._last_logits.expand(count, -1), new_rows)
+        lane.next_tokens = torch.cat([lane.next_tokens, tokens])
+        if request.first_token_s is None:
+            request.first_token_s = time.monotonic()
+        self._record(lane, list(slots), tokens, logprobs)
+        if not request.pending_rows:
+            self._release_prompt(request)
+
+    def _release_prompt(self, request: EngineRequest) -> None:
+        request._cache = request._last_logits = None
+        if not request.pending_rows:
+            self.waiting.remove(request)
+            if not request._running:
+                self._finish(request)
+
+    def _prefill(self, budget: int) -> None:
+        """Prompt chunks of the waiting requests, shortest remaining first, within ``budget`` tokens."""
+        now = time.monotonic()
+        todo = [q for q in self.waiting if not q.prefilled and not q.cancelled.is_set()]
+        todo.sort(key=lambda q: ((len(q.prompt_ids) - q._prefilled) / (1 + now - q.submitted_s), q.submitted_s))
+        for request in todo:
+            if budget <= 0:
+                break
+            if request._cache is None:
+                if self.kv_bytes() + len(request.prompt_ids) * self.bytes_per_token > self.kv_budget_bytes:
+                    continue
+                request._cache = DynamicCache(config=self.model.config)
+            start = request._prefilled
+            end = min(len(request.prompt_ids), start + budget)
+            ids = torch.tensor([request.prompt_ids[start:end]], device=self.device)
+            positions = torch.arange(start, end, device=self.device).unsqueeze(0)
+            request._last_logits = last_position_logits(self.model, input_ids=ids, position_ids=positions, past_key_values=request._cache)
+            request._prefilled, budget = end, budget - (end - start)
+
+    def _decode(self, lane: Lane) -> None:
+        cache, rows = lane.cache, len(lane.rows)
+        cache.step_length = int(cache.lengths[:rows].max()) + 1
+        positions = cache.lengths[:rows].clone()
+        mask = (torch.arange(cache.step_length).unsqueeze(0) <= positions.unsqueeze(1)).long()
+        logits = self.decoder(lane.next_tokens.to(self.device), positions.to(self.device), mask.to(self.device), cache)
+        cache.lengths[:rows] += 1
+        neighbours = len(self.running)
+        for request in self.running:
+            request.max_neighbours = max(request.max_neighbours, neighbours)
+        tokens, logprobs = self._sample(logits, lane.rows)
+        lane.next_tokens = tokens
+        self._record(lane, list(range(rows)), tokens, logprobs)
+
+    def _sample(self, logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        temperatures = torch.tensor([r.request.temperature(r.sample) for r in rows], dtype=torch.float32)
+        top_p = torch.tensor([r.request.top_p for r in rows], dtype=torch.float32)
+        uniforms = torch.tensor([0.0 if r.generator is None else float(torch.rand((), generator=r.generator)) for r in rows])
+        tokens, logprobs = sample_tokens(logits, temperatures.to(logits.device), top_p.to(logits.device), None, uniforms=uniforms.to(logits.device))
+        return tokens.cpu(), logprobs.cpu()
+
+    def _record(self, lane: Lane, slots: list[int], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Append each row's new token, tell the streams, retire the rows that finished."""
+        finished: list[tuple[int, str]] = []
+        by_request: dict[EngineRequest, list[tuple[int, int]]] = {}
+        for slot, token, logprob in zip(slots, tokens.tolist(), logprobs.tolist()):
+            row = lane.rows[slot]
+            request, sample = row.request, row.sample
+            request.token_ids[sample].append(token)
+            request.logprobs[sample].append(logprob)
+            by_request.setdefault(request, []).append((sample, token))
+            reason = self._finish_reason(request, sample, token)
+            if reason is not None:
+                finished.append((slot, reason))
+        for request, pairs in by_request.items():
+            if request.on_tokens is not None:
+                request.on_tokens(pairs)
+        for slot, reason in sorted(finished, reverse=True):  # highest first: a retired slot is refilled by the last
+            self._retire(lane, slot, reason)
+
+    def _finish_reason(self, request: EngineRequest, sample: int, token: int) -> str | None:
+        """The rollout engine's rules (``rlvr.rollout``), for one row: an end token (``eos``, or
+        ``answer`` when it closes a ``#### <number>`` line), a just-completed answer line, a stop string,
+        the token budget."""
+        ids = request.token_ids[sample]
+        if token in self.stop_ids:
+            if request.stop_at_final_answer:
+                tail = self.tokenizer.decode(ids[-_TAIL_TOKENS:-1])
+                return "answer" if is_well_formed(tail.rsplit("\n", 1)[-1]) else "eos"
+            return "eos"
+        if request.stop_at_final_answer and (count := int(self.newlines[token])) > 0:
+            lines = self.tokenizer.decode(ids[-_TAIL_TOKENS:]).split("\n")
+            if any(is_well_formed(line) for line in lines[-1 - count : -1]):
+                return "answer"
+        if request.stop_strings:
+            window = max(len(s.encode()) for s in request.stop_strings) + 1
+            tail = self.tokenizer.decode(ids[-window:], skip_special_tokens=True)
+            if any(s in tail for s in request.stop_strings):
+                return "stop"
+        if len(ids) >= request.max_new_tokens:
+            return "length"
+        return None
+
+    def _retire(self, lane: Lane, slot: int, reason: str) -> None:
+        row = lane.rows[slot]
+        request = row.request
+        request.finish_reasons[row.sample] = reason
+        moved = lane.cache.remove_row(slot)
+        last = lane.rows.pop()
+        if moved is not None:
+            lane.rows[slot] = last
+            lane.next_tokens[slot] = lane.next_tokens[moved]
+        lane.next_tokens = lane.next_tokens[: len(lane.rows)]
+        request._running -= 1
+        if not request._running:
+            self.running.discard(request)
+            if not request.pending_rows and request not in self.waiting:
+                self._finish(request)
+        if not lane.rows:
+            lane.clear()  # every slot free: the buffers go
+        elif (needed := _quantized(max(r.request.slot_length for r in lane.rows))) * 2 <= lane.cache.capacity_length:
+            lane.cache.resize(lane.cache.capacity_rows, needed, lane.cache.layers[0].keys)
+
+    def _finish(self, request: EngineRequest) -> None:
+        request.done_s = time.monotonic()
+        if request.on_done is not None:
+            request.on_done(request)
+
+
+def _quantized(length: int) -> int:
+    return -(-length // SLOT_LENGTH_QUANTUM) * SLOT_LENGTH_QUANTUM

@@ -1,0 +1,112 @@
+"""Iteration-level scheduling (rlvr.engine): the same completions as the rollout engine, whoever joins
+and leaves around them; chunked prefill interleaved with decoding; fair shares; the KV budget held."""
+
+import pytest
+import torch
+
+from rlvr.engine import Engine, EngineRequest
+from rlvr.rollout import SamplingConfig, generate_rollouts
+from tiny_policy import char_tokenizer, tiny_llama
+
+PROMPTS = ["what is 12+30?", "7", "count: a b c d e f", "x" * 40]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return char_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_llama(len(tokenizer), seed=0).requires_grad_(False)
+
+
+def _request(tokenizer, prompt: str, samples: int = 1, new_tokens: int = 12, **kwargs) -> EngineRequest:
+    return EngineRequest(
+        prompt_ids=tokenizer(prompt).input_ids, num_samples=samples, max_new_tokens=new_tokens, temperatures=kwargs.pop("temperatures", (0.0,)), **kwargs
+    )
+
+
+def _run(engine: Engine, arrivals: dict[int, list[EngineRequest]], max_steps: int = 500) -> list[int]:
+    """Submit each step's arrivals before it, step until every request is done; the rows per step."""
+    requests = [q for qs in arrivals.values() for q in qs]
+    rows = []
+    for step in range(max_steps):
+        for request in arrivals.get(step, []):
+            engine.submit(request)
+        engine._take_inbox(block=False)
+        engine.step()
+        rows.append(len(engine.rows))
+        assert engine.kv_bytes() <= engine.kv_budget_bytes
+        if all(q.done_s is not None for q in requests) and step >= max(arrivals):
+            return rows
+    raise AssertionError("the engine did not finish")
+
+
+def test_greedy_completions_equal_the_rollout_engines_whoever_joins_and_leaves(model, tokenizer):
+    """Prompts arriving at different steps, a 3-row batch, 5-token prefill chunks: each completion and
+    finish reason is what ``generate_rollouts`` gives the prompt alone."""
+    config = SamplingConfig(max_new_tokens=12, temperatures=[0.0], stop_at_final_answer=False, stop_strings=("zz",))
+    expected = generate_rollouts(model, tokenizer, PROMPTS, 2, config)
+    engine = Engine(model, tokenizer, max_rows=3, step_tokens=5, kv_budget_bytes=2**24)
+    requests = [_request(tokenizer, p, samples=2, stop_at_final_answer=False, stop_strings=("zz",)) for p in PROMPTS]
+    _run(engine, {0: requests[:1], 2: requests[1:3], 7: requests[3:]})
+    got = [ids for q in requests for ids in q.token_ids]
+    assert got == expected.completion_token_lists()
+    assert [r for q in requests for r in q.finish_reasons] == expected.finish_reasons
+    torch.testing.assert_close(
+        torch.tensor([lp for q in requests for row in q.logprobs for lp in row]), expected.logprobs[expected.completion_mask.bool()], atol=1e-4, rtol=0
+    )
+
+
+def test_a_seeded_request_samples_the_same_alone_or_in_a_crowd(model, tokenizer):
+    def sampled(crowd: int) -> list[list[int]]:
+        engine = Engine(model, tokenizer, max_rows=4, step_tokens=16, kv_budget_bytes=2**24)
+        mine = _request(tokenizer, PROMPTS[0], samples=3, temperatures=(1.0,), top_p=0.9, seed=7)
+        others = [_request(tokenizer, p, samples=2, temperatures=(1.0,), seed=i) for i, p in enumerate(PROMPTS[:crowd])]
+        _run(engine, {0: others, 1: [mine]})
+        return mine.token_ids
+
+    alone = sampled(0)
+    assert sampled(4) == alone and len(set(map(tuple, alone))) > 1
+
+
+def test_a_short_request_is_served_while_a_long_one_prefills_and_decodes(model, tokenizer):
+    """A 300-token prompt with 4 rows x 250 tokens first; a short greedy request a step later starts within
+    a few steps (chunked prefill, a fair share of the rows) in the short lane (its slot not padded to
+    the long rows'), and ends long before the long one."""
+    engine = Engine(model, tokenizer, max_rows=4, step_tokens=32, kv_budget_bytes=2**24)
+    engine.stop_ids = set()  # no end token: the long one runs to its budget
+    long = _request(tokenizer, "y" * 300, samples=4, new_tokens=250, temperatures=(1.0,), stop_at_final_answer=False)
+    short = _request(tokenizer, PROMPTS[0], new_tokens=8, stop_at_final_answer=False)
+    lanes = []
+    short.on_tokens = lambda pairs: lanes.append(([len(lane.rows) for lane in engine.lanes], engine.lanes[0].cache.capacity_length))
+    _run(engine, {0: [long], 1: [short]})
+    assert short.done_s < long.done_s and all(len(ids) == 250 for ids in long.token_ids)
+    assert short.first_token_s - short.submitted_s < (long.done_s - long.submitted_s) / 10
+    assert long._prefilled == 300 and len(short.token_ids[0]) == 8
+    assert lanes and all(rows[0] == 1 and length <= 128 for rows, length in lanes)  # not padded to the long rows
+
+
+def test_a_request_holds_at_most_half_the_kv_budget_the_others_leave(model, tokenizer):
+    per_token = 2 * 2 * 2 * 16 * 4  # layers x (K, V) x KV heads x head dim x float32
+    engine = Engine(model, tokenizer, max_rows=8, step_tokens=64, kv_budget_bytes=8 * 128 * per_token)
+    engine.stop_ids = set()
+    big = _request(tokenizer, "y" * 20, samples=8, new_tokens=100, temperatures=(1.0,), stop_at_final_answer=False)
+    small = _request(tokenizer, "7", new_tokens=4, stop_at_final_answer=False)
+    other = _request(tokenizer, "y" * 20, samples=8, new_tokens=100, temperatures=(1.0,), stop_at_final_answer=False)
+    rows = _run(engine, {0: [big], 1: [other], 3: [small]})
+    assert rows[0] == 4 and 4 < rows[1] <= 6  # half the budget: 4 slots of 128 positions; then at most half the rest
+    assert small.done_s < big.done_s and all(len(ids) == 100 for ids in big.token_ids + other.token_ids)
+    assert small.first_token_s < min(q.token_ids[0] and q.done_s for q in (big, other))
+
+
+def test_cancelled_requests_leave_at_the_next_step(model, tokenizer):
+    engine = Engine(model, tokenizer, max_rows=4, step_tokens=64, kv_budget_bytes=2**24)
+    engine.stop_ids = set()
+    doomed = _request(tokenizer, PROMPTS[2], samples=2, new_tokens=100, temperatures=(1.0,), stop_at_final_answer=False)
+    other = _request(tokenizer, PROMPTS[0], samples=1, new_tokens=30, stop_at_final_answer=False)
+    doomed.on_tokens = lambda pairs: len(doomed.token_ids[0]) == 5 and doomed.cancelled.set()
+    _run(engine, {0: [doomed, other]})
+    assert doomed.finish_reasons == ["cancelled", "cancelled"] and all(len(ids) == 5 for ids in doomed.token_ids)
+    assert other.finish_reasons == ["length"] and len(other.token_ids[0]) == 30 and not engine.rows

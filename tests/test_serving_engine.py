@@ -1,0 +1,68 @@
+"""The served engine shares the model fairly and says when it cannot: a short request is answered within
+seconds while maximum-cost ones run, and ``/readyz`` is 503 while a new request would wait past its
+bound to start, 200 again once it would not. ``test_bento_service``'s scripted Bento, served once more
+with a 0.5 s start-wait bound."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from test_bento_service import KV_CACHE_BUDGET_MIB, LONG, QUESTION, _metric, scripted_bento, serving
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::pydantic.PydanticDeprecatedSince211"),
+]
+
+START_WAIT_BOUND_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    built = scripted_bento(tmp_path_factory)
+    env = {"RLVR_KV_CACHE_BUDGET_MIB": str(KV_CACHE_BUDGET_MIB), "RLVR_READY_START_WAIT_S": str(START_WAIT_BOUND_S)}
+    with serving(built, tmp_path_factory.mktemp("engine") / "server", batching=True, env=env) as srv:
+        yield srv
+
+
+def test_short_requests_are_answered_within_seconds_while_maximum_cost_ones_run(server):
+    """Two requests at the KV budget's limit (k=8 x 1,024 tokens) and, meanwhile, greedy k=1 requests
+    one after another: each short one is answered in a fraction of a long one's time, beside them."""
+    long_body = {"question": f"{QUESTION} [long]", **LONG}
+    with ThreadPoolExecutor(2) as pool:
+        started = time.monotonic()
+        longs = [pool.submit(server.post_ok, "/solve", long_body) for _ in range(2)]
+        short_s = []
+        while not all(f.done() for f in longs) and len(short_s) < 5:
+            asked = time.monotonic()
+            out = server.post_ok("/solve", {"question": f"{QUESTION} [{len(short_s)}]", "k": 1, "max_new_tokens": 16})
+            short_s.append(time.monotonic() - asked)
+            assert out["k"] == 1
+        assert all(len(f.result()["answers"]) == 8 for f in longs)
+        long_s = time.monotonic() - started
+    assert len(short_s) >= 2 and max(short_s) < long_s / 3, (short_s, long_s)
+    assert _metric(server.metrics(), "rlvr_pass_requests_sum") > _metric(server.metrics(), "rlvr_pass_requests_count")  # shared steps
+
+
+def test_readyz_is_503_while_a_new_request_would_wait_past_its_bound_and_200_after(server):
+    body = json.dumps({"question": f"{QUESTION} [backlog]", **LONG}).encode()
+    backlog = [server.open("/solve", body) for _ in range(6)]  # more than the KV budget runs at once
+    try:
+        deadline, statuses = time.monotonic() + 20, []
+        while time.monotonic() < deadline and 503 not in statuses:
+            statuses.append(server.request("/readyz", timeout_s=2)[0])
+            time.sleep(0.1)
+        assert 503 in statuses
+        assert _metric(server.metrics(), "rlvr_start_wait_estimate_seconds") > START_WAIT_BOUND_S
+    finally:
+        for sock in backlog:
+            sock.close()  # hung up: their rows stop at the next step
+    deadline = time.monotonic() + 20
+    while server.request("/readyz", timeout_s=2)[0] != 200:
+        assert time.monotonic() < deadline, "not ready again after the backlog left"
+        time.sleep(0.1)
+    server.assert_ready()
