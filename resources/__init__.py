@@ -7,7 +7,7 @@ from resources.evaluations import EvalProtocol, Evaluation, Evaluator
 from resources.model_store import ModelStore, StoredModel
 from resources.run_config import CoreConfig, config_from
 from resources.tracking import CHAMPION, MLflowResource
-from resources.warehouse import Append, Replace, Upsert, Warehouse
+from resources.warehouse import WRITER_POOL, Append, Replace, Upsert, Warehouse
 from rlvr.settings import Settings
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "Settings",
     "StoredModel",
     "Upsert",
+    "WRITER_POOL",
     "Warehouse",
     "config_from",
 ]

@@ -19,12 +19,19 @@ import pandas as pd
 from dagster import ConfigurableResource
 from pydantic import Field
 
+from resources.mlflow_links import MlflowLinks, default_ui_url
+from resources.mlflow_policy import checkpoint_in, log_policy_model
 from resources.model_store import StoredModel
 
 CHAMPION, CHALLENGER = "champion", "challenger"
 POLICY_VERSION_TAG = "rlvr.policy_version"  # the model-store version of the registered checkpoint
 EVAL_PROTOCOL_TAG = "rlvr.eval_protocol"  # the evaluation protocol of an evaluation run, as JSON
+TRAINING_RUN_TAG = "rlvr.training_run"  # the Dagster root run id of a training run: every attempt's MLflow run carries it
 PARAMS_PER_BATCH, METRICS_PER_BATCH = 100, 1000  # per log_batch call (MLflow's limits)
+# The tag the MLflow UI reads to open an experiment in its model-training mode (runs, charts, registry)
+# rather than the GenAI one (traces); its values are the UI's ExperimentKind.
+EXPERIMENT_KIND_TAG, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
+DEFAULT_EXPERIMENT_ID = "0"
 
 
 class MLflowResource(ConfigurableResource):
@@ -34,6 +41,7 @@ class MLflowResource(ConfigurableResource):
     experiment: str = Field(default="rlvr-ops", description="experiment that runs are logged under")
     artifact_location: str | None = Field(default=None, description="artifact root for a new experiment")
     registered_model: str = Field(default="rlvr-gsm8k-policy", description="registered model holding trained policies")
+    ui_url: str | None = Field(default=None, description="the MLflow UI that metadata links point at; default: a tracking server itself, else `make mlflow`'s")
 
     def client(self):
         """An MlflowClient bound to this tracking URI (registry too)."""
@@ -46,12 +54,24 @@ class MLflowResource(ConfigurableResource):
         return PolicyRegistry(self.client(), self.registered_model)
 
     def experiment_id(self) -> str:
+        """The experiment, created as a model-training experiment; an existing one without the kind
+        gets it, and the store's empty ``Default`` experiment is removed, once."""
         client = self.client()
         experiment = client.get_experiment_by_name(self.experiment)
-        if experiment is not None:
+        if experiment is not None and experiment.tags.get(EXPERIMENT_KIND_TAG):
             return experiment.experiment_id
-        location = Path(self.artifact_location).resolve().as_uri() if self.artifact_location else None
-        return client.create_experiment(self.experiment, artifact_location=location)
+        if experiment is None:
+            location = Path(self.artifact_location).resolve().as_uri() if self.artifact_location else None
+            experiment_id = client.create_experiment(self.experiment, artifact_location=location, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING})
+        else:
+            experiment_id = experiment.experiment_id
+            client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
+        remove_empty_default_experiment(client)
+        return experiment_id
+
+    def links(self) -> MlflowLinks:
+        """Addresses of this experiment's runs and the registered model's versions in the MLflow UI."""
+        return MlflowLinks(self.ui_url or default_ui_url(self.tracking_uri), self.experiment_id(), self.registered_model)
 
     def activate(self) -> str:
         """Make this store and experiment the active ones for the ``mlflow`` module (notebooks, tests);
@@ -65,18 +85,29 @@ class MLflowResource(ConfigurableResource):
         return experiment_id
 
     @contextmanager
-    def start_run(self, run_name: str, tags: Mapping[str, Any] | None = None) -> Iterator["TrackedRun"]:
-        """A run of this experiment, ended FINISHED when the block ends and FAILED when it raises."""
+    def start_run(self, run_name: str, tags: Mapping[str, Any] | None = None, started_at: float | None = None) -> Iterator["TrackedRun"]:
+        """A run of this experiment, ended FINISHED when the block ends and FAILED when it raises;
+        ``started_at`` (``time.time()``) dates its start back to when its work began."""
         from mlflow.tracking.context.registry import resolve_tags  # the user/source tags mlflow.start_run adds
 
-        client = self.client()
-        run = client.create_run(self.experiment_id(), run_name=run_name, tags=resolve_tags({k: str(v) for k, v in (tags or {}).items()}))
+        client, experiment_id = self.client(), self.experiment_id()
+        start_time = int(started_at * 1000) if started_at is not None else None
+        run = client.create_run(experiment_id, start_time=start_time, run_name=run_name, tags=resolve_tags({k: str(v) for k, v in (tags or {}).items()}))
         try:
-            yield TrackedRun(client, run.info.run_id)
+            yield TrackedRun(client, run.info.run_id, experiment_id)
         except BaseException:
             client.set_terminated(run.info.run_id, "FAILED")
             raise
         client.set_terminated(run.info.run_id, "FINISHED")
+
+    def end_abandoned_runs(self, tag: str, value: str) -> list[str]:
+        """End as KILLED the runs tagged ``tag = value`` still RUNNING: attempts whose process was killed
+        before it could end them (call before starting the next attempt); returns their ids."""
+        client = self.client()
+        runs = client.search_runs([self.experiment_id()], f"tags.`{tag}` = '{value}' AND attributes.status = 'RUNNING'")
+        for run in runs:
+            client.set_terminated(run.info.run_id, "KILLED")
+        return [run.info.run_id for run in runs]
 
     def metric_history(self, run_id: str | None, names: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
         """(step, value) of each named metric of a run; empty when there is no run."""
@@ -103,7 +134,21 @@ class MLflowResource(ConfigurableResource):
         from mlflow.artifacts import download_artifacts
 
         folder = tempfile.mkdtemp(prefix="checkpoint-")
-        return Path(download_artifacts(artifact_uri=source, dst_path=folder, tracking_uri=self.tracking_uri))
+        return checkpoint_in(download_artifacts(artifact_uri=source, dst_path=folder, tracking_uri=self.tracking_uri))
+
+
+def remove_empty_default_experiment(client) -> None:
+    """Delete the ``Default`` experiment a new store starts with while it holds no run: an empty
+    experiment beside ours in the UI."""
+    from mlflow.entities import ViewType
+    from mlflow.exceptions import MlflowException
+
+    try:
+        default = client.get_experiment(DEFAULT_EXPERIMENT_ID)
+        if default.lifecycle_stage == "active" and not client.search_runs([DEFAULT_EXPERIMENT_ID], run_view_type=ViewType.ALL, max_results=1):
+            client.delete_experiment(DEFAULT_EXPERIMENT_ID)
+    except MlflowException:  # no Default experiment (a tracking server may have none), or one it keeps
+        pass
 
 
 @dataclass(frozen=True)
@@ -118,8 +163,11 @@ class EvaluationRun:
 class TrackedRun:
     """One MLflow run: what an asset logs into it."""
 
-    def __init__(self, client, run_id: str):
-        self.client, self.run_id = client, run_id
+    def __init__(self, client, run_id: str, experiment_id: str):
+        self.client, self.run_id, self.experiment_id = client, run_id, experiment_id
+
+    def rename(self, name: str) -> None:
+        self.client.update_run(self.run_id, name=name)
 
     def set_tags(self, tags: Mapping[str, Any]) -> None:
         for key, value in tags.items():
@@ -134,14 +182,15 @@ class TrackedRun:
             self.client.log_batch(self.run_id, params=flat[start : start + PARAMS_PER_BATCH])
 
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
-        """The numeric values of ``metrics`` (booleans and others skipped); ``@`` in a name becomes ``_at_``."""
+        """The numeric values of ``metrics`` (booleans and others skipped; ``step`` is the x axis, not a
+        metric); ``@`` in a name becomes ``_at_``."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         rows = [
             Metric(key.replace("@", "_at_"), float(value), now, step or 0)
             for key, value in metrics.items()
-            if isinstance(value, (int, float)) and not isinstance(value, bool)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step"
         ]
         for start in range(0, len(rows), METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=rows[start : start + METRICS_PER_BATCH])
@@ -160,6 +209,11 @@ class TrackedRun:
     def log_table(self, frame: pd.DataFrame, artifact_file: str) -> None:
         self.client.log_table(self.run_id, frame, artifact_file)
 
+    def log_policy(self, checkpoint: str | Path, tags: Mapping[str, Any] | None = None) -> str:
+        """Log a policy checkpoint as this run's MLflow model (``resources.mlflow_policy``); returns its model id."""
+        model = log_policy_model(self.client, self.experiment_id, self.run_id, checkpoint, {k: str(v) for k, v in (tags or {}).items()})
+        return model.model_id
+
 
 class PolicyRegistry:
     """The MLflow model registry seen as champion/challenger versions of one registered policy."""
@@ -168,10 +222,10 @@ class PolicyRegistry:
         self.client = client
         self.name = name
 
-    def register(self, policy_version: str, source: str, run_id: str | None, tags: dict) -> str:
-        """Register ``policy_version`` from an artifact ``source`` (e.g. ``runs:/<id>/checkpoint``),
-        alias it ``challenger`` and return its registry version. ``tags`` carry metrics and lineage.
-        Registering a policy version again returns its existing registry version."""
+    def register(self, policy_version: str, source: str, run_id: str | None, tags: dict, model_id: str | None = None) -> str:
+        """Register ``policy_version`` from an artifact ``source`` (a logged model's artifact location, or
+        e.g. ``runs:/<id>/checkpoint``), alias it ``challenger`` and return its registry version. ``tags``
+        carry metrics and lineage. Registering a policy version again returns its existing registry version."""
         from mlflow.exceptions import MlflowException
 
         try:
@@ -182,14 +236,15 @@ class PolicyRegistry:
         if existing:
             version = str(existing[0].version)
         else:
-            all_tags = {**{k: str(v) for k, v in tags.items()}, POLICY_VERSION_TAG: policy_version}
-            version = str(self.client.create_model_version(self.name, source=source, run_id=run_id, tags=all_tags).version)
+            all_tags = {**{k: tag_value(v) for k, v in tags.items()}, POLICY_VERSION_TAG: policy_version}
+            version = str(self.client.create_model_version(self.name, source=source, run_id=run_id, tags=all_tags, model_id=model_id).version)
         self.client.set_registered_model_alias(self.name, CHALLENGER, version)
         return version
 
     def register_trained(self, trained: StoredModel, evaluation: EvaluationRun) -> str:
-        """Register a trained checkpoint from its training run's ``checkpoint`` artifact, tagged with
-        its lineage (model-store manifest) and the headline numbers of its evaluation."""
+        """Register a trained checkpoint from the MLflow model its training run logged (a checkpoint
+        from before that: the run's ``checkpoint`` artifact), tagged with its lineage (model-store
+        manifest) and the headline numbers of its evaluation."""
         run_id = trained.manifest.get("mlflow_run_id")
         metrics = evaluation.metrics
         lineage = {
@@ -197,6 +252,10 @@ class PolicyRegistry:
             **{f"eval.{name}": metrics.get(f"trained.{name}") for name in ("pass_at_1_strict", "pass_at_1_flexible", "format_compliance", "num_problems")},
             "eval.mlflow_run_id": evaluation.run_id,
         }
+        outputs = self.client.get_run(run_id).outputs if run_id else None
+        if outputs and outputs.model_outputs:  # the policy model the training run logged
+            model = self.client.get_logged_model(outputs.model_outputs[-1].model_id)
+            return self.register(trained.version, model.artifact_location, run_id, lineage, model.model_id)
         return self.register(trained.version, f"runs:/{run_id}/checkpoint", run_id, lineage)
 
     def version_for(self, alias: str):
@@ -214,6 +273,17 @@ class PolicyRegistry:
         self.client.set_model_version_tag(self.name, version, "promotion.reason", reason[:4900])
         if promote:
             self.client.set_registered_model_alias(self.name, CHAMPION, version)
+
+
+def run_name(kind: str, policy_version: str | None, dagster_run_id: str) -> str:
+    """Every run's name: ``<kind>-<policy version>-run-<Dagster run id, 8 chars>`` (e.g.
+    ``eval-37fa7f300ff73716-run-0a3a63cd``), so a run maps to its policy and its Dagster run at a glance."""
+    return f"{kind}-{policy_version or 'pending'}-run-{dagster_run_id[:8]}"
+
+
+def tag_value(value: Any) -> str:
+    """A tag's text: JSON for a mapping or list (a config reads as JSON), ``str`` otherwise."""
+    return json.dumps(value, sort_keys=True) if isinstance(value, (Mapping, list, tuple)) else str(value)
 
 
 def flat_params(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

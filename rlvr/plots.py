@@ -10,6 +10,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator, PercentFormatter  # noqa: E402
 
 
 def figure_markdown(fig, title: str) -> str:
@@ -49,15 +50,18 @@ def histogram_markdown(values: Iterable[float], title: str, discrete: bool = Fal
 
 
 def accuracy_figure(rows: list[tuple[str, float, float, float]], title: str = "pass@1 (strict) with 95% CI"):
-    """Bars of accuracy per policy with confidence-interval error bars: rows of (label, value, low, high)."""
+    """Bars of accuracy per policy with confidence-interval error bars: rows of (label, value, low, high).
+    Each percentage sits above its bar's upper error bar, so the two never overlap."""
     fig, ax = plt.subplots(figsize=(5, 2.8))
     labels = [r[0] for r in rows]
     values = [r[1] for r in rows]
     errors = [[max(0.0, r[1] - r[2]) for r in rows], [max(0.0, r[3] - r[1]) for r in rows]]
     ax.bar(labels, values, yerr=errors, capsize=6, color=["#8c8c8c", "#4c72b0", "#55a868"][: len(rows)])
-    for x, value in enumerate(values):
-        ax.text(x, value, f"{value:.1%}", ha="center", va="bottom", fontsize=9)
-    ax.set_ylim(0, max(0.05, max(r[3] for r in rows) * 1.25))
+    top = max(0.05, max(max(r[1], r[3]) for r in rows) * 1.3)
+    for x, (_, value, _, high) in enumerate(rows):
+        ax.text(x, max(value, high) + top * 0.03, f"{value:.1%}", ha="center", va="bottom", fontsize=9)
+    ax.set_ylim(0, top)
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_title(title, fontsize=10)
     return fig
 
@@ -83,19 +87,28 @@ def grouped_accuracy_figure(tables: dict[str, list[dict]], title: str = "accurac
         errors = [[max(0.0, r["accuracy"] - r["ci_low"]) for r in rows], [max(0.0, r["ci_high"] - r["accuracy"]) for r in rows]]
         ax.bar(xs, ys, width=width, yerr=errors, capsize=2, label=label)
     ax.set_xlabel("reference reasoning steps")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_ylabel("accuracy")
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     return fig
 
 
-def curves_figure(curves: dict[str, list[tuple[int, float]]], title: str = "training curves"):
-    """One line per metric over training steps: curves of (step, value)."""
-    fig, ax = plt.subplots(figsize=(5, 2.8))
-    for label, points in curves.items():
-        if points:
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", label=label)
-    ax.set_xlabel("step")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
+def curves_figure(curves: dict[str, list[tuple[int, float]]], title: str = "training curves", own_axis: tuple[str, ...] = ("loss",)):
+    """One line per metric over training steps: curves of (step, value). A metric whose name holds one
+    of ``own_axis`` (the loss, about 1e-6, beside rewards in [0, 1]) is drawn in a panel of its own below."""
+    drawn = {label: points for label, points in curves.items() if points}
+    apart = [label for label in drawn if any(word in label for word in own_axis)]
+    panels = [[label for label in drawn if label not in apart], apart]
+    panels = [panel for panel in panels if panel] or [[]]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(5, 2.8 if len(panels) == 1 else 4.2), sharex=True, squeeze=False)
+    for ax, panel in zip(axes[:, 0], panels):
+        for label in panel:
+            ax.plot([p[0] for p in drawn[label]], [p[1] for p in drawn[label]], marker=".", label=label)
+        if panel:
+            ax.legend(fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    axes[0, 0].set_title(title, fontsize=10)
+    axes[-1, 0].set_xlabel("step")
     return fig

@@ -8,39 +8,53 @@ keeps the protocol it ran under, which the promotion gate reads.
 """
 
 import json
+import time
 
 import pandas as pd
 from dagster import AssetExecutionContext, AutomationCondition, Failure, MaterializeResult, MetadataValue, asset
 from pydantic import Field
 
-from resources import EvalProtocol, Evaluator, MLflowResource, ModelStore, Warehouse
-from resources.tracking import EVAL_PROTOCOL_TAG, POLICY_VERSION_TAG
+from resources import WRITER_POOL, EvalProtocol, Evaluator, MLflowResource, ModelStore, Warehouse
+from resources.tracking import EVAL_PROTOCOL_TAG, POLICY_VERSION_TAG, run_name
 from rlvr import gsm8k
 from rlvr.evaluation.report import TRAINING_CURVES, evaluation_report, headline, moved_accuracy
 from rlvr.evaluation.runner import summarize
+from rlvr_assets.metadata import evaluation_headline, markdown_table, metrics_table, percent, rounded
 from rlvr_assets.partitions import parse_policy_key, policy_versions
 
+EVAL_RUN_METRICS = (
+    "trained.pass@1_strict",
+    "trained.pass@1_flexible",
+    "trained.format_compliance",
+    "trained.num_problems",
+    "paired.delta",
+    "paired.mcnemar_p_value",
+)
+"""The evaluation run's metrics in MLflow (the rest are its ``report/metrics.json`` table)."""
+STAGE_COLUMNS = {"pass@1_strict": "pass@1 strict", "format_compliance": "format", "delta": "Δ pass@1", "p_value": "McNemar p", "format_delta": "Δ format"}
 
-@asset(group_name="evaluation", kinds={"duckdb", "pytorch"}, owners=["team:rlvr-eval"], deps=["gsm8k_problems", "base_policy"])
+
+@asset(group_name="evaluation", kinds={"duckdb", "pytorch"}, owners=["team:rlvr-eval"], deps=["gsm8k_problems", "base_policy"], pool=WRITER_POOL)
 def baseline_eval(context: AssetExecutionContext, config: EvalProtocol, duckdb: Warehouse, model_store: ModelStore, evaluator: Evaluator) -> MaterializeResult:
     """The base policy evaluated under the protocol, computed once per base-policy version and
-    reused while only the trained policy changes. Rows in ``eval_results`` (role ``base``)."""
+    reused while only the trained policy changes. Rows in ``eval_results`` (``policy_role`` ``base_policy``)."""
     base = model_store.require("base_policy")
     problems = duckdb.problems(config.split, config.limit)
-    evaluation = evaluator.evaluate("base", base.version, base.path, config, problems, context.log)
+    evaluation = evaluator.evaluate("base_policy", base.version, base.path, config, problems, context.log)
     metrics = summarize(evaluation.results, config.to_core())
     return MaterializeResult(
         metadata={
             "eval_id": evaluation.eval_id,
+            **evaluation_headline(metrics),
             "policy_version": base.version,
             "reused": evaluation.reused,
-            **headline(metrics),
-            "accuracy_by_steps": MetadataValue.md(pd.DataFrame(metrics["accuracy_by_steps"]).to_markdown(index=False)),
+            "metrics": metrics_table({"base": headline(metrics)}),
+            "accuracy_by_steps": markdown_table(metrics["accuracy_by_steps"]),
         }
     )
 
 
-@asset(group_name="evaluation", kinds={"duckdb", "mlflow"}, owners=["team:rlvr-eval"], deps=["grpo_checkpoint", "baseline_eval"])
+@asset(group_name="evaluation", kinds={"duckdb", "mlflow"}, owners=["team:rlvr-eval"], deps=["grpo_checkpoint", "baseline_eval"], pool=WRITER_POOL)
 def eval_report(
     context: AssetExecutionContext,
     config: EvalProtocol,
@@ -53,6 +67,7 @@ def eval_report(
     and flexible) with 95% bootstrap CIs, a paired McNemar test and bootstrap of the difference,
     rewards, format compliance, lengths, accuracy by difficulty, and plots. Shown here and logged
     to MLflow with the report as artifacts."""
+    started = time.time()  # the evaluation run's start in MLflow
     trained = model_store.require("grpo_checkpoint")
     base = model_store.require("base_policy", trained.manifest["base_policy_version"])
     problems = duckdb.problems(config.split, config.limit)
@@ -60,8 +75,8 @@ def eval_report(
         gsm8k.check_no_contamination(trained.manifest.get("data_source", ""), problems[0]["source"], config.split)
     except gsm8k.DataSourceError as err:
         raise Failure(description=f"eval_report: {err}") from None
-    base_eval = evaluator.evaluate("base", base.version, base.path, config, problems, context.log)
-    trained_eval = evaluator.evaluate("trained", trained.version, trained.path, config, problems, context.log)
+    base_eval = evaluator.evaluate("base_policy", base.version, base.path, config, problems, context.log)
+    trained_eval = evaluator.evaluate("grpo_checkpoint", trained.version, trained.path, config, problems, context.log)
     start, stage = trained.manifest.get("parent_name"), None
     if start not in (None, "base_policy"):  # trained from an SFT policy or the champion: that stage is paired too
         parent = model_store.require(start, trained.manifest["parent_version"])
@@ -79,31 +94,44 @@ def eval_report(
     )
 
     tags = {"rlvr.kind": "evaluation", POLICY_VERSION_TAG: trained.version, "rlvr.training_run_id": training_run or "", "dagster.run_id": context.run.run_id}
-    with mlflow.start_run(f"eval-{trained.version}", tags) as run:
+    with mlflow.start_run(run_name("eval", trained.version, context.run.run_id), tags, started_at=started) as run:
         run.log_params({f"eval.{name}": value for name, value in config.model_dump().items()})
-        run.log_metrics(report.metrics())
+        metrics = report.metrics()  # a few as metrics (charts), every one in a table
+        run.log_metrics({name: metrics[name] for name in EVAL_RUN_METRICS})
+        run.log_table(pd.DataFrame({"metric": list(metrics), "value": list(metrics.values())}), "report/metrics.json")
         run.log_files(
             {**report.figures, "report.md": report.markdown, "eval_results.csv": pd.DataFrame(trained_eval.results).to_csv(index=False)}, artifact_path="report"
         )
         run.set_tags({EVAL_PROTOCOL_TAG: json.dumps(config.model_dump(), sort_keys=True)})  # what the promotion gate reads
+    ids = {"policy_version": trained.version, "trained_eval_id": trained_eval.eval_id, "base_eval_id": base_eval.eval_id}
     return MaterializeResult(
-        metadata={
-            "report": MetadataValue.md(report.markdown_with_figures()),
-            "trained_eval_id": trained_eval.eval_id,
-            "base_eval_id": base_eval.eval_id,
-            "policy_version": trained.version,
-            "protocol": MetadataValue.json(config.model_dump()),
-            "mlflow_eval_run_id": run.run_id,
-            **headline(report.trained),
-            "delta_pass@1_strict": report.paired["delta"],
-            "mcnemar_p_value": report.paired["mcnemar_p_value"],
-            "stages": MetadataValue.md(pd.DataFrame(report.stages).to_markdown(index=False, floatfmt=".3f")),
-            "moved_accuracy": moved_accuracy(report.stages),
-        }
+        metadata={**report_metadata(report, mlflow.links(), run.run_id, training_run), **ids, "protocol": MetadataValue.json(config.model_dump())}
     )
 
 
+def report_metadata(report, links, eval_run_id: str, training_run_id: str | None) -> dict:
+    """``eval_report``'s metadata: the headline numbers and MLflow links on top, then the report and one table of every metric."""
+    return {
+        **evaluation_headline(report.trained),
+        "Δ pass@1 strict vs base (points)": percent(report.paired["delta"]),
+        "McNemar p": rounded(report.paired["mcnemar_p_value"]),
+        "moved_accuracy": moved_accuracy(report.stages),
+        "MLflow evaluation run": MetadataValue.url(links.run(eval_run_id)),
+        **({"MLflow training run": MetadataValue.url(links.run(training_run_id))} if training_run_id else {}),
+        "report": MetadataValue.md(report.markdown_with_figures()),
+        "metrics": metrics_table({"base": headline(report.base), "trained": headline(report.trained), "paired": headline(report.paired)}),
+        "stages": markdown_table(report.stages, STAGE_COLUMNS),
+    }
+
+
 STAGE_NAMES = {"sft_policy": "SFT", "grpo_checkpoint": "champion"}  # the stage a training's start policy stands for
+
+
+# Every stored policy without an evaluation, also one stored before the daemon started (on_missing only
+# sees partitions added after its first tick), one run at a time, and not again after a failed one.
+EVALUATE_WHILE_MISSING = (
+    AutomationCondition.missing() & ~AutomationCondition.in_progress() & ~AutomationCondition.execution_failed() & ~AutomationCondition.any_deps_missing()
+).with_label("evaluate while missing")
 
 
 class PolicyEvaluationConfig(EvalProtocol):
@@ -116,7 +144,8 @@ class PolicyEvaluationConfig(EvalProtocol):
     owners=["team:rlvr-eval"],
     deps=["gsm8k_problems"],
     partitions_def=policy_versions,
-    automation_condition=AutomationCondition.on_missing(),
+    pool=WRITER_POOL,
+    automation_condition=EVALUATE_WHILE_MISSING,
 )
 def policy_evaluation(
     context: AssetExecutionContext, config: PolicyEvaluationConfig, duckdb: Warehouse, model_store: ModelStore, evaluator: Evaluator, mlflow: MLflowResource
@@ -125,6 +154,7 @@ def policy_evaluation(
     its own partition ``<model store name>/<version>``: added when the policy is stored and
     materialized by the automation daemon when missing; a backfill (``recompute``) re-evaluates any.
     Rows in ``eval_results``; metrics and per-problem results in an MLflow run of the policy."""
+    started = time.time()  # the evaluation run's start in MLflow
     try:
         name, version = parse_policy_key(context.partition_key)
     except ValueError as err:
@@ -135,18 +165,21 @@ def policy_evaluation(
     evaluation = evaluator.evaluate(name, version, stored.path, protocol, problems, context.log, reuse=not config.recompute)
     metrics = summarize(evaluation.results, protocol.to_core())
     tags = {"rlvr.kind": "policy_evaluation", POLICY_VERSION_TAG: version, "rlvr.policy": name, "dagster.run_id": context.run.run_id}
-    with mlflow.start_run(f"policy-eval-{name}-{version}", tags) as run:
+    with mlflow.start_run(run_name(f"policy-eval-{name}", version, context.run.run_id), tags, started_at=started) as run:
         run.log_params({f"eval.{k}": v for k, v in protocol.model_dump().items()})
-        run.log_metrics(headline(metrics))
+        run.log_metrics({key: metrics[key] for key in ("pass@1_strict", "pass@1_flexible", "format_compliance", "num_problems")})
+        run.log_table(pd.DataFrame({"metric": list(headline(metrics)), "value": list(headline(metrics).values())}), "evaluation/metrics.json")
         run.log_files({"eval_results.csv": pd.DataFrame(evaluation.results).to_csv(index=False)}, artifact_path="evaluation")
     return MaterializeResult(
         metadata={
-            "eval_id": evaluation.eval_id,
+            **evaluation_headline(metrics),
+            "MLflow run": MetadataValue.url(mlflow.links().run(run.run_id)),
             "policy": name,
             "policy_version": version,
             "reused": evaluation.reused,
+            "metrics": metrics_table({name: headline(metrics)}),
             "protocol": MetadataValue.json(protocol.model_dump()),
+            "eval_id": evaluation.eval_id,
             "mlflow_run_id": run.run_id,
-            **headline(metrics),
         }
     )

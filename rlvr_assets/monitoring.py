@@ -10,7 +10,7 @@ import numpy as np
 from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
 from pydantic import Field
 
-from resources import Settings, Warehouse, config_from
+from resources import WRITER_POOL, Settings, Warehouse, config_from
 from rlvr import plots
 from rlvr.drift import DriftThresholds, history_curves, traffic_drift
 from rlvr.embeddings import embed_texts
@@ -24,9 +24,20 @@ class TrafficConfig(Config):
     reread: bool = Field(default=False, description="read the day's files from their first byte again, replacing the rows already stored")
 
 
-@asset(group_name="monitoring", kinds={"duckdb"}, owners=["team:rlvr-serving"], deps=["bento"], freshness_policy=DAILY, partitions_def=traffic_days)
+@asset(
+    group_name="monitoring",
+    kinds={"duckdb"},
+    owners=["team:rlvr-serving"],
+    deps=["bento"],
+    freshness_policy=DAILY,
+    partitions_def=traffic_days,
+    pool=WRITER_POOL,
+)
 def serving_traffic(context: AssetExecutionContext, config: TrafficConfig, duckdb: Warehouse) -> MaterializeResult:
-    """The Bento's JSONL traffic logs of one UTC day, ingested incrementally: each file is read from
+    """Requests to the served champion: the Bento (``bento``; ``bentoml serve rlvr_policy:latest``)
+    appends every request it answers to JSONL traffic logs in ``$RLVR_TRAFFIC_DIR`` (``$RLVR_HOME/traffic``),
+    one file per UTC day. Partitions start at the first day of traffic (at most a week back without
+    it); the traffic sensor materializes each day whose logs grew. One day's logs are ingested incrementally: each file is read from
     a per-file byte cursor stored with the rows in one transaction, so re-runs never duplicate rows
     (``reread`` starts from the first byte and replaces them); a partly written last line waits for
     the next pass; malformed lines are counted and reported."""
@@ -63,6 +74,7 @@ class DriftConfig(config_from(DriftThresholds)):
     deps=["serving_traffic", "gsm8k_problems"],
     freshness_policy=DAILY,
     partitions_def=traffic_days,
+    pool=WRITER_POOL,
 )
 def drift_report(context: AssetExecutionContext, config: DriftConfig, duckdb: Warehouse) -> MaterializeResult:
     """Drift of the day's last ``window`` requests from the training reference. Inputs: PSI and KS of prompt

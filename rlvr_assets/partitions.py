@@ -1,11 +1,30 @@
 """Partitions where the data is partitioned: serving traffic by UTC day, evaluations by policy version."""
 
+from datetime import date, datetime, timedelta, timezone
+from pathlib import Path
+
 from dagster import DailyPartitionsDefinition, DynamicPartitionsDefinition
 
+from resources import Settings
+from rlvr.traffic import FILE_PREFIX, FILE_SUFFIX, file_day
+
+TRAFFIC_LOOKBACK_DAYS = 7  # without older traffic, the partitions cover this many days before today
+
+
+def traffic_start(folder: Path, today: date, lookback_days: int = TRAFFIC_LOOKBACK_DAYS) -> str:
+    """The first traffic partition: the day of the oldest log file in ``folder`` (the service names
+    each file by its UTC day), or ``lookback_days`` before ``today`` when that is earlier or there is
+    no traffic yet; so the UI offers the days the traffic covers, not months of empty ones."""
+    days = [day for p in folder.glob(f"{FILE_PREFIX}*{FILE_SUFFIX}") if (day := file_day(p.name))] if folder.is_dir() else []
+    return min([*days, (today - timedelta(days=lookback_days)).isoformat()])
+
+
 # The service's log files each hold one UTC day (rlvr.traffic); today's partition exists while the day is
-# still filling (end_offset=1). Logs older than the first day are not ingested.
-TRAFFIC_START = "2026-01-01"
-traffic_days = DailyPartitionsDefinition(start_date=TRAFFIC_START, end_offset=1, timezone="UTC")
+# still filling (end_offset=1). Logs older than the first day are not ingested. The start is computed
+# when the code location loads.
+traffic_days = DailyPartitionsDefinition(
+    start_date=traffic_start(Settings.from_env().traffic_dir, datetime.now(timezone.utc).date()), end_offset=1, timezone="UTC"
+)
 
 # One partition per policy version (base_policy, sft_policy or grpo_checkpoint version), added when
 # the version is stored: each has its own evaluation, which a backfill can recompute.

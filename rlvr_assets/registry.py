@@ -18,6 +18,7 @@ from resources import CHAMPION, EvalProtocol, Evaluator, MLflowResource, ModelSt
 from resources.tracking import POLICY_VERSION_TAG
 from rlvr.evaluation import decide_promotion
 from rlvr_assets.freshness import WEEKLY
+from rlvr_assets.metadata import percent, rounded
 
 
 class PromotionConfig(Config):
@@ -54,14 +55,14 @@ def champion_policy(
         raise Failure(description=f"champion_policy: grpo_checkpoint {trained.version} has no evaluation: materialize eval_report first")
     protocol = EvalProtocol(**evaluation.protocol)
     problems = duckdb.problems(protocol.split, protocol.limit)
-    challenger = evaluator.evaluate("trained", trained.version, trained.path, protocol, problems, context.log)
+    challenger = evaluator.evaluate("grpo_checkpoint", trained.version, trained.path, protocol, problems, context.log)
 
     registry = mlflow.registry()
     current, champion = registry.version_for(CHAMPION), None
     if current is not None and current.tags[POLICY_VERSION_TAG] != trained.version:  # the current champion, on the same problems
         stored = model_store.get("grpo_checkpoint", current.tags[POLICY_VERSION_TAG])
         path = stored.path if stored is not None else mlflow.download_checkpoint(current.source)
-        champion = evaluator.evaluate("champion", current.tags[POLICY_VERSION_TAG], path, protocol, problems, context.log)
+        champion = evaluator.evaluate("grpo_checkpoint", current.tags[POLICY_VERSION_TAG], path, protocol, problems, context.log)
     version = registry.register_trained(trained, evaluation)
     ids = {"champion_id": current and f"registry version {current.version}", "challenger_id": f"registry version {version}"}
     decision = decide_promotion(champion.correct if champion else None, challenger.correct, margin=config.margin, alpha=config.alpha, **ids)
@@ -76,17 +77,20 @@ def champion_policy(
         metadata={
             "challenger_registry_version": version,
             "champion_registry_version": str(champion_version.version),
-            "delta": decision.delta or 0.0,
-            "p_value": 1.0 if decision.p_value is None else decision.p_value,
+            "delta (%)": percent(decision.delta or 0.0),
+            "p_value": 1.0 if decision.p_value is None else rounded(decision.p_value),
         },
     )
+    links = mlflow.links()
     yield MaterializeResult(
         metadata={
+            "promoted": decision.promote,
+            "reason": decision.reason,
+            "champion in MLflow": MetadataValue.url(links.model_version(champion_version.version)),
+            "challenger in MLflow": MetadataValue.url(links.model_version(version)),
             "champion_policy_version": champion_version.tags[POLICY_VERSION_TAG],
             "champion_registry_version": str(champion_version.version),
             "challenger_registry_version": version,
-            "promoted": decision.promote,
-            "reason": decision.reason,
             "registered_model": mlflow.registered_model,
             "path": MetadataValue.path(str(stored.path if stored else champion_version.source)),
         }

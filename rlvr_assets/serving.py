@@ -41,6 +41,7 @@ def bento(context: AssetExecutionContext, model_store: ModelStore, mlflow: MLflo
             "bento_tag": built.tag,
             "model_tag": model_tag,
             "model_version": version,
+            "champion in MLflow": MetadataValue.url(mlflow.links().model_version(champion.version)),
             "size_mb": round(built.size_bytes / 2**20, 1),
             "serve_command": MetadataValue.md(f"```\n{built.serve_command}\n```"),
             "containerize_command": MetadataValue.md(f"```\n{bento_builder.containerize_command(built.tag)}\n```"),

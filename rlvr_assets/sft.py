@@ -9,9 +9,10 @@ from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, M
 from pydantic import Field
 
 from resources import ComputeResource, MLflowResource, ModelStore, Warehouse, config_from
-from resources.tracking import POLICY_VERSION_TAG, flat_params
+from resources.tracking import POLICY_VERSION_TAG, flat_params, run_name
 from rlvr.sft import PROFILES, SFTConfig, build_sft_config, train_sft
 from rlvr.training_run import problems_hash
+from rlvr_assets.metadata import rounded
 from rlvr_assets.partitions import add_policy_version
 
 SFTOverrides = config_from(SFTConfig, overrides=True)
@@ -41,7 +42,7 @@ def sft_policy(
     lineage = {"base_policy_version": base.version, "parent_version": base.version, "data_hash": problems_hash(rows)}
     work_dir = f"sft-runs/{run_id}"
     with mlflow.start_run(
-        f"sft-{run_id[:8]}",
+        run_name("sft", None, context.run.run_id),
         {"rlvr.kind": "sft", "dagster.run_id": context.run.run_id, "rlvr.profile": config.profile, **{f"rlvr.{k}": v for k, v in lineage.items()}},
     ) as run:
         run.log_params(flat_params({"sft": asdict(sft_config)}))
@@ -63,20 +64,21 @@ def sft_policy(
                 "mlflow_run_id": run.run_id,
             },
         )
-        run.log_artifacts(stored.path, "checkpoint")
+        run.log_policy(stored.path, {POLICY_VERSION_TAG: stored.version})
         run.set_tags({POLICY_VERSION_TAG: stored.version})
+        run.rename(run_name("sft", stored.version, context.run.run_id))
     model_store.remove_work_dir(work_dir)
     add_policy_version(context.instance, "sft_policy", stored.version)
     losses = [m["loss"] for m in trained.history]
     return MaterializeResult(
         metadata={
+            **({"final_loss": rounded(losses[-1])} if losses else {}),
+            "loss_curve": MetadataValue.md(" → ".join(f"{loss:.3f}" for loss in losses)),
+            "steps": trained.steps,
+            "MLflow run": MetadataValue.url(mlflow.links().run(run.run_id)),
             "path": MetadataValue.path(str(stored.path)),
             "version": stored.version,
             "parent_base_policy": base.version,
-            "steps": trained.steps,
-            "mlflow_run_id": run.run_id,
             "sft_config": MetadataValue.json(asdict(sft_config)),
-            "loss_curve": MetadataValue.md(" → ".join(f"{loss:.3f}" for loss in losses)),
-            **({"final_loss": losses[-1]} if losses else {}),
         }
     )

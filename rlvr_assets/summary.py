@@ -4,6 +4,13 @@ from dagster import AssetKey, DagsterInstance
 
 from resources import Settings
 from rlvr_assets.definitions import defs
+from rlvr_assets.resources import default_resources
+
+
+def lineage_path() -> str:
+    """The global lineage with every group open (the UI's ``expanded`` parameter), not as collapsed boxes."""
+    groups = sorted({defs.resolve_asset_graph().get(key).group_name for key in defs.resolve_asset_graph().get_all_asset_keys()})
+    return "/asset-groups?expanded=" + ",".join(f"global@global:{group}" for group in groups)
 
 
 def main() -> None:
@@ -13,7 +20,8 @@ def main() -> None:
     print(f"  DuckDB file:      {settings.duckdb_path}")
     print(f"  model store:      {settings.model_root}")
     print(f"  MLflow tracking:  {settings.mlflow_tracking_uri}")
-    print(f"  Dagster instance: {settings.dagster_home}  (browse with `make ui`)")
+    print(f"  MLflow UI:        {default_resources(settings)['mlflow'].links().experiment()}  (after `make mlflow`)")
+    print(f"  Dagster instance: {settings.dagster_home}  (browse with `make ui`: http://127.0.0.1:3000{lineage_path()})")
     print("latest materializations:")
     for key in sorted(defs.resolve_asset_graph().get_all_asset_keys(), key=lambda k: k.to_user_string()):
         event = instance.get_latest_materialization_event(AssetKey(key.path))
@@ -25,11 +33,12 @@ def main() -> None:
         detail = f"  -> {where.value}" if where is not None else ""
         print(f"  {key.to_user_string():<18} run {event.run_id[:8]}{detail}")
     report = instance.get_latest_materialization_event(AssetKey("eval_report"))
-    if report is not None and report.asset_materialization is not None:
+    if report is not None and report.asset_materialization is not None and "pass@1 strict (%)" in report.asset_materialization.metadata:
         meta = report.asset_materialization.metadata
         print(
-            f"evaluation: pass@1 (strict) {meta['pass@1_strict'].value:.1%} on {int(meta['num_problems'].value)} problems, "
-            f"{meta['delta_pass@1_strict'].value:+.1%} vs the base policy (McNemar p = {meta['mcnemar_p_value'].value:.3g})"
+            f"evaluation: pass@1 (strict) {meta['pass@1 strict (%)'].value:.1f}% on {meta['problems'].value} problems, "
+            f"{meta['Δ pass@1 strict vs base (points)'].value:+.1f} points vs the base policy (McNemar p = {meta['McNemar p'].value:.3g}); "
+            f"in MLflow: {meta['MLflow evaluation run'].value}"
         )
         if "moved_accuracy" in meta:  # which stage (SFT, GRPO) moved strict accuracy, if any
             print(f"stages: {meta['moved_accuracy'].value}")

@@ -13,11 +13,12 @@ from pydantic import Field
 
 from resources import CHAMPION, ComputeResource, MLflowResource, ModelStore, Settings, StoredModel, Upsert, Warehouse, config_from
 from resources.launcher import TrainingJob, TrainingLauncher
-from resources.tracking import POLICY_VERSION_TAG, flat_params
+from resources.tracking import POLICY_VERSION_TAG, TRAINING_RUN_TAG, flat_params, run_name
 from rlvr.grpo import GRPOConfig
 from rlvr.grpo.profiles import PROFILES, build_config
 from rlvr.rewards import DEFAULT_GSM8K_REWARD, CompositeReward
 from rlvr.training_run import problems_hash, sample_completions
+from rlvr_assets.metadata import metrics_table, percent, rounded
 from rlvr_assets.partitions import add_policy_version
 
 GPU_TAGS = {  # a run that trains in its own pod (the local launcher) asks the Kubernetes run launcher for a GPU (deploy/k8s)
@@ -94,7 +95,7 @@ class GRPORunConfig(Config):
         ),
     ],
     op_tags=run_pod_tags(Settings.from_env().launcher),
-)
+)  # not in WRITER_POOL: its rows are its own run's, written in short keyed transactions; the pool would hold every writer for the whole training
 def grpo_training(
     context: AssetExecutionContext,
     config: GRPORunConfig,
@@ -114,22 +115,22 @@ def grpo_training(
     start = start_policy(config.init_from, base, model_store, mlflow)
     rows, run_id = duckdb.problems(config.split, config.limit), context.run.root_run_id or context.run.run_id
     lineage = {"base_policy_version": base.version, "parent_version": start.version, "parent_name": start.name, "data_hash": problems_hash(rows)}
-    tags = {"rlvr.kind": "training", "dagster.run_id": context.run.run_id, "rlvr.init_from": config.init_from}
+    tags = {"rlvr.kind": "training", TRAINING_RUN_TAG: run_id, "dagster.run_id": context.run.run_id, "rlvr.init_from": config.init_from}
     tags |= {"rlvr.profile": config.profile, "rlvr.nproc": str(nproc), **{f"rlvr.{k}": v for k, v in lineage.items()}}
     work_dir = f"grpo-runs/{run_id}"  # the run's resume points, per-step rows and export, until it completes
     job = TrainingJob(
         run_id, start.path, rows, grpo_config, config.rewards, model_store.work_dir(work_dir), str(compute.torch_device()) if nproc == 1 else None
     )
-    with mlflow.start_run(f"grpo-{run_id[:8]}", tags) as run:
+    for ended in mlflow.end_abandoned_runs(TRAINING_RUN_TAG, run_id):  # an earlier attempt killed before it could end its run
+        context.log.warning(f"MLflow run {ended} of an earlier attempt of this run was left RUNNING: marked KILLED")
+    with mlflow.start_run(run_name("grpo", None, context.run.run_id), tags) as run:  # named by its policy version once stored
         run.log_params(flat_params({"grpo": asdict(grpo_config), "rewards": config.rewards, "nproc": nproc}))
-        try:
-            history = launcher.train(context, job, nproc, restart=config.restart)
+        try:  # each step's metrics reach MLflow as it ends; a resumed run's curve starts with the earlier attempts' steps
+            history = launcher.train(context, job, nproc, restart=config.restart, on_step=lambda step, metrics: run.log_metrics(metrics, step=step))
         finally:  # one writer: every rank's rows, also those of a failed run's finished steps (keyed: no duplicates)
             rollouts, rewards = launcher.step_rows(job.scratch, "rollouts"), launcher.step_rows(job.scratch, "rewards")
             if not rollouts.empty:
                 duckdb.write(Upsert("rollouts", rollouts, "completion_id"), Upsert("rewards", rewards, "completion_id"))
-        for step, metrics in history:
-            run.log_metrics(metrics, step=step)
         stored = model_store.put(
             "grpo_checkpoint",
             launcher.exported(job.scratch),
@@ -145,13 +146,14 @@ def grpo_training(
                 "dagster_run_id": context.run.run_id,
             },
         )
-        run.log_artifacts(stored.path, "checkpoint")
+        run.log_policy(stored.path, {POLICY_VERSION_TAG: stored.version})  # the MLflow model the registry registers
         run.log_table(sample_completions(rollouts, rewards, config.sample_completions), "sample_completions.json")
         run.set_tags({POLICY_VERSION_TAG: stored.version})
+        run.rename(run_name("grpo", stored.version, context.run.run_id))
     model_store.remove_work_dir(work_dir)
     add_policy_version(context.instance, "grpo_checkpoint", stored.version)
 
-    yield from materializations(duckdb, run_id, config.rewards, stored, base, grpo_config, nproc, run.run_id, history)
+    yield from materializations(duckdb, run_id, config.rewards, stored, base, grpo_config, nproc, mlflow.links().run(run.run_id), history)
 
 
 def materializations(
@@ -162,7 +164,7 @@ def materializations(
     base: StoredModel,
     grpo_config: GRPOConfig,
     nproc: int,
-    mlflow_run_id: str,
+    mlflow_run_url: str,
     history: list,
 ) -> Iterator[MaterializeResult]:
     """The run's three materializations: row counts and reward means from DuckDB, the checkpoint's lineage and curve."""
@@ -182,21 +184,22 @@ def materializations(
             "dagster/row_count": summary["reward_rows"],
             "run_id": run_id,
             "table": f"{duckdb.database}:rewards",
-            **{f"mean_{name}": summary["reward_means"][name] for name in weights if name in summary["reward_means"]},
+            **{f"mean_{name}": rounded(summary["reward_means"][name]) for name in weights if name in summary["reward_means"]},
         },
     )
     yield MaterializeResult(
         asset_key="grpo_checkpoint",
         metadata={
+            **({"final reward_mean": rounded(last["reward_mean"]), "final format reward (%)": percent(last.get("reward_format_mean", 0.0))} if last else {}),
+            "reward_curve": MetadataValue.md(" → ".join(f"{m['reward_mean']:.3f}" for _, m in history)),
+            "steps": grpo_config.total_steps,
+            "MLflow training run": MetadataValue.url(mlflow_run_url),
             "path": MetadataValue.path(str(stored.path)),
             "version": stored.version,
             "parent_base_policy": base.version,
-            "steps": grpo_config.total_steps,
             "nproc": nproc,
-            "mlflow_run_id": mlflow_run_id,
+            "final step": metrics_table({"value": {k: v for k, v in last.items() if k != "step"}}),
             "training_config": MetadataValue.json(asdict(grpo_config)),
-            **{f"final_{k}": float(v) for k, v in last.items()},
-            "reward_curve": MetadataValue.md(" → ".join(f"{m['reward_mean']:.3f}" for _, m in history)),
         },
     )
 

@@ -3,13 +3,13 @@ the sensors driven through Dagster's sensor testing API."""
 
 import json
 import random
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import duckdb
 import pytest
 from dagster import DagsterInstance, RunRequest, SensorResult, SkipReason, build_sensor_context, materialize
 
-from resources import Warehouse
+from resources import CHAMPION, MLflowResource, Warehouse
 from rlvr.traffic import TrafficLog
 from rlvr_assets import data, monitoring
 from sensors import drift_sensor, traffic_sensor
@@ -24,7 +24,8 @@ OFF_TOPIC = [
 ]
 
 
-DAY = "2026-11-22"
+TODAY = datetime.now(timezone.utc).date()
+DAY, NEXT_DAY = (TODAY - timedelta(days=3)).isoformat(), (TODAY - timedelta(days=2)).isoformat()  # within the partitions (traffic_start)
 
 
 def at(day: str, hour: int = 10) -> int:
@@ -61,7 +62,8 @@ def write_traffic(folder, prompts, day=DAY, **kwargs):
 def env(tmp_path, gsm8k_dir, monkeypatch):
     monkeypatch.setenv("RLVR_HOME", str(tmp_path))
     traffic = tmp_path / "traffic"
-    resources = {"duckdb": Warehouse(database=str(tmp_path / "rlvr.duckdb"))}
+    mlflow = MLflowResource(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_location=str(tmp_path / "mlartifacts"))
+    resources = {"duckdb": Warehouse(database=str(tmp_path / "rlvr.duckdb")), "mlflow": mlflow}
     with DagsterInstance.ephemeral() as instance:
         assert materialize(
             [data.gsm8k_problems],
@@ -97,6 +99,23 @@ def ingest_and_report(env, day=DAY, **drift_config):
     return {k: v.value for k, v in result.asset_materializations_for_node("drift_report")[0].metadata.items()}
 
 
+def sensor_context(env, cursor=None):
+    return build_sensor_context(instance=env["instance"], cursor=cursor, resources={"mlflow": env["resources"]["mlflow"]})
+
+
+def register_champion(mlflow: MLflowResource, folder) -> None:
+    """A champion in the real registry: a logged checkpoint, registered and promoted."""
+    (folder / "checkpoint").mkdir()
+    (folder / "checkpoint" / "config.json").write_text("{}")
+    client = mlflow.client()
+    run = client.create_run(mlflow.experiment_id())
+    client.log_artifacts(run.info.run_id, str(folder / "checkpoint"), "checkpoint")
+    registry = mlflow.registry()
+    version = registry.register("v1", f"runs:/{run.info.run_id}/checkpoint", run.info.run_id, {})
+    registry.record_decision(version, True, "the first policy")
+    assert registry.version_for(CHAMPION) is not None
+
+
 def count_rows(env):
     with duckdb.connect(str(env["db"]), read_only=True) as conn:
         return conn.execute("SELECT count(*) FROM serving_traffic").fetchone()[0]
@@ -129,7 +148,7 @@ def test_clean_traffic_does_not_drift_and_requests_no_run(env):
     report = ingest_and_report(env)
     assert report["drifted"] is False, report["metrics"]
     assert report["requests"] == 120 and "psi_num_words" in report and "mmd" in report
-    context = build_sensor_context(instance=env["instance"])
+    context = sensor_context(env)
     assert isinstance(drift_sensor(context), SkipReason)
 
 
@@ -139,14 +158,17 @@ def test_drifted_traffic_requests_exactly_one_run_per_episode(env):
     report = ingest_and_report(env)
     assert report["drifted"] is True
     assert any(reason.startswith(("psi/", "ks/", "mmd", "mean_cosine")) for reason in report["drift_reasons"])
-    context = build_sensor_context(instance=env["instance"])
+    skipped = drift_sensor(sensor_context(env))  # no champion yet: retraining (from the champion) cannot start
+    assert isinstance(skipped, SkipReason) and "the registry has no champion to retrain from" in skipped.skip_message
+    register_champion(env["resources"]["mlflow"], env["db"].parent)
+    context = sensor_context(env)
     requests = drift_sensor(context)
     assert len(requests) == 1 and isinstance(requests[0], RunRequest)
     assert requests[0].tags["rlvr/trigger"] == "drift" and requests[0].tags["rlvr/drift_reasons"]
     # the same episode goes on: a second drifted report requests nothing new
     write_traffic(env["traffic"], prompts[:10], well_formed=False)
     assert ingest_and_report(env)["drifted"] is True
-    again = build_sensor_context(instance=env["instance"], cursor=context.cursor)
+    again = sensor_context(env, context.cursor)
     assert isinstance(drift_sensor(again), SkipReason)
 
 
@@ -158,28 +180,28 @@ def test_traffic_sensor_requests_the_days_whose_logs_grew(env, monkeypatch):
     context = build_sensor_context(instance=env["instance"])
     assert isinstance(traffic_sensor(context), SkipReason)
     write_traffic(env["traffic"], env["questions"][:3])
-    write_traffic(env["traffic"], env["questions"][3:5], day="2026-11-23")
-    write_traffic(env["traffic"], env["questions"][5:6], day="2025-06-01")  # before the first partition
+    write_traffic(env["traffic"], env["questions"][3:5], day=NEXT_DAY)
+    write_traffic(env["traffic"], env["questions"][5:6], day=(TODAY - timedelta(days=400)).isoformat())  # before the first partition
     requests = sensor_requests(traffic_sensor(context))
-    assert [r.partition_key for r in requests] == [DAY, "2026-11-23"] and all(r.job_name in (None, "monitoring") for r in requests)
+    assert [r.partition_key for r in requests] == [DAY, NEXT_DAY] and all(r.job_name in (None, "monitoring") for r in requests)
     context = build_sensor_context(instance=env["instance"], cursor=traffic_sensor(context).cursor)
     assert sensor_requests(traffic_sensor(context)) == []  # nothing grew since
-    write_traffic(env["traffic"], env["questions"][6:7], day="2026-11-23")
+    write_traffic(env["traffic"], env["questions"][6:7], day=NEXT_DAY)
     again = sensor_requests(traffic_sensor(context))
-    assert [r.partition_key for r in again] == ["2026-11-23"] and again[0].run_key not in {r.run_key for r in requests}
+    assert [r.partition_key for r in again] == [NEXT_DAY] and again[0].run_key not in {r.run_key for r in requests}
 
 
 def test_each_day_is_its_own_partition_and_a_backfill_rebuilds_one(env):
     write_traffic(env["traffic"], env["questions"][:120])
     prompts = [f"{OFF_TOPIC[i % len(OFF_TOPIC)]} (request {i})" for i in range(120)]
-    write_traffic(env["traffic"], prompts, day="2026-11-23", well_formed=False)
-    drifted = ingest_and_report(env, day="2026-11-23")
+    write_traffic(env["traffic"], prompts, day=NEXT_DAY, well_formed=False)
+    drifted = ingest_and_report(env, day=NEXT_DAY)
     assert drifted["drifted"] is True and drifted["requests"] == 120
     assert count_rows(env) == 120  # only that day's files were read
     clean = ingest_and_report(env, day=DAY)
     assert clean["drifted"] is False and clean["requests"] == 120 and count_rows(env) == 240
     with duckdb.connect(str(env["db"])) as conn:  # a day's rows damaged: a backfill with reread restores them
-        conn.execute("UPDATE serving_traffic SET well_formed = NULL WHERE starts_with(source_file, 'traffic-20261122T')")
+        conn.execute(f"UPDATE serving_traffic SET well_formed = NULL WHERE starts_with(source_file, 'traffic-{DAY.replace('-', '')}T')")
     config = {"ops": {"serving_traffic": {"config": {"folder": str(env["traffic"]), "reread": True}}}}
     rebuilt = materialize([monitoring.serving_traffic], resources=env["resources"], run_config=config, instance=env["instance"], partition_key=DAY)
     assert rebuilt.asset_materializations_for_node("serving_traffic")[0].metadata["new_rows"].value == 120
@@ -188,19 +210,19 @@ def test_each_day_is_its_own_partition_and_a_backfill_rebuilds_one(env):
 
 
 def test_a_day_without_traffic_is_an_empty_partition(env):
-    write_traffic(env["traffic"], env["questions"][:3], day="2026-11-23")
+    write_traffic(env["traffic"], env["questions"][:3], day=NEXT_DAY)
     report = ingest_and_report(env)  # DAY has no log file: nothing to read, nothing to report
     assert report["drifted"] is False and report["requests"] == 0
-    assert ingest_and_report(env, day="2026-11-23")["requests"] == 3  # the other day has its rows
+    assert ingest_and_report(env, day=NEXT_DAY)["requests"] == 3  # the other day has its rows
     assert ingest_and_report(env)["requests"] == 0 and count_rows(env) == 3  # and the empty day stays empty once the table exists
 
 
 def test_a_backfilled_past_day_does_not_start_a_retraining(env):
     prompts = [f"{OFF_TOPIC[i % len(OFF_TOPIC)]} (request {i})" for i in range(120)]
-    write_traffic(env["traffic"], env["questions"][:120], day="2026-11-23")
-    assert ingest_and_report(env, day="2026-11-23")["drifted"] is False
-    context = build_sensor_context(instance=env["instance"])
+    write_traffic(env["traffic"], env["questions"][:120], day=NEXT_DAY)
+    assert ingest_and_report(env, day=NEXT_DAY)["drifted"] is False
+    context = sensor_context(env)
     assert isinstance(drift_sensor(context), SkipReason)
     write_traffic(env["traffic"], prompts, well_formed=False)  # an older day, drifted, backfilled afterwards
     assert ingest_and_report(env, day=DAY)["drifted"] is True
-    assert isinstance(drift_sensor(build_sensor_context(instance=env["instance"], cursor=context.cursor)), SkipReason)
+    assert isinstance(drift_sensor(sensor_context(env, context.cursor)), SkipReason)

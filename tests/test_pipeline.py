@@ -63,7 +63,7 @@ def test_training_path_end_to_end(home, gsm8k_dir, tiny_llama_dir):
             names = {r[0] for r in conn.execute("SELECT DISTINCT reward_name FROM rewards").fetchall()}
             assert names == {"math_answer", "format", "total"}
             roles = dict(conn.execute("SELECT policy_role, count(*) FROM eval_results GROUP BY 1").fetchall())
-            assert roles == {"base": 4, "trained": 4}
+            assert roles == {"base_policy": 4, "grpo_checkpoint": 4}  # the policies' stores: a role belongs to a report
         trained = res["model_store"].latest("grpo_checkpoint")
         assert not any((home / "models" / ".work" / "grpo-runs").iterdir())  # resume points removed once complete
         assert trained.manifest["steps"] == 2 and trained.manifest["parent_version"] == res["model_store"].latest("base_policy").version
@@ -72,10 +72,14 @@ def test_training_path_end_to_end(home, gsm8k_dir, tiny_llama_dir):
         client = res["mlflow"].client()
         training_run = client.get_run(trained.manifest["mlflow_run_id"])
         assert len(client.get_metric_history(training_run.info.run_id, "reward_mean")) == 2
-        artifacts = {a.path for a in client.list_artifacts(training_run.info.run_id)}
-        assert {"checkpoint", "sample_completions.json"} <= artifacts
+        assert "sample_completions.json" in {a.path for a in client.list_artifacts(training_run.info.run_id)}
+        (policy,) = training_run.outputs.model_outputs  # the checkpoint as an MLflow model of the run
+        assert training_run.info.run_name == f"grpo-{trained.version}-run-{result.run_id[:8]}" and "step" not in training_run.data.metrics
         champion = res["mlflow"].registry().version_for(CHAMPION)
         assert champion.tags[POLICY_VERSION_TAG] == trained.version  # first policy: promoted, no champion before
+        assert champion.source == client.get_logged_model(policy.model_id).artifact_location
+        eval_run = client.get_run(report["MLflow evaluation run"].value.split("/runs/")[1].split("?")[0])
+        assert len(eval_run.data.metrics) == 6 and eval_run.info.end_time - eval_run.info.start_time > 500  # the evaluation's own duration
         gate = {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
         assert gate["promotion_gate"] is True
 

@@ -1,11 +1,15 @@
 """policy_evaluation: one dynamic partition per stored policy, added when it is stored, requested by
-declarative automation while missing, evaluated into a real DuckDB file and MLflow store, and
-re-evaluated on request."""
+declarative automation while missing (also a policy stored before the daemon's first tick), evaluated
+into a real DuckDB file and MLflow store, re-evaluated on request, and computed once when two runs ask
+for the same evaluation at once."""
+
+from concurrent.futures import ThreadPoolExecutor
 
 import duckdb
 import pytest
 from dagster import DagsterInstance, Definitions, evaluate_automation_conditions, materialize
 
+from resources import EvalProtocol
 from rlvr_assets import data, evaluation, models
 from rlvr_assets.partitions import parse_policy_key, policy_key, policy_versions
 from test_pipeline import PROTOCOL, resources_for, run_config
@@ -27,21 +31,21 @@ def test_a_stored_policy_gets_its_partition_and_its_own_evaluation(home, gsm8k_d
     res = resources_for(home)
     with DagsterInstance.ephemeral() as instance:
         defs = Definitions(assets=[data.gsm8k_problems, models.base_policy, evaluation.policy_evaluation], resources=res)
-        first_tick = evaluate_automation_conditions(defs=defs, instance=instance)  # the daemon's tick before any policy
         ops = {k: v for k, v in run_config(gsm8k_dir, tiny_llama_dir)["ops"].items() if k in ("gsm8k_problems", "base_policy")}
         assert materialize([data.gsm8k_problems, models.base_policy], resources=res, run_config={"ops": ops}, instance=instance).success
         key = policy_key("base_policy", res["model_store"].latest("base_policy").version)
         assert instance.get_dynamic_partitions(policy_versions.name) == [key]
 
-        # declarative automation: the missing partition of the new policy is requested, and only it
-        automation = evaluate_automation_conditions(defs=defs, instance=instance, cursor=first_tick.cursor)
+        # declarative automation: the daemon's first tick (no cursor: it starts after the policy was stored)
+        # requests the missing partition of the policy, and only it
+        automation = evaluate_automation_conditions(defs=defs, instance=instance)
         requested = automation.get_requested_partitions(evaluation.policy_evaluation.key)
         assert requested == {key}
 
         first = evaluate(instance, res, key)
         assert first.success
         meta = first.asset_materializations_for_node("policy_evaluation")[0].metadata
-        assert meta["policy"].value == "base_policy" and meta["reused"].value is False and "pass@1_strict" in meta
+        assert meta["policy"].value == "base_policy" and meta["reused"].value is False and "pass@1 strict (%)" in meta
         with duckdb.connect(str(home / "rlvr.duckdb"), read_only=True) as conn:
             assert conn.execute("SELECT policy_role, count(*) FROM eval_results GROUP BY 1").fetchall() == [("base_policy", PROTOCOL["limit"])]
         run = res["mlflow"].client().get_run(meta["mlflow_run_id"].value)
@@ -68,3 +72,20 @@ def test_a_malformed_or_unknown_policy_partition_fails_clearly(home, gsm8k_dir, 
         assert not result.success
         failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
         assert "grpo_checkpoint 0123456789abcdef is not in the model store" in failure.event_specific_data.error.message
+
+
+def test_the_same_evaluation_asked_for_twice_at_once_is_computed_once(home, gsm8k_dir, tiny_llama_dir):
+    """baseline_eval and policy_evaluation of the base policy started together: one computes, the other
+    waits for it and reuses its rows; the rows name the policy, whatever part it plays in a report."""
+    res = resources_for(home)
+    ops = {k: v for k, v in run_config(gsm8k_dir, tiny_llama_dir)["ops"].items() if k in ("gsm8k_problems", "base_policy")}
+    with DagsterInstance.ephemeral() as instance:
+        assert materialize([data.gsm8k_problems, models.base_policy], resources=res, run_config={"ops": ops}, instance=instance).success
+    base, protocol = res["model_store"].latest("base_policy"), EvalProtocol(**PROTOCOL)
+    problems = res["duckdb"].problems(protocol.split, protocol.limit)
+    with ThreadPoolExecutor(2) as pool:
+        both = [pool.submit(res["evaluator"].evaluate, "base_policy", base.version, base.path, protocol, problems) for _ in range(2)]
+        outcomes = [future.result(timeout=300) for future in both]
+    assert sorted(o.reused for o in outcomes) == [False, True] and outcomes[0].eval_id == outcomes[1].eval_id
+    with duckdb.connect(str(home / "rlvr.duckdb"), read_only=True) as conn:
+        assert conn.execute("SELECT policy_role, count(*) FROM eval_results GROUP BY 1").fetchall() == [("base_policy", PROTOCOL["limit"])]

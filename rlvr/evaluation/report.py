@@ -135,6 +135,7 @@ def render_report(base: dict, new: dict, paired: dict, verdict: str, new_version
     table = "| metric | base | trained |\n|---|---|---|\n" + "\n".join(f"| {a} | {b} | {c} |" for a, b, c in rows)
     steps = pd.DataFrame(new["accuracy_by_steps"]).rename(columns={"accuracy": "trained_accuracy"})
     steps = steps.merge(pd.DataFrame(base["accuracy_by_steps"])[["group", "accuracy"]].rename(columns={"accuracy": "base_accuracy"}), on="group", how="left")
+    steps = steps.astype({"group": str, "n": int})  # whole numbers print whole beside the 3-decimal rates
     return (
         f"## Trained policy `{new_version}` vs base `{base_version}`\n\n"
         f"On {paired['shared_problems']} problems of split `{split}` (zero-shot, greedy, strict `####`): "

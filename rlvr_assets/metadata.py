@@ -1,0 +1,75 @@
+"""Asset metadata a person reads: rates as percentages, other numbers to three significant digits,
+whole numbers whole, a blank where a value does not apply, and many numbers in one table."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+from dagster import MetadataValue
+
+RATE_PREFIXES = ("pass@", "maj@", "accuracy", "format_compliance", "format_delta", "delta", "frac_", "clip_frac", "ci_")
+
+
+def is_rate(name: str) -> bool:
+    """Whether the metric ``name`` is a fraction in [0, 1] (of problems, completions, groups): shown as a percentage."""
+    base = name.rsplit(".", 1)[-1].removeprefix("final_").removesuffix("_ci_low").removesuffix("_ci_high")
+    return base.startswith(RATE_PREFIXES) or base.endswith("_rate")
+
+
+def rounded(value: float, digits: int = 3) -> float:
+    """``value`` to ``digits`` significant digits; float noise (``2.8e-17``) is 0."""
+    return 0.0 if abs(value) < 1e-12 else float(f"{value:.{digits}g}")
+
+
+def percent(rate: float) -> float:
+    """A rate as a percentage with one decimal (a number, so Dagster plots it across materializations)."""
+    return round(100 * rate, 1) + 0.0  # + 0.0: no -0.0
+
+
+def readable(name: str, value: Any) -> str:
+    """One value as text: a rate as ``12.3%`` (signed when ``name`` is a delta), a whole number whole,
+    another number to three significant digits, '' where it does not apply (None, NaN)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if not isinstance(value, (int, float)):
+        return str(value)
+    if is_rate(name):
+        return f"{100 * value:{'+' if 'delta' in name else ''}.1f}%".replace("-0.0%", "0.0%").replace("+0.0%", "0.0%")
+    if float(value).is_integer():
+        return str(int(value))
+    return f"{rounded(value):g}"
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], labels: Mapping[str, str] | None = None) -> MetadataValue:
+    """Rows of named values as one Markdown table, each cell :func:`readable` by its column's name;
+    ``labels`` renames columns for the header."""
+    columns = list(dict.fromkeys(name for row in rows for name in row))
+    header = [(labels or {}).get(c, c) for c in columns]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(readable(c, row.get(c)) for c in columns) + " |" for row in rows]
+    return MetadataValue.md("\n".join(lines))
+
+
+def metrics_table(columns: Mapping[str, Mapping[str, Any]]) -> MetadataValue:
+    """Many metrics in one table: a row per metric, a column per source (e.g. ``base``, ``trained``)."""
+    names = list(dict.fromkeys(name for metrics in columns.values() for name in metrics))
+    rows = [{"metric": name, **{source: _cell(name, metrics.get(name)) for source, metrics in columns.items()}} for name in names]
+    return markdown_table(rows)
+
+
+def _cell(name: str, value: Any) -> str:
+    return readable(name, value) or "–"
+
+
+def evaluation_headline(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """The numbers an evaluation is read by (``summarize``'s metrics): pass@1 strict and flexible and
+    format compliance as percentages, and the number of problems."""
+    return {
+        "pass@1 strict (%)": percent(metrics["pass@1_strict"]),
+        "pass@1 flexible (%)": percent(metrics["pass@1_flexible"]),
+        "format compliance (%)": percent(metrics["format_compliance"]),
+        "problems": int(metrics["num_problems"]),
+    }
