@@ -24,7 +24,7 @@ class GSM8kPolicy(PythonModel):
 
         self.model, self.tokenizer = load_policy(context.artifacts["checkpoint"])
 
-    def predict(self, context, model_input, params=None) -> pd.DataFrame:
+    def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:  # a DataFrame hint: the logged signature governs
         from rlvr.answers import extract_final_answer
         from rlvr.prompts import render_prompt
         from rlvr.rollout import SamplingConfig, generate_rollouts
