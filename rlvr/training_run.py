@@ -67,9 +67,12 @@ def train_grpo(
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
     """Have Linux send ``sig`` to this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``), so a
     launched training process never outlives its launcher; exits at once if the parent is already gone.
-    A no-op off Linux."""
+    SIGTERM gets its default action and is unblocked (a launcher's ignored or blocked SIGTERM is
+    inherited across fork and exec), so a stop always reaches the training. A no-op off Linux."""
     if not sys.platform.startswith("linux"):
         return
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     import ctypes
 
     pr_set_pdeathsig = 1

@@ -20,6 +20,7 @@ from resources.tracking import TRAINING_RUN_TAG
 from rlvr import gsm8k
 from rlvr.grpo import GRPOConfig
 from rlvr.rollout import SamplingConfig
+from rlvr.training_run import die_with_parent
 from rlvr_assets import grpo_worker
 from test_pipeline import resources_for
 from test_training_launcher import launch_job, paced_length, resumable_at, rows, two_process_config
@@ -90,7 +91,9 @@ def test_a_reexecution_stops_what_an_earlier_attempt_left_running(tmp_path):
     torchrun goes on. The next attempt finds its process group in the lock and stops it first."""
     scratch = tmp_path / "scratch"
     (scratch / "export.tmp").mkdir(parents=True)  # a stale export of the killed attempt
-    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", "torch.distributed.run"], start_new_session=True)
+    orphan = subprocess.Popen(  # launched as the launcher launches torchrun
+        [sys.executable, "-c", "import time; time.sleep(600)", "torch.distributed.run"], start_new_session=True, preexec_fn=die_with_parent
+    )
     (scratch / LOCK_FILE).write_text(json.dumps({"pid": 1, "pgid": orphan.pid}))
     warnings: list[str] = []
     with attempt_lock(scratch, warnings.append, grace_s=5) as record:

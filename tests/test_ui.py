@@ -76,8 +76,7 @@ def webserver(tmp_path):
         graphql(url, "mutation { setNuxSeen }")  # a fresh instance shows a community pop-up until then
         yield url
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
+        stop(server)
 
 
 def test_asset_graph_shows_every_asset(webserver, tmp_path):
@@ -121,8 +120,14 @@ def start(command: list[str], env: dict, url: str, what: str) -> subprocess.Pope
 
 
 def stop(server: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (dg dev stops its webserver, daemon and code server); what
+    has not stopped within a minute (a loaded machine) is killed."""
     os.killpg(server.pid, signal.SIGTERM)
-    server.wait(timeout=30)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
