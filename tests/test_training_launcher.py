@@ -107,8 +107,9 @@ def kill_rank_when_step_written(scratch_root: Path, rank: int, step: int, stop: 
 
 @register_reward("test_paced_length", replace=True)
 def paced_length(completion: str, **_) -> float:
-    """A reward that takes 0.5 s: the tiny model's steps last long enough for the killer to land between two resume points."""
-    time.sleep(0.5)
+    """A reward that takes 1 s: the tiny model's steps last long enough for the killer to land between two
+    resume points, on a loaded machine too."""
+    time.sleep(1.0)
     return min(1.0, len(completion) / 400)
 
 
