@@ -89,7 +89,17 @@ def resumable_at(scratch_root: Path, step: int) -> bool:
 
 
 def kill_rank_when_step_written(scratch_root: Path, rank: int, step: int, stop: threading.Event) -> None:
-    """Kill the worker process of ``rank`` once ``step`` is a resume point (a crash mid-run)."""
+    """Kill the worker process of ``rank`` once ``step`` is a resume point (a crash mid-run). Until then the
+    paced reward holds the next step (``HOLD`` in ``$RLVR_TEST_HOME``), so the kill lands before it ends."""
+    hold = Path(os.environ["RLVR_TEST_HOME"]) / HOLD
+    hold.touch()
+    try:
+        _kill_rank_at(scratch_root, rank, step, stop)
+    finally:
+        hold.unlink(missing_ok=True)
+
+
+def _kill_rank_at(scratch_root: Path, rank: int, step: int, stop: threading.Event) -> None:
     while not stop.is_set():
         if resumable_at(scratch_root, step):
             for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
@@ -105,11 +115,18 @@ def kill_rank_when_step_written(scratch_root: Path, rank: int, step: int, stop: 
         time.sleep(0.05)
 
 
+HOLD = "hold-after-step-1"  # while this file is in $RLVR_TEST_HOME, the paced reward waits once step 1 is a resume point
+
+
 @register_reward("test_paced_length", replace=True)
 def paced_length(completion: str, **_) -> float:
-    """A reward that takes 1 s: the tiny model's steps last long enough for the killer to land between two
-    resume points, on a loaded machine too."""
-    time.sleep(1.0)
+    """A reward that takes 0.5 s (the tiny model's steps last long enough for a killer to land between two
+    resume points) and, while a killer holds ``HOLD``, waits (at most 10 s) once step 1 is a resume point."""
+    home = Path(os.environ.get("RLVR_TEST_HOME", "/nonexistent"))
+    deadline = time.monotonic() + 10
+    while (home / HOLD).exists() and resumable_at(home / "models" / ".work", 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
     return min(1.0, len(completion) / 400)
 
 
