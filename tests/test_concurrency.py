@@ -8,7 +8,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
@@ -16,6 +15,7 @@ from dagster import DagsterEventType, DagsterInstance
 
 from resources import WRITER_POOL
 from rlvr_assets.definitions import defs
+from test_kills import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 WRITERS = {"gsm8k_problems", "baseline_eval", "eval_report", "policy_evaluation", "serving_traffic", "drift_report"}
@@ -69,14 +69,6 @@ def events(instance: DagsterInstance, event_type: DagsterEventType) -> dict[str,
 def blocked_runs(instance: DagsterInstance) -> set[str]:
     """Runs with a step that waited for the writer pool (Dagster's engine event)."""
     return {r.run_id for r in instance.get_runs() for e in instance.all_logs(r.run_id) if f"blocked by limit for pool {WRITER_POOL}" in (e.message or "")}
-
-
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.1)
-    return value
 
 
 def test_two_writers_launched_at_once_queue_on_a_real_instance(tmp_path, gsm8k_dir):

@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from resources import MLflowResource, StoredModel
 from resources.mlflow_policy import QUESTION_EXAMPLE
 from resources.tracking import CHAMPION, EXPERIMENT_KIND_TAG, MODEL_TRAINING, EvaluationRun
 from rlvr.answers import extract_final_answer
+from test_ui import wait_for_http
 
 
 @pytest.fixture(scope="module")
@@ -107,15 +107,7 @@ def test_mlflow_models_serve_answers_over_http(registered):
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ping", timeout=5):
-                    break
-            except OSError:
-                assert server.poll() is None, "mlflow models serve exited"
-                assert time.monotonic() < deadline, "mlflow models serve did not answer /ping in 120 s"
-                time.sleep(1)
+        wait_for_http(f"http://127.0.0.1:{port}/ping", server, "mlflow models serve", timeout_s=120)
         body = {"dataframe_records": [{"question": QUESTION_EXAMPLE}], "params": {"max_new_tokens": 8}}
         request = urllib.request.Request(f"http://127.0.0.1:{port}/invocations", json.dumps(body).encode(), {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as response:

@@ -64,15 +64,7 @@ def webserver(tmp_path):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/server_info", timeout=5):
-                    break
-            except OSError:
-                assert server.poll() is None, "dg dev exited"
-                assert time.monotonic() < deadline, "dg dev did not serve the UI in 180 s"
-                time.sleep(1)
+        wait_for_http(f"{url}/server_info", server, "dg dev")
         graphql(url, "mutation { setNuxSeen }")  # a fresh instance shows a community pop-up until then
         yield url
     finally:
