@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from dagster import DagsterInstance, ReexecutionOptions, execute_job, reconstructable
+from dagster import DagsterInstance, ReexecutionOptions, execute_job
 
 from resources.launcher import LOCK_FILE, TrainingJob, TrainingLauncher, attempt_lock, clear_attempt, step_history
 from resources.tracking import TRAINING_RUN_TAG
@@ -23,7 +23,7 @@ from rlvr.rollout import SamplingConfig
 from rlvr.training_run import die_with_parent
 from rlvr_assets import grpo_worker
 from test_pipeline import resources_for
-from test_training_launcher import launch_job, paced_length, resumable_at, rows, two_process_config
+from test_training_launcher import paced_length, resumable_at, rows, training_job, two_process_config
 
 assert paced_length  # registered in this process too: the run worker subprocess imports it from there
 
@@ -114,10 +114,11 @@ def test_a_reexecution_stops_what_an_earlier_attempt_left_running(tmp_path):
 
 RUN_WORKER = """
 import sys
-from dagster import DagsterInstance, execute_job, reconstructable
+from dagster import DagsterInstance, execute_job
 import test_kills, test_training_launcher
 with DagsterInstance.local_temp(sys.argv[1]) as instance:
-    execute_job(reconstructable(test_training_launcher.launch_job), instance=instance, run_config=test_kills.json.loads(sys.argv[2]))
+    job = test_training_launcher.training_job(sys.argv[3])
+    execute_job(job, instance=instance, run_config=test_kills.json.loads(sys.argv[2]))
 """
 
 
@@ -148,7 +149,7 @@ def test_killing_the_run_worker_takes_its_training_along_and_the_reexecution_com
     config["ops"]["grpo_training"]["config"]["rewards"] = {"test_paced_length": 1.0}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     (tmp_path / "dagster").mkdir()
-    worker = subprocess.Popen([sys.executable, "-c", RUN_WORKER, str(tmp_path / "dagster"), json.dumps(config)], env=env)
+    worker = subprocess.Popen([sys.executable, "-c", RUN_WORKER, str(tmp_path / "dagster"), json.dumps(config), str(home)], env=env)
     try:
         wait_for(lambda: resumable_at(home / "models" / ".work", 1) or worker.poll() is not None, 300, "step 1's resume point")
         assert worker.poll() is None, "the run ended before it could be killed"
@@ -162,7 +163,7 @@ def test_killing_the_run_worker_takes_its_training_along_and_the_reexecution_com
         (killed,) = instance.get_runs()
         instance.report_run_failed(killed)  # what the run monitor does for a run whose worker died
         resumed = execute_job(
-            reconstructable(launch_job), instance=instance, run_config=config, reexecution_options=ReexecutionOptions.from_failure(killed.run_id, instance)
+            training_job(home), instance=instance, run_config=config, reexecution_options=ReexecutionOptions.from_failure(killed.run_id, instance)
         )
         assert resumed.success
         checkpoint = {m.asset_key.to_user_string(): m.metadata for m in resumed.asset_materializations_for_node("grpo_training")}["grpo_checkpoint"]

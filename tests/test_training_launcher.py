@@ -8,7 +8,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from dagster import DagsterInstance, ReexecutionOptions, execute_job, materialize, reconstructable
+from dagster import DagsterInstance, ReexecutionOptions, build_reconstructable_job, execute_job, materialize
 
 from resources.launcher import TrainingLauncher, process_count, rank_errors
 from rlvr.rewards import register_reward
@@ -72,15 +72,22 @@ def test_two_processes_from_a_materialization(home, gsm8k_dir, tiny_llama_dir):
     assert metadata["grpo_checkpoint"]["nproc"].value == 2
 
 
-def launch_job():
-    """The three training assets as a job, for execute_job (re-execution needs a reconstructable job)."""
+def launch_job(home: str):
+    """The three training assets as a job on the data directory ``home``."""
     from dagster import Definitions, define_asset_job, in_process_executor
 
     return Definitions(
         assets=[data.gsm8k_problems, models.base_policy, training.grpo_training],
-        resources=resources_for(Path(os.environ["RLVR_TEST_HOME"])),
+        resources=resources_for(Path(home)),
         jobs=[define_asset_job("train", selection="*", executor_def=in_process_executor)],
     ).resolve_job_def("train")
+
+
+def training_job(home: Path):
+    """``launch_job(home)`` for execute_job (re-execution needs a reconstructable job). The home is part of
+    the job's identity: Dagster keeps the last job it reconstructed, so a job found by module and name
+    alone would reuse an earlier test's resources (its data directory)."""
+    return build_reconstructable_job(__name__, launch_job.__name__, reconstructable_kwargs={"home": str(home)})
 
 
 def resumable_at(scratch_root: Path, step: int) -> bool:
@@ -130,10 +137,6 @@ def paced_length(completion: str, **_) -> float:
     return min(1.0, len(completion) / 400)
 
 
-@pytest.mark.skip(
-    reason="order-dependent: passes alone, but after tests/test_kills.py in one session the killer never finds the rank "
-    "and the run succeeds; test_kills.py covers a killed run and its re-execution meanwhile"
-)
 def test_a_killed_rank_fails_the_run_and_the_reexecution_resumes(home, gsm8k_dir, tiny_llama_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("RLVR_TEST_HOME", str(home))
     config = two_process_config(gsm8k_dir, tiny_llama_dir, steps=3)
@@ -143,7 +146,7 @@ def test_a_killed_rank_fails_the_run_and_the_reexecution_resumes(home, gsm8k_dir
     (tmp_path / "dagster").mkdir()
     with DagsterInstance.local_temp(str(tmp_path / "dagster")) as instance:
         killer.start()
-        failed = execute_job(reconstructable(launch_job), instance=instance, run_config=config)
+        failed = execute_job(training_job(home), instance=instance, run_config=config)
         stop.set()
         assert not failed.success
         failure = next(e for e in failed.all_events if e.event_type_value == "STEP_FAILURE")
@@ -153,7 +156,7 @@ def test_a_killed_rank_fails_the_run_and_the_reexecution_resumes(home, gsm8k_dir
         assert [s for (s,) in done][:1] == [1]  # the finished step's rows were kept
 
         resumed = execute_job(
-            reconstructable(launch_job), instance=instance, run_config=config, reexecution_options=ReexecutionOptions.from_failure(failed.run_id, instance)
+            training_job(home), instance=instance, run_config=config, reexecution_options=ReexecutionOptions.from_failure(failed.run_id, instance)
         )
         assert resumed.success
         logs = [e.message for e in instance.all_logs(resumed.run_id) if e.message]
