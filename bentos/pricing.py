@@ -11,7 +11,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from bentos.scheduler import RolloutJob
 from bentos.schemas import MAX_PROMPT_TOKENS
-from rlvr.prompts import render_prompt
+from rlvr.prompts import render_prompt, system_prompt_for
 
 
 def invalid_request(title: str, field_name: str, message: str) -> ValidationError:
@@ -32,13 +32,14 @@ class CostFields(NamedTuple):
 
 class Pricing:
     """The service's pricing (a mixin of ``RlvrPolicy``: the loaded model's ``context_tokens``,
-    ``vocab_size``, ``kv_bytes_per_token``, ``kv_cache_budget_bytes`` and ``prompt_tokenizer``)."""
+    ``vocab_size``, ``kv_bytes_per_token``, ``kv_cache_budget_bytes``, ``prompt_tokenizer`` and ``environment``).
+    A request's ``max_new_tokens`` bounds its rows' tokens, the environment's injected ones included."""
 
     def _rendered(self, title: str, text_field: str, question: str) -> list[int]:
-        """The question in the training prompt, as token ids; a 400 naming the field when the prompt
-        builder refuses it (control tokens)."""
+        """The question in the training prompt (the policy's environment's instructions included), as
+        token ids; a 400 naming the field when the prompt builder refuses it (control tokens)."""
         try:
-            prompt = render_prompt(self.prompt_tokenizer, question)
+            prompt = render_prompt(self.prompt_tokenizer, question, system_prompt_for(self.environment))
         except ValueError as err:
             raise invalid_request(title, text_field, f"{text_field} refused by the prompt builder: {err}") from None
         return self.prompt_tokenizer(prompt, add_special_tokens=False).input_ids

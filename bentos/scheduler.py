@@ -11,6 +11,10 @@ loop, ``start_wait_s`` for readiness), chosen in one place (:func:`make_schedule
   take): whole generation passes of ``rlvr.rollout.generate_rollouts``: each pass takes the jobs queued
   while the previous one ran (up to ``MAX_BATCH_REQUESTS`` whose KV caches fit the budget together;
   one without batching), and jobs with equal sampling settings share one engine call.
+
+Both roll out in the policy's environment (``rlvr.environments``: the one its checkpoint records, as
+in training), every row of every request: a tool's text is written into the row as the engine runs
+it, counts against the row's ``max_new_tokens``, and its calls come back in ``RolloutResult.tool_calls``.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any, Callable
 
 from bentos.metrics import GENERATION_SECONDS, PASS_REQUESTS, ROLLOUTS_CANCELLED, ROLLOUTS_GENERATED, START_WAIT_ESTIMATE, START_WAIT_SECONDS
 from rlvr.engine import Engine, EngineRequest, continuous_batching_eligible
+from rlvr.environments.base import Environment, ToolCall
 from rlvr.rollout import SamplingConfig, generate_rollouts, is_greedy
 
 MAX_BATCH_REQUESTS = 8  # requests per generation pass (passes)
@@ -67,6 +72,7 @@ class RolloutResult:
     batch_requests: int  # requests that shared the batch with it (most at once)
     token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
+    tool_calls: list[list[ToolCall]] = field(default_factory=list)  # per sample, in order (none without an environment)
 
 
 @dataclass(eq=False)
@@ -83,12 +89,15 @@ class ModelCall:
             self.result.set_exception(err)
 
 
-def make_scheduler(model: Any, tokenizer: Any, kv_budget_bytes: int, batching: bool, seed: int) -> ContinuousScheduler | PassScheduler:
-    """The continuous engine unless ``RLVR_ENGINE=passes``, batching is off, or the model is not eligible."""
+def make_scheduler(
+    model: Any, tokenizer: Any, kv_budget_bytes: int, batching: bool, seed: int, environment: Environment | None = None
+) -> ContinuousScheduler | PassScheduler:
+    """The continuous engine unless ``RLVR_ENGINE=passes``, batching is off, or the model is not eligible;
+    every job rolls out in ``environment`` (the policy's; None: single-turn)."""
     wanted = os.environ.get("RLVR_ENGINE", "continuous").strip().lower()
     if batching and wanted != "passes" and continuous_batching_eligible(model):
-        return ContinuousScheduler(model, tokenizer, kv_budget_bytes, seed)
-    return PassScheduler(model, tokenizer, kv_budget_bytes, batching, seed)
+        return ContinuousScheduler(model, tokenizer, kv_budget_bytes, seed, environment)
+    return PassScheduler(model, tokenizer, kv_budget_bytes, batching, seed, environment)
 
 
 class ContinuousScheduler:
@@ -96,8 +105,8 @@ class ContinuousScheduler:
 
     name = "continuous"
 
-    def __init__(self, model: Any, tokenizer: Any, kv_budget_bytes: int, seed: int):
-        self.tokenizer = tokenizer
+    def __init__(self, model: Any, tokenizer: Any, kv_budget_bytes: int, seed: int, environment: Environment | None = None):
+        self.tokenizer, self.environment = tokenizer, environment
         self.engine = Engine(model, tokenizer, max_rows=MAX_BATCH_ROWS, step_tokens=STEP_TOKENS, kv_budget_bytes=kv_budget_bytes)
         self._seeds = itertools.count(seed)
 
@@ -114,6 +123,7 @@ class ContinuousScheduler:
             on_tokens=job.on_tokens,
             on_done=lambda request: self._done(job, request),
             cancelled=job.cancelled,
+            environment=self.environment,
         )
         self.engine.submit(request)
 
@@ -140,6 +150,7 @@ class ContinuousScheduler:
                 batch_requests=request.max_neighbours,
                 token_ids=request.token_ids,
                 logprobs=request.logprobs,
+                tool_calls=[list(calls) for calls in request.tool_calls],
             )
         )
 
@@ -167,8 +178,9 @@ class PassScheduler:
 
     name = "passes"
 
-    def __init__(self, model: Any, tokenizer: Any, kv_budget_bytes: int, batching: bool, seed: int):
+    def __init__(self, model: Any, tokenizer: Any, kv_budget_bytes: int, batching: bool, seed: int, environment: Environment | None = None):
         self.model, self.tokenizer, self.kv_budget_bytes, self.batching = model, tokenizer, kv_budget_bytes, batching
+        self.environment = environment
         self._seeds = itertools.count(seed)
         self._queue: deque[RolloutJob | ModelCall] = deque()
         self._queued = threading.Condition()
@@ -257,6 +269,7 @@ class PassScheduler:
                 stop_strings=stop,
                 should_stop=lambda p, members=members: jobs[members[p]].cancelled.is_set(),
                 on_tokens=_token_router([jobs[i].on_tokens for i in members], num_samples),
+                environment=self.environment,
             )
             started = time.perf_counter()
             rollouts = generate_rollouts(self.model, self.tokenizer, [list(jobs[i].prompt_ids) for i in members], num_samples, config)
@@ -278,6 +291,7 @@ class PassScheduler:
                     batch_requests=len(jobs),
                     token_ids=[token_ids[r] for r in rows],
                     logprobs=[rollouts.logprobs[r, : lengths[r]].tolist() for r in rows],
+                    tool_calls=[list(rollouts.tool_calls[r]) for r in rows],
                 )
         if observe:
             for _ in jobs:

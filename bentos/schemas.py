@@ -119,13 +119,25 @@ class GenerateRequest(_Request):
         return {"answer_text": text, "answer_value": value, "target": text, "label": text}
 
 
+class ToolCall(BaseModel):
+    """One call the policy made to its environment's tool while it wrote a completion."""
+
+    index: int = Field(description="the call's number within its completion, from 0")
+    tool: str = Field(description="the tool called, e.g. calculator")
+    call: str = Field(description="what the policy asked, as it wrote it")
+    result: str = Field(description="the text the tool wrote back into the completion")
+    error: str | None = Field(description="why the call failed (refused, raised, timed out); None when it succeeded")
+    latency_s: float
+
+
 class Rollout(BaseModel):
-    text: str
+    text: str = Field(description="the completion, with the text its environment's tool wrote into it")
     answer: str | None = Field(description="the extracted final answer (normalized), None when there is none")
     reward: float | None = Field(description="None without ground_truth")
     finish_reason: Literal["eos", "answer", "length"] = Field(description="eos, answer (stopped after the '#### <number>' line) or length")
-    completion_tokens: int
+    completion_tokens: int = Field(description="tokens of the completion, the tool's included (max_new_tokens bounds them all)")
     temperature: float
+    tool_calls: list[ToolCall] = Field(default_factory=list, description="the tool calls it made, in order (none when the policy has no tool)")
 
 
 class GenerateResponse(BaseModel):
@@ -159,11 +171,13 @@ class SolveRequest(_Request):
 class SolveResponse(BaseModel):
     request_id: str
     model_version: str
+    environment: str = Field(default="single_turn", description="the environment the policy rolls out in (its lineage), e.g. calculator")
     answer: str | None = Field(description="majority answer of the k samples, None when no sample gave one")
     vote_share: float = Field(description="the confidence: votes for the answer / k")
     reasoning: str = Field(description="the completion of the first sample that gave the answer")
     answers: list[str | None]
     k: int
+    tool_calls: list[ToolCall] = Field(default_factory=list, description="the tool calls of the reasoning's sample, in order")
 
 
 # ---- The OpenAI-compatible API (/v1): the same bounds, in OpenAI's field names --------------------

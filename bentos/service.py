@@ -22,7 +22,10 @@ rows stopped at the next decode step.
 The policy comes from the BentoML model store (``model_tag`` bento argument, default
 ``rlvr_policy:latest``); ``bentoml build`` packs it into the Bento. Prompts are built by
 ``rlvr.prompts.render_prompt`` and answers read by ``rlvr.answers.extract_final_answer``, as in
-training and evaluation.
+training and evaluation. The policy rolls out in the environment its checkpoint records
+(``rlvr.policy.policy_environment``: single-turn, a calculator, code execution), on every endpoint:
+its instructions join the prompt, its tool's text is part of each completion (and of its token
+budget), and ``/solve`` and ``/generate`` list the tool calls.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from bentos.schemas import (
     Rollout,
     SolveRequest,
     SolveResponse,
+    ToolCall,
     openapi_document,
 )
 from bentos.traffic_log import TrafficRecording, generation_fields
@@ -67,7 +71,7 @@ from bentos.vocabulary import Vocabulary
 from rlvr.answers import extract_final_answer
 from rlvr.engine import kv_cache_bytes_per_token
 from rlvr.evaluation import majority_vote
-from rlvr.policy import load_policy, load_tokenizer
+from rlvr.policy import load_policy, load_tokenizer, policy_environment
 from rlvr.rewards import RewardPool
 from rlvr.settings import Settings
 from rlvr.traffic import TrafficLog
@@ -130,7 +134,7 @@ class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
         self.kv_cache_budget_bytes = int(os.environ.get("RLVR_KV_CACHE_BUDGET_MIB", DEFAULT_KV_CACHE_BUDGET_MIB)) * 2**20
         self.traffic = TrafficLog(Settings.from_env(require_absolute=True).traffic_dir, max_bytes=TRAFFIC_MAX_BYTES)
         self.rewards = RewardPool(workers=2, timeout_s=REWARD_TIMEOUT_S)
-        self.model = self.tokenizer = self.prompt_tokenizer = self.vocabulary = None
+        self.model = self.tokenizer = self.prompt_tokenizer = self.vocabulary = self.environment = None
         self.context_tokens: int | None = None
         self.kv_bytes_per_token = self.vocab_size = 0
         self.scheduler: ContinuousScheduler | PassScheduler | None = None
@@ -200,6 +204,7 @@ class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
                         finish_reason=result.finish_reasons[i],
                         completion_tokens=result.completion_tokens[i],
                         temperature=temperatures[i],
+                        tool_calls=_tool_calls(result, i),
                     )
                     for i, (text, a) in enumerate(zip(result.texts, answers))
                 ],
@@ -252,6 +257,8 @@ class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
                 reasoning=result.texts[winner],
                 answers=answers,
                 k=request.k,
+                environment=self.environment.name,
+                tool_calls=_tool_calls(result, winner),
             )
             record.update(generation_fields(result), answers=answers, answer=answer, vote_share=vote_share)
         return response
@@ -284,6 +291,7 @@ class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
             import torch
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.environment = policy_environment(path)  # its protocol, as trained: before any prompt is rendered
             self.model, self.tokenizer = load_policy(path, device, torch.bfloat16 if device == "cuda" else None)
             self.model.eval().requires_grad_(False)  # frozen: every pass reuses one packed copy of its weights
             self.prompt_tokenizer = load_tokenizer(path)  # the event loop's own: pricing never shares the model's
@@ -291,7 +299,8 @@ class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
             self.context_tokens = getattr(self.model.config, "max_position_embeddings", None)
             self.kv_bytes_per_token = kv_cache_bytes_per_token(self.model.config, self.model.dtype)
             self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
-            self.scheduler = make_scheduler(self.model, self.tokenizer, self.kv_cache_budget_bytes, self.batching, int(os.environ.get("RLVR_SEED", "0")))
+            seed = int(os.environ.get("RLVR_SEED", "0"))
+            self.scheduler = make_scheduler(self.model, self.tokenizer, self.kv_cache_budget_bytes, self.batching, seed, self.environment)
             warm_up = RolloutJob(
                 prompt_ids=tuple(self._rendered("warm-up", "question", WARM_UP_QUESTION)),
                 num_samples=1,
@@ -302,7 +311,14 @@ class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
             )
             self.scheduler.warm_up(warm_up)
             DOOR.loaded = True
-            logger.info("rlvr_policy: %s loaded on %s and warmed up; %s scheduling", self.model_tag, device, self.scheduler.name)
+            logger.info(
+                "rlvr_policy: %s loaded on %s and warmed up; %s scheduling; environment %s %s",
+                self.model_tag,
+                device,
+                self.scheduler.name,
+                self.environment.name,
+                self.environment.options(),
+            )
         except BaseException as err:
             self._load_error = err
             logger.exception("rlvr_policy: loading %s failed", self.model_tag)
@@ -320,6 +336,12 @@ class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
         """Each completion's reward; a failing or slow reward scores 0 (``RewardPool`` contains it)."""
         scored = self.rewards.score_batch(SERVED_REWARDS[reward], texts, [reference] * len(texts))
         return [row["total"].value for row in scored]
+
+
+def _tool_calls(result: RolloutResult, sample: int) -> list[ToolCall]:
+    """A sample's tool calls as the response lists them."""
+    calls = result.tool_calls[sample] if sample < len(result.tool_calls) else []
+    return [ToolCall(**call.as_dict()) for call in calls]
 
 
 @functools.cache

@@ -63,4 +63,5 @@ def generation_fields(result: RolloutResult) -> dict:
         "completion_tokens": result.completion_tokens,
         "generation_s": round(result.generation_s, 4),
         "batch_requests": result.batch_requests,
+        "tool_calls": [[call.as_dict() for call in calls] for calls in result.tool_calls],
     }

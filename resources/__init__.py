@@ -5,7 +5,7 @@ from resources.bento import BentoBuilder
 from resources.compute import ComputeResource
 from resources.evaluations import EvalProtocol, Evaluation, Evaluator
 from resources.model_store import ModelStore, StoredModel
-from resources.run_config import CoreConfig, config_from
+from resources.run_config import CoreConfig, EnvironmentConfig, build_environment, config_from
 from resources.tracking import CHAMPION, MLflowResource
 from resources.warehouse import WRITER_POOL, Append, Replace, Upsert, Warehouse
 from rlvr.settings import Settings
@@ -17,6 +17,7 @@ __all__ = [
     "ComputeResource",
     "CoreConfig",
     "EvalProtocol",
+    "EnvironmentConfig",
     "Evaluation",
     "Evaluator",
     "MLflowResource",
@@ -27,5 +28,6 @@ __all__ = [
     "Upsert",
     "WRITER_POOL",
     "Warehouse",
+    "build_environment",
     "config_from",
 ]

@@ -5,7 +5,10 @@ Once also across processes: an evaluation is computed under a lock of its ``eval
 the DuckDB file), so a second request of it, from another run, waits for the first and reuses its
 rows. A row names its policy by its model-store name (``base_policy``, ``sft_policy``,
 ``grpo_checkpoint``), a property of the policy; the part a policy plays in a report (base, trained,
-champion) is the report's."""
+champion) is the report's.
+
+A policy is evaluated in its environment (``rlvr.environments``), the one its checkpoint records
+(``rlvr.policy.stored_environment``: how it was trained), unless the protocol names another."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import hashlib
 import json
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -23,9 +26,10 @@ from dagster import ConfigurableResource
 from pydantic import Field
 
 from resources.compute import ComputeResource
-from resources.run_config import config_from
+from resources.run_config import EnvironmentConfig, build_environment, config_from
 from resources.warehouse import Warehouse
 from rlvr.evaluation.runner import EvalConfig, evaluate_policy
+from rlvr.policy import SINGLE_TURN, environment_spec, stored_environment
 
 PROGRESS_EVERY_S = 30
 
@@ -35,6 +39,13 @@ class EvalProtocol(config_from(EvalConfig, exclude=("top_p", "confidence"))):
 
     split: str = Field(default="test", description="held-out split of gsm8k_problems")
     limit: Optional[int] = Field(default=50, description="first N problems of the split (None: all)")
+    environment: Optional[EnvironmentConfig] = Field(
+        default=None, description="the environment every policy is evaluated in, e.g. {name: calculator}; unset: each policy's own (its lineage)"
+    )
+
+    def environment_of(self, path: Path) -> dict:
+        """The environment spec a policy (checkpoint at ``path``) is evaluated in: this protocol's, else the one it records."""
+        return self.environment.spec() if self.environment is not None else stored_environment(path)
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,7 @@ class Evaluation:
     eval_id: str
     results: list[dict]
     reused: bool  # read from eval_results rather than computed now
+    environment: dict = field(default_factory=lambda: dict(SINGLE_TURN))  # the spec it ran in ({"name", "options"})
 
     @property
     def correct(self) -> list[bool]:
@@ -51,12 +63,13 @@ class Evaluation:
         return [bool(r["correct_strict"]) for r in self.results]
 
 
-def eval_id(policy_version: str, protocol: EvalProtocol, problems: list[dict]) -> str:
-    """Identity of one evaluation: what was evaluated, how, on which problems."""
-    key = json.dumps(
-        {"policy": policy_version, "protocol": protocol.model_dump(), "problems": [p["content_hash"] for p in problems]},
-        sort_keys=True,
-    )
+def eval_id(policy_version: str, protocol: EvalProtocol, problems: list[dict], environment: dict | None = None) -> str:
+    """Identity of one evaluation: what was evaluated, how, in which environment (a single-turn one
+    leaves the key as it was before environments), on which problems."""
+    how = protocol.model_dump(exclude={"environment"})
+    if environment is not None and environment["name"] != SINGLE_TURN["name"]:
+        how["environment"] = environment
+    key = json.dumps({"policy": policy_version, "protocol": how, "problems": [p["content_hash"] for p in problems]}, sort_keys=True)
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -68,17 +81,23 @@ class Evaluator(ConfigurableResource):
 
     def evaluate(self, policy: str, policy_version: str, path: Path, protocol: EvalProtocol, problems: list[dict], log=None, reuse: bool = True) -> Evaluation:
         """``policy_version`` of the stored ``policy`` (its model-store name; checkpoint at ``path``) under
-        ``protocol``: from ``eval_results`` when stored (unless ``reuse`` is off), else computed now and
-        stored, replacing the stored rows. Another process computing the same evaluation is waited for."""
-        key = eval_id(policy_version, protocol, problems)
+        ``protocol``, in the policy's environment (``EvalProtocol.environment_of``): from ``eval_results``
+        when stored (unless ``reuse`` is off), else computed now and stored, replacing the stored rows.
+        Another process computing the same evaluation is waited for. A ValueError names an environment
+        that cannot be built."""
+        environment = build_environment(protocol.environment_of(path), f"{policy} {policy_version}")
+        spec = environment_spec(environment)
+        key = eval_id(policy_version, protocol, problems, spec)
         with self.computing(key, log):
             stored = self.warehouse.eval_results(key) if reuse else None
             if stored is not None and len(stored) == len(problems):
                 if log:
                     log.info(f"{policy}: reusing stored evaluation {key} of {policy_version}")
-                return Evaluation(key, stored.to_dict(orient="records"), True)
+                return Evaluation(key, stored.to_dict(orient="records"), True, spec)
             model, tokenizer = self.compute.inference_policy(path)
-            results = evaluate_policy(model, tokenizer, problems, protocol.to_core(), _progress(policy, log))
+            if log and spec["name"] != SINGLE_TURN["name"]:
+                log.info(f"{policy}: evaluating {policy_version} in its environment {spec}")
+            results = evaluate_policy(model, tokenizer, problems, protocol.to_core(), _progress(policy, log), environment)
             frame = pd.DataFrame(results).assign(
                 eval_id=key,
                 policy_role=policy,
@@ -87,7 +106,7 @@ class Evaluator(ConfigurableResource):
                 evaluated_at=pd.Timestamp.now(tz="UTC"),
             )
             self.warehouse.upsert("eval_results", frame, key="eval_id")
-        return Evaluation(key, frame.to_dict(orient="records"), False)
+        return Evaluation(key, frame.to_dict(orient="records"), False, spec)
 
     @contextmanager
     def computing(self, key: str, log=None) -> Iterator[None]:

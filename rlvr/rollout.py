@@ -18,7 +18,14 @@ The loop is written out (no HF ``generate``) so that GRPO gets exactly what it n
   (``"cancelled"``: a caller that no longer wants it); ``config.on_tokens`` sees every step's
   tokens as they are sampled (for callers that stream them);
 * each sampled token's log-prob is recorded under the temperature-scaled softmax before top-p
-  truncation (temperature 1 for greedy rows): GRPO's "old" log-probs, with no extra forward pass.
+  truncation (temperature 1 for greedy rows): GRPO's "old" log-probs, with no extra forward pass;
+* with ``config.environment`` (tool calling: ``rlvr.environments``), each row's episode sees its
+  policy tokens and may inject text: its tokens are fed to the row one per decode step instead of
+  sampled ones (``rlvr.environments.driver``: the KV cache grows by them, no re-prefill), marked in
+  ``Rollouts.environment_mask`` with log-prob 0, and never end the row; a stop token the episode
+  answers keeps the row going. Tools run inline on this thread (a program up to its time budget):
+  training batches wait for their slowest row anyway. Without an environment (or with ``SingleTurn``)
+  nothing of this runs.
 
 Sampling draws from one ``torch.Generator`` seeded from the config: same seed, same rollouts.
 """
@@ -36,6 +43,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from rlvr.answers import is_well_formed
+from rlvr.environments.base import Environment, ToolCall
+from rlvr.environments.driver import EpisodeDriver, episode_drivers
 from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.attention import use_fast_attention
 from rlvr.fastpaths.eligibility import use_float32_attention, use_packed_linears, use_static_decode
@@ -63,6 +72,7 @@ class SamplingConfig:
     stop_strings: tuple[str, ...] = ()  # a row ends once its text holds one (finish reason "stop"; not cut)
     on_tokens: Callable[[list[int], list[int]], None] | None = None  # per decode step: the live rows and their new tokens
     fast_paths: FastPaths = field(default_factory=FastPaths)  # the engine's speed-ups (rlvr.fastpaths)
+    environment: Environment | None = None  # tool calling (rlvr.environments); None: single-turn
 
     def __post_init__(self) -> None:
         self.fast_paths = FastPaths.coerce(self.fast_paths)
@@ -83,8 +93,9 @@ class SamplingConfig:
 class Rollouts:
     """N = prompts x samples completions; row ``i * G + j`` is sample j of prompt i.
 
-    Tensors are on CPU; ``completion_ids``, ``completion_mask`` and ``logprobs`` are [N, T],
-    right-padded to the longest completion.
+    Tensors are on CPU; ``completion_ids``, ``completion_mask``, ``logprobs`` and ``environment_mask``
+    are [N, T], right-padded to the longest completion. ``environment_mask`` marks the tokens an
+    environment wrote (log-prob 0; zeros when none is given), ``tool_calls`` each row's calls in order.
     """
 
     prompt_ids: list[list[int]]  # per row, unpadded
@@ -97,9 +108,22 @@ class Rollouts:
     group_index: torch.Tensor  # [N] index of the prompt
     sample_index: torch.Tensor  # [N] index within the group
     pad_token_id: int = 0  # fills completion_ids past each completion's end
+    environment_mask: torch.Tensor | None = None  # [N, T] long, within completion_mask; None: zeros
+    tool_calls: list[list[ToolCall]] | None = None  # None: no calls
+
+    def __post_init__(self) -> None:
+        if self.environment_mask is None:
+            self.environment_mask = torch.zeros_like(self.completion_mask)
+        if self.tool_calls is None:
+            self.tool_calls = [[] for _ in self.finish_reasons]
 
     def __len__(self) -> int:
         return len(self.finish_reasons)
+
+    @property
+    def policy_mask(self) -> torch.Tensor:
+        """The tokens the policy sampled: the completion less what the environment wrote."""
+        return self.completion_mask * (1 - self.environment_mask)
 
     @property
     def completion_lengths(self) -> torch.Tensor:
@@ -172,6 +196,8 @@ def concat_rollouts(chunks: list[Rollouts]) -> Rollouts:
         group_index=torch.cat([c.group_index for c in chunks]),
         sample_index=torch.cat([c.sample_index for c in chunks]),
         pad_token_id=pad_id,
+        environment_mask=cat("environment_mask", 0),
+        tool_calls=[calls for c in chunks for calls in c.tool_calls],
     )
 
 
@@ -257,7 +283,7 @@ def _decode_chunk(
             packing = packed_linears(model, rows) if use_packed_linears(model, fast) else packing
         with packing:
             rollouts = _decode_loop(model, tokenizer, prompt_ids, num_samples, config, generator, decode_step)
-    for name in ("completion_ids", "completion_mask", "logprobs", "temperatures", "group_index", "sample_index"):
+    for name in ("completion_ids", "completion_mask", "logprobs", "environment_mask", "temperatures", "group_index", "sample_index"):
         setattr(rollouts, name, getattr(rollouts, name).clone())  # inference tensors -> ordinary tensors
     return rollouts
 
@@ -312,9 +338,13 @@ def _decode_loop(
     logprobs_out = torch.zeros((num_rows, budget), dtype=torch.float32, device=device)
     lengths = torch.full((num_rows,), budget, dtype=torch.long)
     finish = ["length"] * num_rows
+    drivers = episode_drivers(config.environment, tokenizer, num_rows)  # None: no per-token episode work
+    environment_out = torch.zeros((num_rows, budget), dtype=torch.long) if drivers is not None else None
 
     for t in range(budget):
         tokens, logprobs = sample_tokens(logits, row_temps, config.top_p, generator)
+        if drivers is not None:
+            forced = _force_tokens(drivers, rows, tokens, logprobs, environment_out, t)
         tokens_out[rows, t] = tokens
         logprobs_out[rows, t] = logprobs
         if config.on_tokens is not None:
@@ -327,6 +357,8 @@ def _decode_loop(
                 finish[int(rows[i])] = "eos"
         if config.stop_strings:
             done = _stop_at_strings(tokenizer, tokens_out, rows, done, config.stop_strings, stop_window, t, finish)
+        if drivers is not None:
+            done = _observe_episodes(drivers, rows, tokens, stop_ids, forced, done, finish, observe=t < budget - 1)
         if config.should_stop is not None:
             done = _stop_cancelled(config.should_stop, rows, group, done, finish)
         if t == budget - 1:
@@ -348,6 +380,7 @@ def _decode_loop(
     mask = (torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)).long()
     completion_ids = tokens_out[:, :width].cpu().masked_fill(mask == 0, pad_id)
     logprobs = logprobs_out[:, :width].cpu() * mask
+    environment_mask = environment_out[:, :width] * mask if environment_out is not None else torch.zeros_like(mask)
     texts = tokenizer.batch_decode([ids[:n].tolist() for ids, n in zip(completion_ids, lengths.tolist())], skip_special_tokens=True)
     return Rollouts(
         prompt_ids=[list(prompt_ids[i // group]) for i in range(num_rows)],
@@ -360,7 +393,56 @@ def _decode_loop(
         group_index=torch.arange(num_rows) // group,
         sample_index=sample_index,
         pad_token_id=pad_id,
+        environment_mask=environment_mask,
+        tool_calls=[d.calls for d in drivers] if drivers is not None else None,
     )
+
+
+def _force_tokens(
+    drivers: list[EpisodeDriver], rows: torch.Tensor, tokens: torch.Tensor, logprobs: torch.Tensor, environment_out: torch.Tensor, t: int
+) -> torch.Tensor:
+    """Replace the sampled token of each live row with an injection queued by the next token the
+    environment writes (log-prob 0, marked at step ``t``); returns which live rows were forced."""
+    forced = torch.zeros(len(rows), dtype=torch.bool)
+    live, written = [], []
+    for i, row in enumerate(rows.tolist()):
+        token = drivers[row].next_forced()
+        if token is not None:
+            live.append(i)
+            written.append(token)
+            environment_out[row, t] = 1
+    if live:
+        forced[live] = True
+        index = torch.tensor(live, device=tokens.device)
+        tokens[index] = torch.tensor(written, device=tokens.device)
+        logprobs[index] = 0.0
+    return forced
+
+
+def _observe_episodes(
+    drivers: list[EpisodeDriver],
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    stop_ids: torch.Tensor,
+    forced: torch.Tensor,
+    done: torch.Tensor,
+    finish: list[str],
+    observe: bool,
+) -> torch.Tensor:
+    """Show each episode its row's policy token (when ``observe``: budget is left for an answer);
+    ``done`` less the rows the environment keeps going: forced rows and rows it just answered."""
+    keep = forced.clone()
+    if observe:
+        ended = torch.isin(tokens, stop_ids).tolist()
+        for i, (row, token) in enumerate(zip(rows.tolist(), tokens.tolist())):
+            if not forced[i] and drivers[row].observe(token, ended[i]):
+                keep[i] = True
+    keep = keep.to(done.device)
+    if not (done & keep).any():
+        return done
+    for i in (done & keep).nonzero().flatten().tolist():
+        finish[int(rows[i])] = "length"
+    return done & ~keep
 
 
 def last_position_logits(model: Any, **inputs: Any) -> torch.Tensor:

@@ -8,6 +8,12 @@ tokens only (the prompt is context), computed by the GRPO update's own scorer
 (:class:`rlvr.grpo.scoring.CompletionScorer`: one prompt pass per example, the completion without
 padding, the chunked output layer; every ``fast_paths`` switch applies), with float32 master weights,
 optional bf16 compute, AdamW, and the GRPO checkpoints (atomic, resumable to identical weights).
+
+GSM8k's solutions carry calculator annotations (``48/2 = <<48/2=24>>24``). By default they are
+stripped; with ``keep_calculator_annotations`` they stay, so that a policy trained with the
+calculator environment learns the call format from GSM8k itself. The result and ``>>`` are then
+the environment's text, as at rollout time (the policy writes ``<<48/2=``, the calculator
+``24>>``): context, outside the loss, like the environment's tokens in GRPO.
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ from rlvr.grpo.sampler import step_problems
 from rlvr.grpo.scoring import CompletionScorer, PackedRows
 from rlvr.grpo.trainer import decay_param_groups, float32_master_weights, lr_multiplier
 from rlvr.policy import load_policy
-from rlvr.prompts import render_prompt
+from rlvr.prompts import SYSTEM_PROMPT, render_prompt
 from rlvr.training_run import TrainedPolicy
 
 _CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8k's calculator annotations: 48/2 = <<48/2=24>>24
+_CALCULATOR_RESULT = re.compile(r"<<[^<>]*=([^<>=]*>>)")  # group 1: what the calculator writes, "24>>"
 
 PROFILES: dict[str, dict] = {
     # the embedded 135M model on 2 CPU cores: a short cold start (about a minute)
@@ -70,6 +77,7 @@ class SFTConfig:
     min_lr_ratio: float = 0.1
     max_completion_tokens: int = 384  # longer targets are cut (counted in the metrics)
     compute_dtype: str = "float32"  # "bfloat16": mixed precision (float32 weights and optimizer)
+    keep_calculator_annotations: bool = False  # keep <<48/2=24>> (the result masked out of the loss): the calculator's call format
     fast_paths: FastPaths = field(default_factory=FastPaths)
     checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end
     keep_checkpoints: int | None = 2
@@ -98,41 +106,69 @@ def build_sft_config(profile: str, overrides: dict | None = None) -> SFTConfig:
 
 
 def train_sft(
-    start: Path, rows: Sequence[dict], config: SFTConfig, checkpoint_dir: Path, device: Any = None, on_step: Callable[[int, dict], None] | None = None
+    start: Path,
+    rows: Sequence[dict],
+    config: SFTConfig,
+    checkpoint_dir: Path,
+    device: Any = None,
+    on_step: Callable[[int, dict], None] | None = None,
+    system_prompt: str = SYSTEM_PROMPT,
 ) -> TrainedPolicy:
     """Fine-tune the checkpoint at ``start`` on the problem ``rows``' reference solutions; resumes from
-    the latest checkpoint in ``checkpoint_dir``."""
+    the latest checkpoint in ``checkpoint_dir``. ``system_prompt``: the one the rollouts will use
+    (with an environment's instructions appended, when GRPO runs with one)."""
     model, tokenizer = load_policy(start, device)
     trainer = SFTTrainer(model, tokenizer, config, checkpoint_dir=checkpoint_dir, on_step=on_step)
-    history = trainer.train(sft_examples(rows, tokenizer))
+    history = trainer.train(sft_examples(rows, tokenizer, config.keep_calculator_annotations, system_prompt))
     return TrainedPolicy(trainer.policy, tokenizer, history, trainer.step_count)
 
 
-def sft_target(solution: str, answer_text: str) -> str:
+def sft_target(solution: str, answer_text: str, keep_calculator_annotations: bool = False) -> str:
     """A reference solution in the format the policy is asked for: the reasoning without GSM8k's
-    calculator annotations, then ``#### <answer>`` on the last line."""
-    reasoning = _CALCULATOR.sub("", solution).strip()
+    calculator annotations (or with those that hold a result, when kept), then ``#### <answer>``
+    on the last line."""
+    if keep_calculator_annotations:
+        reasoning = _CALCULATOR.sub(lambda m: m[0] if _CALCULATOR_RESULT.fullmatch(m[0]) else "", solution).strip()
+    else:
+        reasoning = _CALCULATOR.sub("", solution).strip()
     if not str(answer_text).strip():
         raise ValueError("answer_text is empty")
     return f"{reasoning}\n#### {str(answer_text).strip()}" if reasoning else f"#### {str(answer_text).strip()}"
 
 
-def sft_examples(rows: Sequence[dict], tokenizer: Any) -> list[dict]:
+def sft_examples(rows: Sequence[dict], tokenizer: Any, keep_calculator_annotations: bool = False, system_prompt: str = SYSTEM_PROMPT) -> list[dict]:
     """Token ids of each problem's prompt (the shared prompt builder) and target (ending with the
-    end-of-turn token, so the policy learns to stop)."""
+    end-of-turn token, so the policy learns to stop), and the target's ``environment_mask``: 1 on
+    the tokens of kept calculator results, which the calculator writes at rollout time."""
     end = tokenizer.eos_token or ""
     examples = []
     for row in rows:
-        prompt = render_prompt(tokenizer, row["question"])
-        target = sft_target(row["solution"], row["answer_text"]) + end
+        prompt = render_prompt(tokenizer, row["question"], system_prompt)
+        target = sft_target(row["solution"], row["answer_text"], keep_calculator_annotations) + end
+        target_ids, environment_mask = [], []
+        for text, by_environment in _target_pieces(target):  # each piece on its own, as the rollout's turns are
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            target_ids += ids
+            environment_mask += [int(by_environment)] * len(ids)
         examples.append(
             {
                 "problem_id": row.get("problem_id"),
                 "prompt_ids": tokenizer(prompt, add_special_tokens=False)["input_ids"],
-                "target_ids": tokenizer(target, add_special_tokens=False)["input_ids"],
+                "target_ids": target_ids,
+                "environment_mask": environment_mask,
             }
         )
     return examples
+
+
+def _target_pieces(target: str) -> list[tuple[str, bool]]:
+    """``target`` cut into (text, written by the environment) pieces at its calculator results."""
+    pieces, start = [], 0
+    for match in _CALCULATOR_RESULT.finditer(target):
+        pieces += [(target[start : match.start(1)], False), (match[1], True)]
+        start = match.end(1)
+    pieces.append((target[start:], False))
+    return [(text, by_environment) for text, by_environment in pieces if text]
 
 
 class SFTTrainer:
@@ -183,16 +219,17 @@ class SFTTrainer:
         return history
 
     def step(self, batch: Sequence[dict]) -> dict:
-        """One optimizer step: token-mean NLL of the completion tokens over the whole batch."""
+        """One optimizer step: token-mean NLL of the policy's completion tokens over the whole batch."""
         started, config = time.perf_counter(), self.config
         truncated = sum(len(e["target_ids"]) > config.max_completion_tokens for e in batch)
-        tokens = sum(min(len(e["target_ids"]), config.max_completion_tokens) for e in batch)
+        budget = config.max_completion_tokens
+        tokens = sum(min(len(e["target_ids"]), budget) - sum(e.get("environment_mask", [])[:budget]) for e in batch)
         loss_sum = 0.0
         for start in range(0, len(batch), config.micro_batch_size):
             packed = pack_examples(batch[start : start + config.micro_batch_size], config.max_completion_tokens, self.tokenizer.pad_token_id or 0, self.device)
             with self._autocast():
                 logprobs, _ = self.scorer(packed)
-            loss = -(logprobs * packed.mask).sum() / tokens
+            loss = -(logprobs * packed.policy_mask).sum() / tokens
             loss.backward()
             loss_sum += float(loss.detach())
         max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
@@ -238,19 +275,22 @@ class SFTTrainer:
 
 
 def pack_examples(examples: Sequence[dict], max_completion_tokens: int, pad_id: int, device: Any) -> PackedRows:
-    """Examples laid out for the scorer: prompts left-padded, targets right-padded (cut to the budget)."""
+    """Examples laid out for the scorer: prompts left-padded, targets right-padded (cut to the budget),
+    with their ``environment_mask`` where they have one."""
     targets = [e["target_ids"][:max_completion_tokens] for e in examples]
     prompt_width, width = max(len(e["prompt_ids"]) for e in examples), max(len(t) for t in targets)
     prompt_ids = torch.full((len(examples), prompt_width), pad_id, dtype=torch.long)
     prompt_mask = torch.zeros_like(prompt_ids)
     target_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(examples), width), dtype=torch.float32)
+    environment_mask = torch.zeros_like(mask)
     for i, (example, target) in enumerate(zip(examples, targets)):
         prompt = example["prompt_ids"]
         prompt_ids[i, prompt_width - len(prompt) :] = torch.tensor(prompt)
         prompt_mask[i, prompt_width - len(prompt) :] = 1
         target_ids[i, : len(target)] = torch.tensor(target)
         mask[i, : len(target)] = 1
+        environment_mask[i, : len(target)] = torch.tensor(example.get("environment_mask", [0] * len(target))[: len(target)], dtype=torch.float32)
     return PackedRows(
         prompt_ids=prompt_ids.to(device),
         prompt_mask=prompt_mask.to(device),
@@ -258,4 +298,5 @@ def pack_examples(examples: Sequence[dict], max_completion_tokens: int, pad_id: 
         targets=target_ids.to(device),
         mask=mask.to(device),
         temperatures=torch.ones(len(examples), device=device),
+        environment_mask=environment_mask.to(device),
     )

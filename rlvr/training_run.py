@@ -3,7 +3,7 @@ what a process launched apart from the orchestrator would run), plus the rows it
 
 :func:`train_grpo` is the single place a run meets the trainer. ``on_step(step, metrics, records)``
 sees every step's metrics and per-completion records (rank 0 under torchrun);
-:func:`training_tables` turns records into the ``rollouts`` and ``rewards`` rows.
+:func:`training_tables` turns records into the ``rollouts``, ``rewards`` and ``tool_calls`` rows.
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ import hashlib
 import os
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import pandas as pd
 
 from rlvr.grpo import GRPOConfig, GRPOTrainer, export_merged, gsm8k_prompts
-from rlvr.policy import load_policy
+from rlvr.policy import load_policy, write_environment
+from rlvr.prompts import system_prompt_for
 from rlvr.rewards import RewardPool
 
 REWARD_WORKERS = 2
@@ -33,10 +34,13 @@ class TrainedPolicy:
     tokenizer: Any
     history: list[dict]  # metrics of the steps run by this call (a resumed run: only the remaining ones)
     steps: int  # training steps completed in all, resumed ones included
+    environment: Any = None  # the environment it rolled out in (None: single-turn), recorded with the checkpoint
 
     def export(self, folder: Path) -> None:
-        """Write the policy (LoRA merged) with its tokenizer as a standard HF checkpoint."""
+        """Write the policy (LoRA merged) with its tokenizer as a standard HF checkpoint, and the
+        environment it was trained in (``rlvr.policy.write_environment``)."""
         export_merged(self.policy, self.tokenizer, folder)
+        write_environment(folder, self.environment)
 
 
 def train_grpo(
@@ -48,20 +52,25 @@ def train_grpo(
     device: Any = None,
     on_step: Callable[[int, dict, list[dict]], None] | None = None,
     records_per_rank: bool = False,
+    environment: Any = None,
 ) -> TrainedPolicy:
     """Train the checkpoint at ``start`` with GRPO on problem ``rows`` (question + reference fields),
     rewarded by the weighted ``rewards``; resumes from the latest checkpoint in ``checkpoint_dir``.
+    ``environment`` (``rlvr.environments``; None: single-turn) is where its rollouts happen: its
+    instructions join the system prompt and it is recorded with the exported checkpoint.
 
     ``on_step`` runs on rank 0 with every rank's records, or with ``records_per_rank`` on every
     rank with its own (each rank then writes its rows itself)."""
     model, tokenizer = load_policy(start, device)  # float32 master weights (GRPOConfig.compute_dtype: mixed precision)
-    problems = gsm8k_prompts(rows, tokenizer)
+    if environment is not None:
+        config = replace(config, sampling=replace(config.sampling, environment=environment))
+    problems = gsm8k_prompts(rows, tokenizer, system_prompt_for(environment))
     with RewardPool(workers=REWARD_WORKERS) as pool:
         trainer = GRPOTrainer(
             model, tokenizer, config, pool.reward_fn(rewards), checkpoint_dir=checkpoint_dir, on_step=on_step, records_per_rank=records_per_rank
         )
         history = trainer.train(problems)
-    return TrainedPolicy(trainer.policy, tokenizer, history, trainer.step_count)
+    return TrainedPolicy(trainer.policy, tokenizer, history, trainer.step_count, environment)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
@@ -87,12 +96,17 @@ def problems_hash(rows: list[dict]) -> str:
     return hashlib.sha256("".join(r["content_hash"] for r in rows).encode()).hexdigest()[:16]
 
 
-def training_tables(records: list[dict], run_id: str, weights: Mapping[str, float]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The ``rollouts`` rows (one per completion) and ``rewards`` rows (one per completion and reward,
-    plus ``total``) of a run from the trainer's per-completion records; keyed by ``completion_id``."""
-    rollouts, rewards = [], []
+TOOL_CALL_COLUMNS = ("run_id", "completion_id", "step", "call_index", "tool", "call", "result", "error", "latency_s")
+
+
+def training_tables(records: list[dict], run_id: str, weights: Mapping[str, float]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """The ``rollouts`` rows (one per completion), ``rewards`` rows (one per completion and reward,
+    plus ``total``) and ``tool_calls`` rows (one per call an environment answered) of a run from the
+    trainer's per-completion records; keyed by ``completion_id``."""
+    rollouts, rewards, tool_calls = [], [], []
     for r in records:
         completion_id = f"{run_id}:{r['step']}:{r['group_index']}:{r['sample_index']}"
+        calls = r.get("tool_calls") or []
         rollouts.append(
             {
                 "run_id": run_id,
@@ -106,11 +120,28 @@ def training_tables(records: list[dict], run_id: str, weights: Mapping[str, floa
                 "completion": r["completion"],
                 "prompt_tokens": r["prompt_tokens"],
                 "completion_tokens": r["completion_tokens"],
+                "policy_tokens": r.get("policy_tokens", r["completion_tokens"]),
+                "environment_tokens": r.get("environment_tokens", 0),
+                "tool_calls": len(calls),
                 "finish_reason": r["finish_reason"],
                 "policy_version": r["policy_version"],
                 "trained": r["trained"],
             }
         )
+        for call in calls:
+            tool_calls.append(
+                {
+                    "run_id": run_id,
+                    "completion_id": completion_id,
+                    "step": r["step"],
+                    "call_index": call["index"],
+                    "tool": call["tool"],
+                    "call": call["call"],
+                    "result": call["result"],
+                    "error": call["error"],
+                    "latency_s": float(call["latency_s"]),
+                }
+            )
         for name, value in {**r["rewards"], "total": r["reward"]}.items():
             rewards.append(
                 {
@@ -123,7 +154,7 @@ def training_tables(records: list[dict], run_id: str, weights: Mapping[str, floa
                     "advantage": r["advantage"],
                 }
             )
-    return pd.DataFrame(rollouts), pd.DataFrame(rewards)
+    return pd.DataFrame(rollouts), pd.DataFrame(rewards), pd.DataFrame(tool_calls, columns=list(TOOL_CALL_COLUMNS))
 
 
 def sample_completions(rollouts: pd.DataFrame, rewards: pd.DataFrame, count: int) -> pd.DataFrame:

@@ -4,7 +4,9 @@ policy's own evaluation (``policy_evaluation``, one dynamic partition per policy
 Per-problem results land in the DuckDB table ``eval_results`` keyed by ``eval_id`` (policy version
 x protocol x problem set; ``resources.Evaluator``), so an evaluation that already ran is reused,
 never recomputed, and every number in a report can be re-derived with SQL. The report's MLflow run
-keeps the protocol it ran under, which the promotion gate reads.
+keeps the protocol it ran under, which the promotion gate reads. Each policy is evaluated in the
+environment its checkpoint records (how it was trained: single-turn, a calculator, ...) unless the
+protocol's ``environment`` overrides it; ``eval_results`` counts each completion's tool calls and errors.
 """
 
 import json
@@ -14,7 +16,7 @@ import pandas as pd
 from dagster import AssetExecutionContext, AutomationCondition, Failure, MaterializeResult, MetadataValue, asset
 from pydantic import Field
 
-from resources import WRITER_POOL, EvalProtocol, Evaluator, MLflowResource, ModelStore, Warehouse
+from resources import WRITER_POOL, EvalProtocol, Evaluation, Evaluator, MLflowResource, ModelStore, Warehouse, build_environment
 from resources.tracking import EVAL_PROTOCOL_TAG, POLICY_VERSION_TAG, run_name
 from rlvr import gsm8k
 from rlvr.evaluation.report import TRAINING_CURVES, evaluation_report, headline, moved_accuracy
@@ -38,6 +40,7 @@ STAGE_COLUMNS = {"pass@1_strict": "pass@1 strict", "format_compliance": "format"
 def baseline_eval(context: AssetExecutionContext, config: EvalProtocol, duckdb: Warehouse, model_store: ModelStore, evaluator: Evaluator) -> MaterializeResult:
     """The base policy evaluated under the protocol, computed once per base-policy version and
     reused while only the trained policy changes. Rows in ``eval_results`` (``policy_role`` ``base_policy``)."""
+    check_environment(config, "baseline_eval")
     base = model_store.require("base_policy")
     problems = duckdb.problems(config.split, config.limit)
     evaluation = evaluator.evaluate("base_policy", base.version, base.path, config, problems, context.log)
@@ -48,6 +51,7 @@ def baseline_eval(context: AssetExecutionContext, config: EvalProtocol, duckdb: 
             **evaluation_headline(metrics),
             "policy_version": base.version,
             "reused": evaluation.reused,
+            **environment_metadata(evaluation, metrics),
             "metrics": metrics_table({"base": headline(metrics)}),
             "accuracy_by_steps": markdown_table(metrics["accuracy_by_steps"]),
         }
@@ -68,6 +72,7 @@ def eval_report(
     rewards, format compliance, lengths, accuracy by difficulty, and plots. Shown here and logged
     to MLflow with the report as artifacts."""
     started = time.time()  # the evaluation run's start in MLflow
+    check_environment(config, "eval_report")
     trained = model_store.require("grpo_checkpoint")
     base = model_store.require("base_policy", trained.manifest["base_policy_version"])
     problems = duckdb.problems(config.split, config.limit)
@@ -94,6 +99,7 @@ def eval_report(
     )
 
     tags = {"rlvr.kind": "evaluation", POLICY_VERSION_TAG: trained.version, "rlvr.training_run_id": training_run or "", "dagster.run_id": context.run.run_id}
+    tags["rlvr.environment"] = trained_eval.environment["name"]
     with mlflow.start_run(run_name("eval", trained.version, context.run.run_id), tags, started_at=started) as run:
         run.log_params({f"eval.{name}": value for name, value in config.model_dump().items()})
         metrics = report.metrics()  # a few as metrics (charts), every one in a table
@@ -105,14 +111,19 @@ def eval_report(
         run.set_tags({EVAL_PROTOCOL_TAG: json.dumps(config.model_dump(), sort_keys=True)})  # what the promotion gate reads
     ids = {"policy_version": trained.version, "trained_eval_id": trained_eval.eval_id, "base_eval_id": base_eval.eval_id}
     return MaterializeResult(
-        metadata={**report_metadata(report, mlflow.links(), run.run_id, training_run), **ids, "protocol": MetadataValue.json(config.model_dump())}
+        metadata={
+            **report_metadata(report, mlflow.links(), run.run_id, training_run, trained_eval),
+            **ids,
+            "protocol": MetadataValue.json(config.model_dump()),
+        }
     )
 
 
-def report_metadata(report, links, eval_run_id: str, training_run_id: str | None) -> dict:
+def report_metadata(report, links, eval_run_id: str, training_run_id: str | None, trained_eval: Evaluation | None = None) -> dict:
     """``eval_report``'s metadata: the headline numbers and MLflow links on top, then the report and one table of every metric."""
     return {
         **evaluation_headline(report.trained),
+        **(environment_metadata(trained_eval, report.trained) if trained_eval is not None else {}),
         "Δ pass@1 strict vs base (points)": percent(report.paired["delta"]),
         "McNemar p": rounded(report.paired["mcnemar_p_value"]),
         "moved_accuracy": moved_accuracy(report.stages),
@@ -125,6 +136,31 @@ def report_metadata(report, links, eval_run_id: str, training_run_id: str | None
 
 
 STAGE_NAMES = {"sft_policy": "SFT", "grpo_checkpoint": "champion"}  # the stage a training's start policy stands for
+
+
+def check_environment(config: EvalProtocol, asset: str) -> None:
+    """Fail before any work when the protocol's environment cannot be built (unknown name or option)."""
+    if config.environment is None:
+        return
+    try:
+        build_environment(config.environment.spec(), "environment")
+    except ValueError as err:
+        raise Failure(description=f"{asset}: bad run config: {err}") from None
+
+
+def environment_metadata(evaluation: Evaluation, metrics: dict) -> dict:
+    """The environment an evaluation ran in and, with a tool, how the completions used it: the share
+    that called it, calls per completion, the share of calls that failed."""
+    found = {"environment": evaluation.environment["name"]}
+    if evaluation.environment["options"]:
+        found["environment options"] = MetadataValue.json(evaluation.environment["options"])
+    if evaluation.environment["name"] != "single_turn" and "tool_use_rate" in metrics:
+        found |= {
+            "completions calling a tool (%)": percent(metrics["tool_use_rate"]),
+            "tool calls per completion": rounded(metrics["mean_tool_calls"]),
+            "tool call errors (%)": percent(metrics["tool_error_rate"]),
+        }
+    return found
 
 
 # Every stored policy without an evaluation, also one stored before the daemon started (on_missing only
@@ -159,15 +195,18 @@ def policy_evaluation(
         name, version = parse_policy_key(context.partition_key)
     except ValueError as err:
         raise Failure(description=f"policy_evaluation: {err}") from None
+    check_environment(config, "policy_evaluation")
     stored = model_store.require(name, version)
     problems = duckdb.problems(config.split, config.limit)
     protocol = EvalProtocol(**config.model_dump(exclude={"recompute"}))
     evaluation = evaluator.evaluate(name, version, stored.path, protocol, problems, context.log, reuse=not config.recompute)
     metrics = summarize(evaluation.results, protocol.to_core())
     tags = {"rlvr.kind": "policy_evaluation", POLICY_VERSION_TAG: version, "rlvr.policy": name, "dagster.run_id": context.run.run_id}
+    tags["rlvr.environment"] = evaluation.environment["name"]
     with mlflow.start_run(run_name(f"policy-eval-{name}", version, context.run.run_id), tags, started_at=started) as run:
         run.log_params({f"eval.{k}": v for k, v in protocol.model_dump().items()})
-        run.log_metrics({key: metrics[key] for key in ("pass@1_strict", "pass@1_flexible", "format_compliance", "num_problems")})
+        logged = ("pass@1_strict", "pass@1_flexible", "format_compliance", "num_problems", "tool_use_rate", "mean_tool_calls", "tool_error_rate")
+        run.log_metrics({key: metrics[key] for key in logged if key in metrics})
         run.log_table(pd.DataFrame({"metric": list(headline(metrics)), "value": list(headline(metrics).values())}), "evaluation/metrics.json")
         run.log_files({"eval_results.csv": pd.DataFrame(evaluation.results).to_csv(index=False)}, artifact_path="evaluation")
     return MaterializeResult(
@@ -177,6 +216,7 @@ def policy_evaluation(
             "policy": name,
             "policy_version": version,
             "reused": evaluation.reused,
+            **environment_metadata(evaluation, metrics),
             "metrics": metrics_table({name: headline(metrics)}),
             "protocol": MetadataValue.json(protocol.model_dump()),
             "eval_id": evaluation.eval_id,

@@ -1,7 +1,7 @@
 """The GRPO training job the ``grpo_training`` asset launches through Dagster Pipes, under torchrun.
 
 ``torchrun --nproc_per_node N -m rlvr_assets.grpo_worker``: every rank trains (``train_grpo``) and
-writes its own rollouts and rewards of each step as Parquet files in the run's scratch folder (the
+writes its own rollouts, rewards and tool calls of each step as Parquet files in the run's scratch folder (the
 asset loads them into DuckDB afterwards: DuckDB keeps one writer); rank 0 streams per-step logs and
 metrics to the Dagster event log, keeps each step's metrics as ``steps/metrics-step<n>.json`` (the
 launcher streams them to MLflow; a resumed run keeps the whole curve) and exports the trained
@@ -11,7 +11,7 @@ that fails leaves its traceback in ``<scratch>/errors/rank-<r>.txt`` for the ass
 launcher); a finished rank leaves its weights digest. Every rank dies with torchrun (parent-death
 signal), so none outlives a killed run. The job is described by the
 Pipes extras (``resources.launcher.TrainingJob.extras`` writes them); its rewards arrive pickled and
-are registered here before training.
+are registered here before training, its environment as a spec (``{"name", "options"}``) built here.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 
 from dagster_pipes import PipesContext, PipesDefaultContextLoader, PipesEnvVarParamsLoader, open_dagster_pipes
 
+from rlvr.environments import make_environment
 from rlvr.grpo import GRPOConfig
 from rlvr.rewards import load_pickled_reward
 from rlvr.training_run import die_with_parent, train_grpo, training_tables
@@ -70,8 +71,8 @@ def _train(job: dict, rank: int, scratch: Path, pipes: PipesContext | None) -> N
     steps.mkdir(parents=True, exist_ok=True)
 
     def on_step(step: int, metrics: dict, records: list[dict]) -> None:
-        rollouts, rewards = training_tables(records, job["run_id"], job["rewards"])
-        for name, frame in (("rollouts", rollouts), ("rewards", rewards)):
+        rollouts, rewards, tool_calls = training_tables(records, job["run_id"], job["rewards"])
+        for name, frame in (("rollouts", rollouts), ("rewards", rewards), ("tool_calls", tool_calls)):
             path = steps / f"{name}-step{step:06d}-rank{rank:03d}.parquet"
             tmp = path.with_suffix(".tmp")
             frame.to_parquet(tmp, index=False)
@@ -85,7 +86,19 @@ def _train(job: dict, rank: int, scratch: Path, pipes: PipesContext | None) -> N
                 f"zero-variance groups {metrics['frac_zero_variance_groups']:.0%}, {metrics['tokens_per_s']:.0f} tok/s"
             )
 
-    trained = train_grpo(Path(job["start"]), rows, config, job["rewards"], Path(job["checkpoint_dir"]), job.get("device"), on_step, records_per_rank=True)
+    spec = job.get("environment") or {"name": "single_turn", "options": {}}
+    environment = make_environment(spec["name"], **spec["options"])
+    trained = train_grpo(
+        Path(job["start"]),
+        rows,
+        config,
+        job["rewards"],
+        Path(job["checkpoint_dir"]),
+        job.get("device"),
+        on_step,
+        records_per_rank=True,
+        environment=environment,
+    )
     digests = scratch / "digests"
     digests.mkdir(parents=True, exist_ok=True)
     _write_atomically(digests / f"rank-{rank}.txt", weights_digest(trained.policy).encode())

@@ -2,14 +2,16 @@
 train split's worked solutions, in the project's answer format); ``grpo_training`` starts from it
 with ``init_from: sft``."""
 
-from dataclasses import asdict
-from typing import Optional
+from dataclasses import asdict, replace
+from typing import Any, Optional
 
 from dagster import AssetExecutionContext, Config, Failure, MaterializeResult, MetadataValue, asset
 from pydantic import Field
 
-from resources import ComputeResource, MLflowResource, ModelStore, Warehouse, config_from
+from resources import ComputeResource, EnvironmentConfig, MLflowResource, ModelStore, Warehouse, build_environment, config_from
 from resources.tracking import POLICY_VERSION_TAG, flat_params, run_name
+from rlvr.policy import environment_spec
+from rlvr.prompts import system_prompt_for
 from rlvr.sft import PROFILES, SFTConfig, build_sft_config, train_sft
 from rlvr.training_run import problems_hash
 from rlvr_assets.metadata import rounded
@@ -25,6 +27,18 @@ class SFTRunConfig(Config):
     overrides: SFTOverrides = Field(default_factory=SFTOverrides, description="SFTConfig fields set on top of the profile, e.g. {'total_steps': 50}")
     split: str = Field(default="train", description="split of gsm8k_problems whose reference solutions it learns")
     limit: Optional[int] = Field(default=None, description="the first N problems of the split only")
+    environment: EnvironmentConfig = Field(
+        default_factory=EnvironmentConfig,
+        description="the environment GRPO will roll out in, e.g. {name: calculator}: its instructions join the prompt, and with the calculator "
+        "GSM8k's <<48/2=24>> annotations are kept (keep_calculator_annotations, unless overridden). Recorded with the checkpoint",
+    )
+
+    def sft_config(self) -> tuple[SFTConfig, Any]:
+        """The profile's SFTConfig with the overrides applied (with the calculator, GSM8k's annotations
+        kept unless overridden), and the environment; ValueError / TypeError when they do not fit."""
+        environment = build_environment(self.environment.spec(), "environment")
+        overrides = {"keep_calculator_annotations": environment.name == "calculator", **self.overrides.set_fields()}
+        return build_sft_config(self.profile, overrides), environment
 
 
 @asset(group_name="models", kinds={"pytorch", "mlflow"}, deps=["gsm8k_problems", "base_policy"], owners=["team:rlvr-training"])
@@ -34,9 +48,10 @@ def sft_policy(
     """The base policy fine-tuned on worked solutions (loss on the solution tokens only), as a
     checkpoint in the model store and an MLflow run; resumable when the Dagster run is re-executed."""
     try:
-        sft_config = build_sft_config(config.profile, config.overrides.set_fields())
+        sft_config, environment = config.sft_config()
     except (ValueError, TypeError) as err:
         raise Failure(description=f"sft_policy: bad run config: {err}") from None
+    env_spec = environment_spec(environment)
     base, rows = model_store.require("base_policy"), duckdb.problems(config.split, config.limit)
     run_id = context.run.root_run_id or context.run.run_id
     lineage = {"base_policy_version": base.version, "parent_version": base.version, "data_hash": problems_hash(rows)}
@@ -45,20 +60,21 @@ def sft_policy(
         run_name("sft", None, context.run.run_id),
         {"rlvr.kind": "sft", "dagster.run_id": context.run.run_id, "rlvr.profile": config.profile, **{f"rlvr.{k}": v for k, v in lineage.items()}},
     ) as run:
-        run.log_params(flat_params({"sft": asdict(sft_config)}))
+        run.log_params(flat_params({"sft": asdict(sft_config), "environment": env_spec}))
 
         def on_step(step: int, metrics: dict) -> None:
             run.log_metrics(metrics, step=step)
             context.log.info(f"SFT step {step}/{sft_config.total_steps}: loss {metrics['loss']:.4f}, {metrics['tokens_per_s']:.0f} tok/s")
 
-        trained = train_sft(base.path, rows, sft_config, model_store.work_dir(work_dir), compute.torch_device(), on_step)
+        trained = train_sft(base.path, rows, sft_config, model_store.work_dir(work_dir), compute.torch_device(), on_step, system_prompt_for(environment))
         stored = model_store.put(
             "sft_policy",
-            trained.export,
+            replace(trained, environment=environment).export,  # the checkpoint records the environment it was trained for
             metadata={
                 **lineage,
                 "data_source": rows[0]["source"],
                 "sft_config": asdict(sft_config),
+                "environment": env_spec,
                 "steps": trained.steps,
                 "final_metrics": trained.history[-1] if trained.history else {},
                 "mlflow_run_id": run.run_id,
@@ -80,5 +96,6 @@ def sft_policy(
             "version": stored.version,
             "parent_base_policy": base.version,
             "sft_config": MetadataValue.json(asdict(sft_config)),
+            "environment": MetadataValue.json(env_spec),
         }
     )

@@ -11,11 +11,24 @@ from typing import Iterator, Optional
 from dagster import AssetExecutionContext, AssetSpec, Config, Failure, MaterializeResult, MetadataValue, multi_asset
 from pydantic import Field
 
-from resources import CHAMPION, ComputeResource, MLflowResource, ModelStore, Settings, StoredModel, Upsert, Warehouse, config_from
+from resources import (
+    CHAMPION,
+    ComputeResource,
+    EnvironmentConfig,
+    MLflowResource,
+    ModelStore,
+    Settings,
+    StoredModel,
+    Upsert,
+    Warehouse,
+    build_environment,
+    config_from,
+)
 from resources.launcher import TrainingJob, TrainingLauncher
 from resources.tracking import POLICY_VERSION_TAG, TRAINING_RUN_TAG, flat_params, run_name
 from rlvr.grpo import GRPOConfig
 from rlvr.grpo.profiles import PROFILES, build_config
+from rlvr.policy import environment_spec, stored_environment
 from rlvr.rewards import DEFAULT_GSM8K_REWARD, CompositeReward
 from rlvr.training_run import problems_hash, sample_completions
 from rlvr_assets.metadata import metrics_table, percent, rounded
@@ -59,6 +72,15 @@ class GRPORunConfig(Config):
     sample_completions: int = Field(default=64, description="completions logged to MLflow as a table")
     nproc: str = Field(default="1", description="training processes under torchrun: 'auto' (one per visible GPU, else 1) or an integer (CPU processes too)")
     restart: bool = Field(default=False, description="drop this run's resume points first (needed to re-execute it with another nproc)")
+    environment: Optional[EnvironmentConfig] = Field(
+        default=None,
+        description="where rollouts happen, e.g. {name: calculator, max_calls: 8}; unset: the start policy's own (single_turn for the base policy). "
+        "Recorded with the trained checkpoint, so evaluation and the Bento use it too",
+    )
+
+    def environment_spec(self) -> dict | None:
+        """The set environment as lineage holds it (``{"name", "options"}``), None when unset; ValueError naming what is wrong."""
+        return environment_spec(build_environment(self.environment.spec(), "environment")) if self.environment is not None else None
 
     def grpo_config(self) -> GRPOConfig:
         """The profile's GRPOConfig with the overrides applied; ValueError / TypeError when they do not fit."""
@@ -75,7 +97,8 @@ class GRPORunConfig(Config):
             deps=["gsm8k_problems", "base_policy", "sft_policy"],
             owners=["team:rlvr-training"],
             description="One row per sampled completion of the GRPO run: step, problem, group and sample index, temperature, "
-            "prompt and completion, token counts, finish reason, policy version.",
+            "prompt and completion, token counts (the policy's and its environment's), tool calls, finish reason, policy version; "
+            "each tool call in the table tool_calls (call, result, error), written with it.",
         ),
         AssetSpec(
             "rewards",
@@ -108,29 +131,28 @@ def grpo_training(
     """Train the base policy with GRPO on the train split, in a torchrun job launched through Dagster
     Pipes (``nproc`` processes); resumable from its last checkpoint when the Dagster run is re-executed."""
     try:
-        grpo_config, nproc = config.grpo_config(), launcher.processes(config.nproc)
+        grpo_config, nproc, env_spec = config.grpo_config(), launcher.processes(config.nproc), config.environment_spec()
     except (ValueError, TypeError) as err:
         raise Failure(description=f"grpo_training: bad run config: {err}") from None
     base = model_store.require("base_policy")
     start = start_policy(config.init_from, base, model_store, mlflow)
+    env_spec = env_spec or stored_environment(start.path)  # unset: the start policy's own
     rows, run_id = duckdb.problems(config.split, config.limit), context.run.root_run_id or context.run.run_id
     lineage = {"base_policy_version": base.version, "parent_version": start.version, "parent_name": start.name, "data_hash": problems_hash(rows)}
     tags = {"rlvr.kind": "training", TRAINING_RUN_TAG: run_id, "dagster.run_id": context.run.run_id, "rlvr.init_from": config.init_from}
-    tags |= {"rlvr.profile": config.profile, "rlvr.nproc": str(nproc), **{f"rlvr.{k}": v for k, v in lineage.items()}}
-    work_dir = f"grpo-runs/{run_id}"  # the run's resume points, per-step rows and export, until it completes
-    job = TrainingJob(
-        run_id, start.path, rows, grpo_config, config.rewards, model_store.work_dir(work_dir), str(compute.torch_device()) if nproc == 1 else None
-    )
+    tags |= {"rlvr.profile": config.profile, "rlvr.nproc": str(nproc), "rlvr.environment": env_spec["name"], **{f"rlvr.{k}": v for k, v in lineage.items()}}
+    work_dir, device = f"grpo-runs/{run_id}", str(compute.torch_device()) if nproc == 1 else None  # work_dir: resume points, rows, export
+    job = TrainingJob(run_id, start.path, rows, grpo_config, config.rewards, model_store.work_dir(work_dir), device, env_spec)
     for ended in mlflow.end_abandoned_runs(TRAINING_RUN_TAG, run_id):  # an earlier attempt killed before it could end its run
         context.log.warning(f"MLflow run {ended} of an earlier attempt of this run was left RUNNING: marked KILLED")
     with mlflow.start_run(run_name("grpo", None, context.run.run_id), tags) as run:  # named by its policy version once stored
-        run.log_params(flat_params({"grpo": asdict(grpo_config), "rewards": config.rewards, "nproc": nproc}))
+        run.log_params(flat_params({"grpo": asdict(grpo_config), "rewards": config.rewards, "nproc": nproc, "environment": env_spec}))
         try:  # each step's metrics reach MLflow as it ends; a resumed run's curve starts with the earlier attempts' steps
             history = launcher.train(context, job, nproc, restart=config.restart, on_step=lambda step, metrics: run.log_metrics(metrics, step=step))
         finally:  # one writer: every rank's rows, also those of a failed run's finished steps (keyed: no duplicates)
-            rollouts, rewards = launcher.step_rows(job.scratch, "rollouts"), launcher.step_rows(job.scratch, "rewards")
-            if not rollouts.empty:
-                duckdb.write(Upsert("rollouts", rollouts, "completion_id"), Upsert("rewards", rewards, "completion_id"))
+            step_rows = {table: launcher.step_rows(job.scratch, table) for table in ("rollouts", "rewards", "tool_calls")}
+            if not step_rows["rollouts"].empty:  # a completion's rows in the three tables land together, or none do
+                duckdb.write(*(Upsert(table, frame, "completion_id") for table, frame in step_rows.items()))
         stored = model_store.put(
             "grpo_checkpoint",
             launcher.exported(job.scratch),
@@ -139,6 +161,7 @@ def grpo_training(
                 "data_source": rows[0]["source"],
                 "training_config": asdict(grpo_config),
                 "rewards": config.rewards,
+                "environment": env_spec,
                 "steps": grpo_config.total_steps,
                 "nproc": nproc,
                 "final_metrics": history[-1][1] if history else {},
@@ -147,13 +170,13 @@ def grpo_training(
             },
         )
         run.log_policy(stored.path, {POLICY_VERSION_TAG: stored.version})  # the MLflow model the registry registers
-        run.log_table(sample_completions(rollouts, rewards, config.sample_completions), "sample_completions.json")
+        run.log_table(sample_completions(step_rows["rollouts"], step_rows["rewards"], config.sample_completions), "sample_completions.json")
         run.set_tags({POLICY_VERSION_TAG: stored.version})
         run.rename(run_name("grpo", stored.version, context.run.run_id))
     model_store.remove_work_dir(work_dir)
     add_policy_version(context.instance, "grpo_checkpoint", stored.version)
 
-    yield from materializations(duckdb, run_id, config.rewards, stored, base, grpo_config, nproc, mlflow.links().run(run.run_id), history)
+    yield from materializations(duckdb, run_id, config.rewards, stored, base, grpo_config, nproc, mlflow.links().run(run.run_id), history, env_spec)
 
 
 def materializations(
@@ -166,16 +189,20 @@ def materializations(
     nproc: int,
     mlflow_run_url: str,
     history: list,
+    environment: dict,
 ) -> Iterator[MaterializeResult]:
-    """The run's three materializations: row counts and reward means from DuckDB, the checkpoint's lineage and curve."""
+    """The run's three materializations: row counts, reward means and tool use from DuckDB, the checkpoint's lineage and curve."""
     summary, last = duckdb.training_run_summary(run_id), history[-1][1] if history else {}
+    completions = sum(summary["finish_reasons"].values())
     yield MaterializeResult(
         asset_key="rollouts",
         metadata={
-            "dagster/row_count": sum(summary["finish_reasons"].values()),
+            "dagster/row_count": completions,
             "run_id": run_id,
             "table": f"{duckdb.database}:rollouts",
             "finish_reasons": MetadataValue.json(summary["finish_reasons"]),
+            "environment": environment["name"],
+            **(tool_use_metadata(summary, completions, f"{duckdb.database}:tool_calls") if environment["name"] != "single_turn" else {}),
         },
     )
     yield MaterializeResult(
@@ -197,11 +224,25 @@ def materializations(
             "path": MetadataValue.path(str(stored.path)),
             "version": stored.version,
             "parent_base_policy": base.version,
+            "environment": MetadataValue.json(environment),
             "nproc": nproc,
             "final step": metrics_table({"value": {k: v for k, v in last.items() if k != "step"}}),
             "training_config": MetadataValue.json(asdict(grpo_config)),
         },
     )
+
+
+def tool_use_metadata(summary: dict, completions: int, table: str) -> dict:
+    """How the run's completions used their environment's tool: calls, share of completions calling,
+    calls per completion, share of calls that failed (rows in the ``tool_calls`` table)."""
+    calls = summary["tool_calls"]
+    return {
+        "tool_calls": calls,
+        "completions calling a tool (%)": percent(summary["completions_calling"] / completions) if completions else 0.0,
+        "tool calls per completion": rounded(calls / completions) if completions else 0.0,
+        "tool call errors (%)": percent(summary["tool_errors"] / calls) if calls else 0.0,
+        "tool_calls_table": table,
+    }
 
 
 def start_policy(init_from: str, base: StoredModel, model_store: ModelStore, mlflow: MLflowResource) -> StoredModel:

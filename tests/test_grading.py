@@ -93,6 +93,10 @@ class _Chunk:
     texts: list[str]
     finish_reasons: list[str]
     completion_lengths: torch.Tensor
+    tool_calls: list = None
+
+    def __post_init__(self) -> None:
+        self.tool_calls = self.tool_calls or [[] for _ in self.texts]
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -119,7 +123,7 @@ def test_evaluate_policy_reports_lm_eval_columns(monkeypatch):
         {"problem_id": "b", "question": "q", "answer_value": 5.0, "answer_text": "5"},
         {"problem_id": "c", "question": "q", "answer_value": 72.0},  # no answer_text: from the value
     ]
-    monkeypatch.setattr(runner, "render_prompt", lambda tokenizer, question: question)
+    monkeypatch.setattr(runner, "render_prompt", lambda tokenizer, question, system_prompt: question)
     monkeypatch.setattr(runner, "RewardPool", _NoRewards)
     monkeypatch.setattr(runner, "stream_rollouts", lambda *args, **kwargs: iter([_Chunk(texts, ["eos"] * 3, torch.tensor([4, 5, 4]))]))
     results = runner.evaluate_policy(None, None, problems, runner.EvalConfig())

@@ -31,6 +31,45 @@ def test_examples_use_the_shared_prompt_and_end_with_the_end_token(tiny_llama_di
     assert tokenizer.decode(example["target_ids"]).endswith("#### 72" + tokenizer.eos_token)
 
 
+def test_kept_annotations_hold_a_result_and_drop_the_rest():
+    target = sft_target(NATALIA, "72", keep_calculator_annotations=True)
+    assert target == ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
+    assert sft_target("3 apples <<3>>3 and <<1+2=3>>3", "3", keep_calculator_annotations=True) == "3 apples 3 and <<1+2=3>>3\n#### 3"
+    assert extract_final_answer(target, "strict").value == 72
+
+
+@pytest.mark.parametrize("keep", [False, True], ids=["stripped", "kept"])
+def test_calculator_results_are_the_environments_tokens(tiny_llama_dir, keep):
+    """With annotations kept, the policy learns to write '<<48/2=' and to go on after '>>'; the
+    '24>>' between is the calculator's at rollout time: those tokens are masked out of the loss."""
+    from rlvr.policy import load_tokenizer
+    from rlvr.prompts import SYSTEM_PROMPT, render_prompt
+
+    tokenizer = load_tokenizer(tiny_llama_dir)
+    system_prompt = SYSTEM_PROMPT + "\n\nUse the calculator: <<48/2=24>>."
+    row = {"question": "How many clips?", "solution": NATALIA, "answer_text": "72"}
+    [example] = sft_examples([row], tokenizer, keep_calculator_annotations=keep, system_prompt=system_prompt)
+    assert tokenizer.decode(example["prompt_ids"]) == render_prompt(tokenizer, "How many clips?", system_prompt)
+    ids, environment = example["target_ids"], example["environment_mask"]
+    assert len(environment) == len(ids)
+    assert tokenizer.decode(ids) == sft_target(NATALIA, "72", keep) + tokenizer.eos_token
+    spans, start = [], None  # runs of environment tokens, decoded
+    for t, flag in enumerate(environment + [0]):
+        if flag and start is None:
+            start = t
+        elif not flag and start is not None:
+            spans.append((start, t))
+            start = None
+    if not keep:
+        assert spans == [] and "<<" not in tokenizer.decode(ids)
+        return
+    assert [tokenizer.decode(ids[a:b]) for a, b in spans] == ["24>>", "72>>"]
+    (a1, b1), (a2, _) = spans
+    assert tokenizer.decode(ids[:a1]).endswith("= <<48/2=")  # the policy writes the call
+    assert tokenizer.decode(ids[b1:a2]).startswith("24 clips in May.")  # and goes on after the result
+    assert tokenizer.decode(ids[b1:a2]).endswith("<<48+24=")
+
+
 def copy_examples(tokenizer):
     return [{"prompt_ids": tokenizer(f"{d}{d}:")["input_ids"], "target_ids": tokenizer(f"{d}")["input_ids"] + [1]} for d in range(10)]
 
@@ -52,6 +91,28 @@ def test_the_loss_is_the_mean_nll_of_completion_tokens_only():
             count += len(e["target_ids"])
     trainer = SFTTrainer(model, tokenizer, config(batch_size=3, micro_batch_size=2))
     assert trainer.step(examples)["loss"] == pytest.approx(nll / count, rel=1e-5)
+
+
+def test_environment_tokens_are_context_outside_the_loss():
+    """A target whose middle token the environment wrote: the loss is the mean NLL of the others,
+    the environment's token still conditioning what follows."""
+    tokenizer = char_tokenizer(COPY_DIGIT_CHARS)
+    model = tiny_llama(len(tokenizer), seed=2)
+    examples = [
+        {"prompt_ids": tokenizer(f"{d}{d}:")["input_ids"], "target_ids": tokenizer(f"{d}:{d}")["input_ids"] + [1], "environment_mask": [0, 1, 1, 0]}
+        for d in range(3)
+    ]
+    with torch.no_grad():
+        nll, count = 0.0, 0
+        for e in examples:
+            ids = torch.tensor([e["prompt_ids"] + e["target_ids"]])
+            logprobs = model(ids).logits[0, len(e["prompt_ids"]) - 1 : -1].log_softmax(-1).gather(1, torch.tensor(e["target_ids"])[:, None])
+            policy = torch.tensor(e["environment_mask"]) == 0
+            nll -= float(logprobs[policy].sum())
+            count += int(policy.sum())
+    metrics = SFTTrainer(model, tokenizer, config(batch_size=3, micro_batch_size=2)).step(examples)
+    assert metrics["tokens"] == count == 6
+    assert metrics["loss"] == pytest.approx(nll / count, rel=1e-5)
 
 
 def test_sft_learns_the_copy_task():

@@ -3,7 +3,9 @@
 The protocol is the one peers publish, so numbers compare: zero-shot, the training prompt, greedy
 decoding for pass@1, graded by strict ``####`` extraction (lm-evaluation-harness' strict-match,
 verl) beside flexible extraction. With ``num_samples`` > 0 it also samples n completions per
-problem for pass@k (unbiased estimator) and maj@k (self-consistency).
+problem for pass@k (unbiased estimator) and maj@k (self-consistency). A policy trained with an
+environment (``rlvr.environments``: a calculator, code execution) is evaluated in it, as it rolls
+out in training and serving; each greedy completion's tool calls are counted, and their errors.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from rlvr.answers import answers_match, extract_final_answer, format_number, is_
 from rlvr.evaluation.estimators import maj_at_k, majority_vote, pass_at_k_per_problem
 from rlvr.evaluation.intervals import accuracy_by_group, bootstrap_ci
 from rlvr.evaluation.significance import mcnemar_test, paired_bootstrap
-from rlvr.prompts import render_prompt
+from rlvr.prompts import render_prompt, system_prompt_for
 from rlvr.rewards import DEFAULT_GSM8K_REWARD, RewardPool
 from rlvr.rollout import SamplingConfig, stream_rollouts
 
@@ -49,18 +51,22 @@ def evaluate_policy(
     problems: list[dict],
     config: EvalConfig,
     progress: Callable[[int, int], None] | None = None,
+    environment: Any = None,
 ) -> list[dict]:
     """One result dict per problem (problems need ``problem_id``, ``question``, ``answer_value``).
 
     ``progress(done, total)`` is called after each decoded chunk, counting completions.
+    ``environment``: the policy's (None: single-turn); its instructions join the system prompt.
     """
     if not problems:
         raise ValueError("no problems to evaluate")
-    prompts = [render_prompt(tokenizer, p["question"]) for p in problems]
+    system_prompt = system_prompt_for(environment)
+    prompts = [render_prompt(tokenizer, p["question"], system_prompt) for p in problems]
+    environment_name = environment.name if environment is not None else "single_turn"
     total = len(problems) * (1 + config.num_samples)
     done = 0
 
-    def decode(num_samples: int, temperature: float) -> tuple[list[str], list[str], list[int]]:
+    def decode(num_samples: int, temperature: float) -> tuple[list[str], list[str], list[int], list[list]]:
         nonlocal done
         sampling = SamplingConfig(
             max_new_tokens=config.max_new_tokens,
@@ -68,23 +74,25 @@ def evaluate_policy(
             top_p=config.top_p,
             seed=config.seed,
             max_batch_rows=config.batch_rows,
+            environment=environment,
         )
-        texts, reasons, lengths = [], [], []
+        texts, reasons, lengths, calls = [], [], [], []
         for chunk in stream_rollouts(model, tokenizer, prompts, num_samples, sampling):
             texts += chunk.texts
             reasons += chunk.finish_reasons
             lengths += chunk.completion_lengths.tolist()
+            calls += chunk.tool_calls
             done += len(chunk)
             if progress:
                 progress(done, total)
-        return texts, reasons, lengths
+        return texts, reasons, lengths, calls
 
-    greedy_texts, greedy_reasons, greedy_lengths = decode(1, 0.0)
+    greedy_texts, greedy_reasons, greedy_lengths, greedy_calls = decode(1, 0.0)
     with RewardPool(workers=2) as pool:
         scored = pool.score_batch(config.reward_weights, greedy_texts, problems)
     samples: list[list[str]] = [[] for _ in problems]
     if config.num_samples:
-        sampled_texts, _, _ = decode(config.num_samples, config.sample_temperature)
+        sampled_texts, _, _, _ = decode(config.num_samples, config.sample_temperature)
         for i, text in enumerate(sampled_texts):
             samples[i // config.num_samples].append(text)
 
@@ -99,6 +107,9 @@ def evaluate_policy(
             "completion_tokens": int(greedy_lengths[i]),
             "finish_reason": greedy_reasons[i],
             "truncated": greedy_reasons[i] == "length",
+            "environment": environment_name,
+            "tool_calls": len(greedy_calls[i]),
+            "tool_errors": sum(call.error is not None for call in greedy_calls[i]),
             **{f"reward_{name}": result.value for name, result in scored[i].items()},
         }
         if config.num_samples:
@@ -160,6 +171,8 @@ def summarize(results: list[dict], config: EvalConfig) -> dict:
     metrics["mean_completion_tokens"] = float(np.mean([r["completion_tokens"] for r in results]))
     for key in sorted(k for k in results[0] if k.startswith("reward_")):
         metrics[f"mean_{key}"] = float(np.mean([r[key] for r in results]))
+    if all(r.get("tool_calls") is not None and r["tool_calls"] == r["tool_calls"] for r in results):  # rows stored before tool calling: None / NaN
+        metrics.update(tool_use(results))
     if config.num_samples:
         n = np.array([r["num_samples"] for r in results])
         c = np.array([r["num_correct_samples"] for r in results])
@@ -170,6 +183,18 @@ def summarize(results: list[dict], config: EvalConfig) -> dict:
     by_steps = accuracy_by_group([r["correct_strict"] for r in results], [r["num_steps"] or 0 for r in results], config.confidence)
     metrics["accuracy_by_steps"] = by_steps.to_dict(orient="records")
     return metrics
+
+
+def tool_use(results: list[dict]) -> dict:
+    """How completions used their environment's tool: the share that called it, calls per completion,
+    and the share of calls that failed (0 without calls: nothing failed)."""
+    calls = np.array([r["tool_calls"] for r in results], dtype=float)
+    errors = float(sum(r["tool_errors"] for r in results))
+    return {
+        "tool_use_rate": float((calls > 0).mean()),
+        "mean_tool_calls": float(calls.mean()),
+        "tool_error_rate": errors / float(calls.sum()) if calls.sum() else 0.0,
+    }
 
 
 def compare(base: list[dict], new: list[dict], confidence: float = 0.95, seed: int = 0, column: str = "correct_strict") -> dict:

@@ -1,7 +1,8 @@
 """The GRPO objective, piece by piece: advantages, policy-loss variants, KL, aggregation.
 
 Notation: a group is G completions o_1..o_G of one prompt q with rewards r_1..r_G; tensors are
-[rows, T] over completion tokens with a 0/1 ``mask`` (1 = a real token that is trained on).
+[rows, T] over completion tokens with a 0/1 ``mask`` (1 = a token that is trained on: the policy's
+own, neither padding nor a token an environment wrote).
 
 Policy-loss variants live in a registry (as verl's ``core_algos``): each takes
 ``(logprobs, old_logprobs, advantages, mask, config)`` and returns a per-token loss matrix and a

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from rlvr.prompts import render_prompt
+from rlvr.prompts import SYSTEM_PROMPT, render_prompt
 
 
 def derive_seed(*parts: int) -> int:
@@ -37,10 +37,11 @@ def step_problems(problems: Sequence[Any], step: int, prompts_per_step: int, see
     return picked
 
 
-def gsm8k_prompts(problems: Iterable[Any], tokenizer: Any) -> list[dict]:
-    """Training records for GSM8k problems: the rendered ``prompt`` plus the reference fields."""
+def gsm8k_prompts(problems: Iterable[Any], tokenizer: Any, system_prompt: str = SYSTEM_PROMPT) -> list[dict]:
+    """Training records for GSM8k problems: the rendered ``prompt`` (under ``system_prompt``: with an
+    environment, ``rlvr.prompts.system_prompt_for`` it) plus the reference fields."""
     records = []
     for problem in problems:
         row = problem.as_row() if hasattr(problem, "as_row") else dict(problem)
-        records.append({**row, "prompt": render_prompt(tokenizer, row["question"])})
+        records.append({**row, "prompt": render_prompt(tokenizer, row["question"], system_prompt)})
     return records

@@ -1,9 +1,10 @@
 """Teacher-forced scoring of rollouts: the log-probs (and entropies) the GRPO update trains on.
 
 :func:`pack_rows` lays rollout rows out for one forward; :func:`completion_logprobs` computes
-log π(o_t | q, o_<t) over their completion tokens, through the speed-ups that
-``rlvr.fastpaths.eligibility`` allows (one prompt pass per group, the unpadded update, the chunked
-output layer); :class:`CompletionScorer` is that forward as the module DDP / FSDP wrap.
+log π(o_t | q, o_<t) over the policy's own completion tokens (an environment's tokens are context
+only), through the speed-ups that ``rlvr.fastpaths.eligibility`` allows (one prompt pass per group,
+the unpadded update, the chunked output layer); :class:`CompletionScorer` is that forward as the
+module DDP / FSDP wrap.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from .unpadded import unpadded_completion_features
 @dataclass
 class PackedRows:
     """Rollout rows ready for a teacher-forced forward: their distinct prompts (left-padded) and
-    their completions (right-padded to the longest, ``width``)."""
+    their completions (right-padded to the longest, ``width``). Tokens an environment wrote
+    (``environment_mask``) are context the policy conditions on, never scored: only
+    ``policy_mask``'s tokens get log-probs."""
 
     prompt_ids: torch.Tensor  # [prompts, P]
     prompt_mask: torch.Tensor  # [prompts, P]
@@ -34,10 +37,16 @@ class PackedRows:
     targets: torch.Tensor  # [rows, width] completion tokens
     mask: torch.Tensor  # [rows, width] float, 1 on real completion tokens
     temperatures: torch.Tensor  # [rows]
+    environment_mask: torch.Tensor | None = None  # [rows, width] float, 1 on tokens the environment wrote; None: none did
 
     @property
     def width(self) -> int:
         return self.targets.shape[1]
+
+    @property
+    def policy_mask(self) -> torch.Tensor:
+        """[rows, width] float, 1 on the policy's own tokens: the ones the loss, KL and ratio count."""
+        return self.mask if self.environment_mask is None else self.mask * (1 - self.environment_mask)
 
 
 def pack_rows(rollouts: Rollouts, rows: torch.Tensor, device: torch.device | str = "cpu") -> PackedRows:
@@ -59,6 +68,7 @@ def pack_rows(rollouts: Rollouts, rows: torch.Tensor, device: torch.device | str
         targets=rollouts.completion_ids[rows, :width].to(device),
         mask=rollouts.completion_mask[rows, :width].to(device=device, dtype=torch.float32),
         temperatures=rollouts.temperatures[rows].to(device),
+        environment_mask=rollouts.environment_mask[rows, :width].to(device=device, dtype=torch.float32),
     )
 
 
@@ -82,8 +92,9 @@ def completion_logprobs(
     fast: FastPaths = FastPaths(),
     sharded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(o_t | q, o_<t) for every completion token of ``batch`` ([rows, width], 0 on padding),
-    and the entropy of π at each position when asked (no gradient).
+    """log π(o_t | q, o_<t) for every policy token of ``batch`` ([rows, width], 0 on padding and on
+    the environment's tokens, which are only context), and the entropy of π there when asked (no
+    gradient).
 
     With ``share_prompts`` each distinct prompt goes through the model once and its KV cache
     (gradient attached) is reused by all of its completions: [prompts, P] + [rows, width - 1]
@@ -91,14 +102,14 @@ def completion_logprobs(
     (``fast``, ``sharded``), the completions' per-token work skips their padding
     (:func:`~rlvr.grpo.unpadded.unpadded_completion_features`). Without ``share_prompts``, one
     forward over [prompt | completion] per row (needed with gradient checkpointing, which drops the
-    cache). Only real completion tokens reach the output layer; where ``eligibility.output_head``
+    cache). Only the policy's tokens reach the output layer; where ``eligibility.output_head``
     gives one, that is :func:`~rlvr.grpo.head.head_logprobs` on the decoder's hidden states, else
     the model's logits.
     """
     head = output_head(model, fast)
-    real = batch.mask.bool()
-    targets = batch.targets[real]
-    temperatures = batch.temperatures.unsqueeze(1).expand_as(batch.targets)[real]
+    real, scored = batch.mask.bool(), batch.policy_mask.bool()
+    targets = batch.targets[scored]
+    temperatures = batch.temperatures.unsqueeze(1).expand_as(batch.targets)[scored]
     if head is not None:
         decoder = model.get_decoder()
         run = lambda **kwargs: decoder(**kwargs).last_hidden_state  # noqa: E731
@@ -117,9 +128,9 @@ def completion_logprobs(
             **last,
         )
         if use_unpadded_update(model, fast, sharded):
-            features = unpadded_completion_features(model, batch, first[:, -1], cache)
+            features = unpadded_completion_features(model, batch, first[:, -1], cache)[scored[real]]
             logprobs, entropy = head_logprobs(features, head.weight, targets, temperatures, with_entropy)
-            return _scatter_rows(logprobs, entropy, real)
+            return _scatter_rows(logprobs, entropy, scored)
         outputs = [first[:, -1:][batch.prompt_index]]  # predicts the first completion token
         if batch.width > 1:
             cache.batch_select_indices(batch.prompt_index)
@@ -143,16 +154,16 @@ def completion_logprobs(
         last = {} if head is not None else {"logits_to_keep": batch.width}
         features = run(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False, **last)[:, -batch.width :]
     if head is not None:
-        logprobs, entropy = head_logprobs(features[real], head.weight, targets, temperatures, with_entropy)
+        logprobs, entropy = head_logprobs(features[scored], head.weight, targets, temperatures, with_entropy)
     else:
-        logprobs, entropy = token_logprobs_and_entropy(features[real].unsqueeze(1), targets.unsqueeze(1), temperatures, with_entropy)
-    return _scatter_rows(logprobs, entropy, real)
+        logprobs, entropy = token_logprobs_and_entropy(features[scored].unsqueeze(1), targets.unsqueeze(1), temperatures, with_entropy)
+    return _scatter_rows(logprobs, entropy, scored)
 
 
-def _scatter_rows(logprobs: torch.Tensor, entropy: torch.Tensor | None, real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token values of the real positions back into [rows, width], 0 on padding."""
-    out = torch.zeros(real.shape, dtype=logprobs.dtype, device=logprobs.device)
-    out = out.index_put((real,), logprobs.flatten())
+def _scatter_rows(logprobs: torch.Tensor, entropy: torch.Tensor | None, scored: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token values of the scored positions back into [rows, width], 0 elsewhere."""
+    out = torch.zeros(scored.shape, dtype=logprobs.dtype, device=logprobs.device)
+    out = out.index_put((scored,), logprobs.flatten())
     if entropy is None:
         return out, None
-    return out, torch.zeros_like(out).index_put_((real,), entropy.flatten())
+    return out, torch.zeros_like(out).index_put_((scored,), entropy.flatten())

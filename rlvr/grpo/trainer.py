@@ -10,7 +10,10 @@ One step, top to bottom (:meth:`GRPOTrainer.step`):
 4. μ passes over the rest, each split into optimizer steps of gradient-accumulated micro-batches:
    one forward per micro-batch gives the per-token log-probs (temperature-scaled like sampling, over
    completion tokens only), the registered policy loss, the optional KL to the reference, the
-   chosen aggregation; backward; clip; AdamW.
+   chosen aggregation; backward; clip; AdamW. Only the policy's own tokens count
+   (``Rollouts.policy_mask``): tokens an environment wrote (a calculator's result, a tool's
+   output) are context the policy conditions on, outside the loss, the KL, the ratio and the
+   token counts.
 
 Rewards come from a callback, ``reward_fn(completions, problems) -> (totals, {name: values})``, so
 any reward library plugs in. ``on_step(step, metrics, records)`` receives each step's metrics and
@@ -193,6 +196,8 @@ class GRPOTrainer:
             "rewards": rewards.tolist(),
             "per_reward": per_reward,
             "lengths": rollouts.completion_lengths.tolist(),
+            "tool_calls": [len(calls) for calls in rollouts.tool_calls],
+            "tool_errors": [sum(call.error is not None for call in calls) for calls in rollouts.tool_calls],
             "finish": rollouts.finish_reasons,
             "zero_variance": zero_variance.tolist(),
             "trained": int(trained.sum()),
@@ -248,13 +253,13 @@ class GRPOTrainer:
         stats = dict.fromkeys(_TOKEN_STATS, 0.0) | {"optimizer_steps": 0, "grad_norm": 0.0}
         if all_reduce_sum(torch.tensor([len(rows)]), self.dist).item() == 0:
             return stats
-        lengths = rollouts.completion_lengths
+        policy_tokens = rollouts.policy_mask.sum(dim=1)
         ref_logprobs = self._reference_logprobs(rollouts, rows) if config.beta > 0 else None
         shuffle = torch.Generator().manual_seed(derive_seed(config.seed, self.step_count, self.dist.rank, 1))
         for iteration in range(config.num_iterations):
             order = rows[torch.randperm(len(rows), generator=shuffle)] if config.num_minibatches > 1 else rows
             for minibatch in order.tensor_split(config.num_minibatches):
-                totals = all_reduce_sum(torch.tensor([len(minibatch), int(lengths[minibatch].sum())]), self.dist)
+                totals = all_reduce_sum(torch.tensor([len(minibatch), int(policy_tokens[minibatch].sum())]), self.dist)
                 num_seqs, num_tokens = totals.tolist()
                 if num_seqs == 0:
                     continue
@@ -296,15 +301,15 @@ class GRPOTrainer:
         stats: dict | None,
         first_pass: bool,
     ) -> torch.Tensor:
-        """This micro-batch's share of the minibatch loss (normalized by the minibatch totals);
-        adds its token-weighted metrics to ``stats`` unless that is None."""
+        """This micro-batch's share of the minibatch loss (normalized by the minibatch totals, of
+        policy tokens); adds its token-weighted metrics to ``stats`` unless that is None."""
         config, device = self.config, self.dist.device
         batch = pack_rows(rollouts, rows, device)
         with_entropy = first_pass and stats is not None
         with self._autocast():
             logprobs, entropy = self.model(batch, with_entropy=with_entropy)
-        mask = batch.mask
-        old_logprobs = rollouts.logprobs[rows, : batch.width].to(device)
+        mask = batch.policy_mask  # the environment's tokens were not sampled: no ratio, no KL, no loss
+        old_logprobs = rollouts.logprobs[rows, : batch.width].to(device) * mask
         loss_mat, loss_metrics = POLICY_LOSSES[config.loss_type](logprobs, old_logprobs, advantages[rows].to(device), mask, config)
         kl = None
         if ref_logprobs is not None:
@@ -334,14 +339,14 @@ class GRPOTrainer:
 
     @torch.no_grad()
     def _reference_logprobs(self, rollouts: Rollouts, rows: torch.Tensor) -> torch.Tensor:
-        """log π_ref of the completion tokens of ``rows`` (zeros elsewhere), at the sampling temperature."""
+        """log π_ref of the policy tokens of ``rows`` (zeros elsewhere), at the sampling temperature."""
         out = torch.zeros_like(rollouts.logprobs)
         with self._reference() as reference:
             for micro in _micro_batches(rollouts, rows, self.config.micro_batch_size):
                 batch = pack_rows(rollouts, micro, self.dist.device)
                 with self._autocast():
                     logprobs, _ = completion_logprobs(reference, batch, self._share_prompts, fast=self.config.fast_paths)
-                out[micro, : batch.width] = (logprobs * batch.mask).cpu()
+                out[micro, : batch.width] = (logprobs * batch.policy_mask).cpu()
         return out
 
     @contextlib.contextmanager
@@ -452,6 +457,10 @@ class GRPOTrainer:
             "step_time_s": wall,
             **timing,
         }
+        calls = sum(n for rank in ranks for n in rank["tool_calls"])
+        if calls:
+            metrics["tool_calls_mean"] = calls / len(lengths)  # per completion
+            metrics["tool_error_rate"] = sum(n for rank in ranks for n in rank["tool_errors"]) / calls  # per call
         return metrics
 
     def _records(
@@ -466,6 +475,7 @@ class GRPOTrainer:
     ) -> list[dict]:
         records = []
         lengths = rollouts.completion_lengths.tolist()
+        policy_tokens = rollouts.policy_mask.sum(dim=1).tolist()
         for i in range(len(rollouts)):
             problem = problems[int(rollouts.group_index[i])]
             records.append(
@@ -481,6 +491,9 @@ class GRPOTrainer:
                     "completion": rollouts.texts[i],
                     "prompt_tokens": len(rollouts.prompt_ids[i]),
                     "completion_tokens": lengths[i],
+                    "policy_tokens": policy_tokens[i],
+                    "environment_tokens": lengths[i] - policy_tokens[i],
+                    "tool_calls": [call.as_dict() for call in rollouts.tool_calls[i]],
                     "finish_reason": rollouts.finish_reasons[i],
                     "reward": float(rewards[i]),
                     "rewards": {name: values[i] for name, values in per_reward.items()},

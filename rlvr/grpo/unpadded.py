@@ -28,7 +28,8 @@ def unpadded_completion_features(model: Any, batch: Any, prompt_states: torch.Te
     :class:`~rlvr.grpo.trainer.PackedRows`), [real tokens, hidden] in row-major order: position t of
     a row is the state that predicts its completion token t. ``prompt_states`` [prompts, hidden]
     are the final states at each prompt's last position and ``prompt_cache`` its keys and values,
-    from the prompt pass (gradient attached)."""
+    from the prompt pass (gradient attached). Tokens an environment wrote are real positions here:
+    the policy conditions on them; the caller leaves them out of the output layer."""
     decoder = model.get_decoder()
     rows, width = batch.targets.shape
     first = prompt_states[batch.prompt_index]  # predicts each row's first completion token
