@@ -4,9 +4,14 @@ Recomputes every number from the per-problem rows in DuckDB (``eval_results``) w
 functions the ``eval_report`` asset uses, and reads the training run's budget from MLflow. When
 the run started from an SFT policy whose ``policy_evaluation`` used the same protocol, the table
 has three columns (base, SFT, SFT+GRPO) and the paired tests compare each stage with the one before.
+
+``--against DIR`` adds the trained policy of another experiment's data directory (e.g. the same
+budget without tools) on the same problems, first, and pairs this run's trained policy with it.
 """
 
+import argparse
 from collections import Counter
+from pathlib import Path
 
 import duckdb
 from dagster import AssetKey, DagsterInstance
@@ -16,6 +21,9 @@ from rlvr.evaluation.runner import EvalConfig, compare, summarize
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--against", type=Path, help="another experiment's data directory ($RLVR_HOME): its trained policy, paired with this one's")
+    args = parser.parse_args()
     settings = Settings.from_env()
     meta = DagsterInstance.get().get_latest_materialization_event(AssetKey("eval_report")).asset_materialization.metadata
     with duckdb.connect(str(settings.duckdb_path), read_only=True) as conn:
@@ -53,10 +61,26 @@ def main() -> None:
         )
     print(f"\nevaluation on {len(trained)} held-out problems, greedy, max {config.max_new_tokens} new tokens\n")
     print_table(stages, config)
+    if args.against:
+        other = trained_rows_of(args.against, [r["problem_id"] for r in trained])
+        print(f"\nthis run's trained policy against {args.against}'s, on the same {len(trained)} problems\n")
+        print_table([(f"{args.against.name} trained", other), (f"{settings.home.name} trained", trained)], config)
     if whole:
         print(f"\nthe same policies on {len(whole[0])} problems of the {whole[0][0]['split']} split (their policy_evaluation partitions)\n")
         print_table([(label, rows_) for (label, _), rows_ in zip(stages, whole)], config)
     print("\ntraining reward per block of 10 steps: " + "; ".join(f"{name} {values}" for name, values in sorted(curve)))
+
+
+def trained_rows_of(home: Path, problem_ids: list[str]) -> list[dict]:
+    """The rows of the latest ``grpo_checkpoint`` of the experiment in ``home`` on ``problem_ids`` (its
+    eval_report or its policy_evaluation on those problems)."""
+    version = ModelStore(root=str(home / "models")).latest("grpo_checkpoint").version
+    with duckdb.connect(str(home / "rlvr.duckdb"), read_only=True) as conn:
+        eval_id = evaluations(conn, version).get(tuple(sorted(problem_ids)))
+        if eval_id is None:
+            raise SystemExit(f"{home}: grpo_checkpoint {version} has no evaluation on these {len(problem_ids)} problems")
+        by_id = {r["problem_id"]: r for r in evaluation_rows(conn, eval_id)}
+    return [by_id[p] for p in problem_ids]
 
 
 def evaluation_rows(conn, eval_id: str) -> list[dict]:
@@ -109,6 +133,10 @@ def print_table(stages: list[tuple[str, list[dict]]], config: EvalConfig) -> Non
     for name in ("format_compliance", "truncation_rate"):
         print(f"| {name} | " + " | ".join(f"{m[name]:.1%}" for _, m in metrics) + " |")
     print("| mean completion tokens | " + " | ".join(f"{m['mean_completion_tokens']:.1f}" for _, m in metrics) + " |")
+    if any(m.get("mean_tool_calls") for _, m in metrics):
+        print("| completions calling a tool | " + " | ".join(f"{m.get('tool_use_rate', 0):.1%}" for _, m in metrics) + " |")
+        print("| tool calls per completion | " + " | ".join(f"{m.get('mean_tool_calls', 0):.2f}" for _, m in metrics) + " |")
+        print("| tool calls that errored | " + " | ".join(f"{m.get('tool_error_rate', 0):.1%}" for _, m in metrics) + " |")
     for label, rows_ in stages:
         graded = [r for r in rows_ if isinstance(r.get("correct_lm_eval_strict"), bool)]  # rows stored before the column have none
         if graded:
