@@ -55,11 +55,9 @@ def sft_policy(
     base, rows = model_store.require("base_policy"), duckdb.problems(config.split, config.limit)
     run_id = context.run.root_run_id or context.run.run_id
     lineage = {"base_policy_version": base.version, "parent_version": base.version, "data_hash": problems_hash(rows)}
+    tags = {"rlvr.kind": "sft", "dagster.run_id": context.run.run_id, "rlvr.profile": config.profile, "rlvr.environment": env_spec["name"]}
     work_dir = f"sft-runs/{run_id}"
-    with mlflow.start_run(
-        run_name("sft", None, context.run.run_id),
-        {"rlvr.kind": "sft", "dagster.run_id": context.run.run_id, "rlvr.profile": config.profile, **{f"rlvr.{k}": v for k, v in lineage.items()}},
-    ) as run:
+    with mlflow.start_run(run_name("sft", None, context.run.run_id), tags | {f"rlvr.{k}": v for k, v in lineage.items()}) as run:
         run.log_params(flat_params({"sft": asdict(sft_config), "environment": env_spec}))
 
         def on_step(step: int, metrics: dict) -> None:
