@@ -17,6 +17,8 @@ import duckdb
 from dagster import AssetKey, DagsterInstance
 
 from resources import MLflowResource, ModelStore, Settings
+from rlvr.answers import answers_match, parse_number
+from rlvr.environments.calculator import annotation_results
 from rlvr.evaluation.runner import EvalConfig, compare, summarize
 
 
@@ -27,6 +29,7 @@ def main() -> None:
     settings = Settings.from_env()
     meta = DagsterInstance.get().get_latest_materialization_event(AssetKey("eval_report")).asset_materialization.metadata
     with duckdb.connect(str(settings.duckdb_path), read_only=True) as conn:
+        gold = dict(conn.execute("SELECT problem_id, answer_value FROM gsm8k_problems").fetchall())
         base, trained = evaluation_rows(conn, meta["base_eval_id"].value), evaluation_rows(conn, meta["trained_eval_id"].value)
         sft = sft_rows(conn, trained, settings)
         whole = widest_shared_evaluation(conn, [r[0]["policy_version"] for r in (base, sft, trained) if r], len(trained))
@@ -61,6 +64,7 @@ def main() -> None:
         )
     print(f"\nevaluation on {len(trained)} held-out problems, greedy, max {config.max_new_tokens} new tokens\n")
     print_table(stages, config)
+    print_calculator_use(stages, gold)
     if args.against:
         other = trained_rows_of(args.against, [r["problem_id"] for r in trained])
         print(f"\nthis run's trained policy against {args.against}'s, on the same {len(trained)} problems\n")
@@ -120,6 +124,22 @@ def widest_shared_evaluation(conn, versions: list[str], evaluated: int) -> list[
     if len(widest) <= evaluated:
         return []
     return [evaluation_rows(conn, found[widest]) for found in by_version]
+
+
+def print_calculator_use(stages: list[tuple[str, list[dict]]], gold: dict) -> None:
+    """For stages that called the calculator: whether the final answers come from its results, and
+    whether the reference answer is among them (the policy set up the right computation)."""
+    for label, rows_ in stages:
+        called = [(r, [parse_number(v) for v in annotation_results(r["completion"])]) for r in rows_ if r.get("tool_calls")]
+        if not called:
+            continue
+        same = lambda a, b: a is not None and b is not None and answers_match(a, b)  # noqa: E731
+        ends_on_result = sum(bool(results) and same(results[-1], parse_number(str(r["extracted_flexible"]))) for r, results in called)
+        gold_among = sum(any(same(value, gold[r["problem_id"]]) for value in results) for r, results in called)
+        print(
+            f"{label}: {len(called)} of {len(rows_)} completions called the calculator; {ends_on_result} of them answer with its last "
+            f"result; the reference answer is among its results in {gold_among}"
+        )
 
 
 def print_table(stages: list[tuple[str, list[dict]]], config: EvalConfig) -> None:

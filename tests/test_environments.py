@@ -372,3 +372,11 @@ def test_unknown_option_is_named(name, options):
 def test_invalid_budget_is_refused():
     with pytest.raises(ValueError, match="tool budget"):
         make_environment("calculator", max_result_chars=0)
+
+
+def test_annotation_results_reads_closed_annotations_in_order():
+    from rlvr.environments.calculator import annotation_results
+
+    text = "48/2 = <<48/2=24>>24, then <<24*3=72>>72 and <<1/0=error>> and an open <<5+5="
+    assert annotation_results(text) == ["24", "72", "error"]
+    assert annotation_results("no calls") == []

@@ -11,6 +11,7 @@ wrote the result itself. Past the budget nothing is injected and the policy comp
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
@@ -79,6 +80,15 @@ class CalculatorEpisode:
         call = ToolCall(index=len(self.calls), tool=Calculator.name, call=expression, result=result, error=error, latency_s=latency_s)
         self.calls.append(call)
         return Injection(text=result + CLOSE, call=call)
+
+
+_ANNOTATION = re.compile(r"<<[^<>]*?=([^<>=]*)>>")
+
+
+def annotation_results(text: str) -> list[str]:
+    """The results of a completion's closed annotations, in order: ``<<48/2=24>>`` gives ``"24"``
+    (``"error"`` where the calculator refused the expression)."""
+    return [result.strip() for result in _ANNOTATION.findall(text)]
 
 
 def _open_annotation_tail(text: str) -> str:
