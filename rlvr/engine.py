@@ -7,13 +7,19 @@ Requests join and leave the running batch at every decode step. Each :meth:`Engi
    to a fair share of the slots (``max_rows`` / requests waiting or running) and to ``max_share`` of
    the KV budget the other requests leave (so a new request always finds room for its first row);
    a row's first token is sampled from its prompt's last logits;
-3. prefills waiting prompts in chunks (shortest remaining first, older first among equals) under the
-   step's token budget (``step_tokens`` minus the running rows: a long prompt is spread over several
-   steps, interleaved with everyone's decoding);
-4. runs one decode step of every running row (``rlvr.fastpaths.fused_decode``), samples each row's
-   next token (``rlvr.rollout.sample_tokens``: per-row temperature and top-p; each row draws from its
-   own generator, seeded by its request's seed and its sample index, so a seeded request samples the
-   same tokens alone or beside any others), and retires the rows that finished.
+3. picks prompt chunks of the waiting requests (shortest remaining first, older first among equals)
+   under the step's token budget (``step_tokens`` minus the running rows: a long prompt is spread
+   over several steps, interleaved with everyone's decoding);
+4. runs **one forward** of the model over the step's tokens: every running row's next token (both
+   lanes, below) and the prompt chunks, flattened into one batch as vLLM's chunked prefill does, so
+   every linear layer reads its weights once per step (on a CPU a small batch's step costs about
+   what reading the weights costs, so two lanes and a prefill as three forwards cost nearly three
+   times one); attention runs per sequence (``rlvr.fastpaths.fused_decode.FusedDecoder.forward``),
+   and the output head only on the rows that sample;
+5. samples each row's next token (``rlvr.rollout.sample_tokens``: per-row temperature and top-p;
+   each row draws from its own generator, seeded by its request's seed and its sample index, so a
+   seeded request samples the same tokens alone or beside any others), retires the rows that
+   finished, and admits the rows of prompts the step completed.
 
 With an ``environment`` (tool calling), each row's episode sees its policy tokens
 (``rlvr.environments.driver``, as in ``rlvr.rollout``): an injection's tokens replace the row's next
@@ -52,8 +58,8 @@ from rlvr.answers import is_well_formed
 from rlvr.environments.base import Environment, Injection, ToolCall
 from rlvr.environments.driver import EpisodeDriver, TokenTexts, drives_episodes
 from rlvr.fastpaths import FastPaths
-from rlvr.fastpaths.fused_decode import fused_decoder
-from rlvr.rollout import _TAIL_TOKENS, SamplingConfig, _newline_counts, _stop_token_ids, is_greedy, last_position_logits, sample_tokens
+from rlvr.fastpaths.fused_decode import Attend, fused_decoder, gqa_attention
+from rlvr.rollout import _TAIL_TOKENS, SamplingConfig, _newline_counts, _stop_token_ids, is_greedy, sample_tokens
 
 SLOT_LENGTH_QUANTUM = 128  # slot lengths grow and shrink in these steps (fewer buffer reallocations)
 SHORT_LANE_TOKENS = 512  # rows of at most this many tokens (prompt + new) decode in a lane of their own
@@ -344,11 +350,8 @@ class Engine:
         with torch.inference_mode():
             self._drop_cancelled()
             self._admit_rows()
-            self._prefill(max(self.step_tokens - len(self.rows), self.step_tokens // 8))
+            self._forward(max(self.step_tokens - len(self.rows), self.step_tokens // 8))
             self._admit_rows()
-            for lane in self.lanes:
-                if lane.rows:
-                    self._decode(lane)
         if self.rows:
             self.step_seconds = 0.9 * self.step_seconds + 0.1 * (time.monotonic() - started)
 
@@ -443,11 +446,63 @@ class Engine:
             if not request._running:
                 self._finish(request)
 
-    def _prefill(self, budget: int) -> None:
-        """Prompt chunks of the waiting requests, shortest remaining first, within ``budget`` tokens."""
+    def _forward(self, prefill_budget: int) -> None:
+        """One forward of the model over the step's tokens: every lane's running rows (one token each)
+        and the prompt chunks :meth:`_prefill_chunks` picks, so the weights are read once per step
+        however many lanes and prompts take part; then each lane's rows sample and record their
+        tokens, and each prompt that is now whole keeps its last logits for its rows' first tokens."""
+        tokens, positions, segments, logits_at = [], [], [], []
+        decoding: list[tuple[Lane, list[int]]] = []
+        for lane in self.lanes:
+            self._resume_parked(lane)
+            live = [i for i, row in enumerate(lane.rows) if row.parked is None]
+            if not live:
+                continue
+            start, cache = sum(map(len, tokens)), lane.cache
+            rows = len(lane.rows)
+            cache.step_length = int(cache.lengths[:rows].max()) + 1
+            lane_positions = cache.lengths[:rows].clone()
+            tokens.append(lane.next_tokens)
+            positions.append(lane_positions)
+            segments.append((start, start + rows, _slot_attention(cache, lane_positions, self.device)))
+            logits_at += [start + i for i in live]  # parked rows ride along; their outputs are dropped
+            decoding.append((lane, live))
+        chunks = self._prefill_chunks(prefill_budget)
+        for request, begin, end in chunks:
+            start = sum(map(len, tokens))
+            tokens.append(torch.tensor(request.prompt_ids[begin:end]))
+            positions.append(torch.arange(begin, end))
+            segments.append((start, start + end - begin, _prompt_attention(request._cache, begin, end, self.device)))
+            logits_at.append(start + end - begin - 1)
+        if not segments:
+            return
+        logits = self.decoder.forward(
+            torch.cat(tokens).to(self.device), torch.cat(positions).to(self.device), _segmented(segments), torch.tensor(logits_at, device=self.device)
+        )
+        if decoding:
+            neighbours = len(self.running)
+            for request in self.running:
+                request.max_neighbours = max(request.max_neighbours, neighbours)
+        offset = 0
+        for lane, live in decoding:
+            rows = len(lane.rows)
+            if len(live) < rows:  # parked rows do not advance
+                lane.cache.lengths[live] += 1
+            else:
+                lane.cache.lengths[:rows] += 1
+            self._sampled(lane, live, logits[offset : offset + len(live)])
+            offset += len(live)
+        for k, (request, _, end) in enumerate(chunks):
+            request._prefilled = end
+            request._last_logits = logits[offset + k : offset + k + 1] if request.prefilled else None
+
+    def _prefill_chunks(self, budget: int) -> list[tuple[EngineRequest, int, int]]:
+        """Prompt chunks (request, first, end) of the waiting requests, shortest remaining first, within
+        ``budget`` tokens; a prompt starts only when its whole cache fits the KV budget."""
         now = time.monotonic()
         todo = [q for q in self.waiting if not q.prefilled and not q.cancelled.is_set()]
         todo.sort(key=lambda q: ((len(q.prompt_ids) - q._prefilled) / (1 + now - q.submitted_s), q.submitted_s))
+        chunks = []
         for request in todo:
             if budget <= 0:
                 break
@@ -455,31 +510,13 @@ class Engine:
                 if self.kv_bytes() + len(request.prompt_ids) * self.bytes_per_token > self.kv_budget_bytes:
                     continue
                 request._cache = DynamicCache(config=self.model.config)
-            start = request._prefilled
-            end = min(len(request.prompt_ids), start + budget)
-            ids = torch.tensor([request.prompt_ids[start:end]], device=self.device)
-            positions = torch.arange(start, end, device=self.device).unsqueeze(0)
-            request._last_logits = last_position_logits(self.model, input_ids=ids, position_ids=positions, past_key_values=request._cache)
-            request._prefilled, budget = end, budget - (end - start)
+            end = min(len(request.prompt_ids), request._prefilled + budget)
+            chunks.append((request, request._prefilled, end))
+            budget -= end - request._prefilled
+        return chunks
 
-    def _decode(self, lane: Lane) -> None:
-        self._resume_parked(lane)
-        cache, rows = lane.cache, len(lane.rows)
-        live = [i for i, row in enumerate(lane.rows) if row.parked is None]
-        if not live:
-            return
-        cache.step_length = int(cache.lengths[:rows].max()) + 1
-        positions = cache.lengths[:rows].clone()
-        mask = (torch.arange(cache.step_length).unsqueeze(0) <= positions.unsqueeze(1)).long()
-        logits = self.decoder(lane.next_tokens.to(self.device), positions.to(self.device), mask.to(self.device), cache)
-        neighbours = len(self.running)
-        for request in self.running:
-            request.max_neighbours = max(request.max_neighbours, neighbours)
-        if len(live) < rows:  # parked rows do not advance; their outputs are dropped
-            cache.lengths[live] += 1
-            logits = logits[torch.tensor(live, device=logits.device)]
-        else:
-            cache.lengths[:rows] += 1
+    def _sampled(self, lane: Lane, live: list[int], logits: torch.Tensor) -> None:
+        """The live rows' next tokens from their ``logits`` (or their environment's), recorded."""
         tokens, logprobs = self._sample(logits, [lane.rows[i] for i in live])
         forced = self._force_tokens(lane, live, tokens, logprobs)
         lane.next_tokens[live] = tokens
@@ -616,3 +653,41 @@ def _wake() -> None:
 
 def _quantized(length: int) -> int:
     return -(-length // SLOT_LENGTH_QUANTUM) * SLOT_LENGTH_QUANTUM
+
+
+def _slot_attention(cache: SlotCache, positions: torch.Tensor, device: torch.device) -> Attend:
+    """A lane's decode attention: each row's new key and value go into its slot at its position, and
+    its query attends over its slot up to there."""
+    used = cache.step_length
+    key_mask = (torch.arange(used).unsqueeze(0) <= positions.unsqueeze(1))[:, None, None, :]
+    key_mask = None if bool(key_mask.all()) else key_mask.to(device)
+
+    def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+        keys, values = cache.layers[index].update(keys.unsqueeze(2), values.unsqueeze(2))
+        return gqa_attention(queries.unsqueeze(2), keys, values, key_mask, scaling).view(len(queries), -1)
+
+    return attend
+
+
+def _prompt_attention(cache: DynamicCache, begin: int, end: int, device: torch.device) -> Attend:
+    """A prompt chunk's attention (positions ``begin`` .. ``end`` - 1): its keys and values are appended
+    to the prompt's cache, each query attends causally over the prompt so far."""
+    mask = (torch.arange(end).unsqueeze(0) <= torch.arange(begin, end).unsqueeze(1)).to(device)  # [chunk, end]
+
+    def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+        keys, values = cache.layers[index].update(keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0))
+        attended = gqa_attention(queries.transpose(0, 1).unsqueeze(0), keys, values, mask, scaling)
+        return attended[0].transpose(0, 1).reshape(len(queries), -1)
+
+    return attend
+
+
+def _segmented(segments: list[tuple[int, int, Attend]]) -> Attend:
+    """One :data:`Attend` over a flat batch whose rows ``start`` .. ``end`` - 1 belong to each segment."""
+    if len(segments) == 1:
+        return segments[0][2]
+
+    def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+        return torch.cat([fn(index, queries[a:b], keys[a:b], values[a:b], scaling) for a, b, fn in segments])
+
+    return attend

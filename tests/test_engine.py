@@ -59,6 +59,31 @@ def test_greedy_completions_equal_the_rollout_engines_whoever_joins_and_leaves(m
     )
 
 
+def test_each_step_is_one_forward_over_both_lanes_and_the_prompt_chunks(model, tokenizer):
+    """With a long request in the long lane, short ones in the short lane and prompts still
+    prefilling, a step still reads the weights once (one forward over all of its tokens), and every
+    completion is still what ``generate_rollouts`` gives its prompt alone."""
+    config = SamplingConfig(max_new_tokens=12, temperatures=[0.0], stop_at_final_answer=False)
+    expected = generate_rollouts(model, tokenizer, PROMPTS, 2, config)
+    engine = Engine(model, tokenizer, max_rows=6, step_tokens=8, kv_budget_bytes=2**24, short_lane_tokens=32)
+    forward, steps = engine.decoder.forward, []
+
+    def counted(tokens, positions, attend, logits_at=None):
+        steps[-1].append((len(tokens), [len(lane.rows) for lane in engine.lanes]))
+        return forward(tokens, positions, attend, logits_at)
+
+    engine.decoder = type("Counted", (), {"forward": staticmethod(counted)})()
+    original_step = engine.step
+    engine.step = lambda: (steps.append([]), original_step())
+    requests = [_request(tokenizer, p, samples=2, stop_at_final_answer=False) for p in PROMPTS]
+    _run(engine, {0: requests[3:], 3: requests[:3]})
+    assert all(len(calls) <= 1 for calls in steps)
+    rows_in_lanes = [lanes for calls in steps for _, lanes in calls]
+    mixed = [(tokens, lanes) for calls in steps for tokens, lanes in calls if all(lanes) and tokens > sum(lanes)]
+    assert mixed, f"no step decoded both lanes while a prompt prefilled: {rows_in_lanes}"
+    assert [ids for q in requests[:3] + requests[3:] for ids in q.token_ids] == expected.completion_token_lists()
+
+
 def test_a_seeded_request_samples_the_same_alone_or_in_a_crowd(model, tokenizer):
     def sampled(crowd: int) -> list[list[int]]:
         engine = Engine(model, tokenizer, max_rows=4, step_tokens=16, kv_budget_bytes=2**24)

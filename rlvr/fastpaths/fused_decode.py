@@ -18,7 +18,7 @@ quantized layers, sliding windows, other architectures), which then decodes thro
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -98,27 +98,51 @@ class FusedDecoder:
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         """``tokens`` and ``positions`` [rows]; ``attention_mask`` [rows, cached + 1] (0 on padding)."""
+        key_mask = None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
+
+        def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+            keys, values = cache.layers[index].update(keys.unsqueeze(2), values.unsqueeze(2))
+            return gqa_attention(queries.unsqueeze(2), keys, values, key_mask, scaling).view(len(queries), -1)
+
+        return self.forward(tokens, positions, attend)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """The next-token logits [len(logits_at) or tokens, vocab] of a flat batch of ``tokens`` at
+        ``positions`` [tokens], which may belong to different sequences (one decode token per row, a
+        chunk of a prompt): every linear layer runs once over all of them, and ``attend(layer,
+        queries, keys, values, scaling)`` ([tokens, heads or KV heads, head dim], rotary applied) stores
+        each sequence's keys and values where it keeps them and returns its attention outputs
+        [tokens, heads x head dim]. Only the rows ``logits_at`` go through the output head."""
         rows, heads, kv_heads, head_dim = len(tokens), self.num_heads, self.num_kv_heads, self.head_dim
         hidden = self.embed(tokens)  # [rows, hidden]
         cos, sin = self.rotary(hidden, positions.unsqueeze(1))  # [rows, 1, head_dim], broadcast over heads
-        key_mask = None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
         half, qk_width = head_dim // 2, (heads + kv_heads) * head_dim
         for index, (norm1, qkv_proj, o_proj, scaling, norm2, gate_up_proj, down_proj) in enumerate(self.layers):
             qkv = qkv_proj(_rms_norm(hidden, norm1))
             qk = qkv[:, :qk_width].view(rows, heads + kv_heads, head_dim)
             qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # rotate_half
-            values = qkv[:, qk_width:].view(rows, kv_heads, 1, head_dim)
-            keys, values = cache.layers[index].update(qk[:, heads:].unsqueeze(2), values)
-            queries = qk[:, :heads].unsqueeze(2)
-            # float32 for bf16 / fp16 as in rlvr.fastpaths.attention, but SDPA called directly with enable_gqa:
-            # transformers' SDPA wrapper regroups the heads for one query and was slower here
-            if hidden.dtype in LOW_PRECISION:
-                queries, keys, values = queries.float(), keys.float(), values.float()
-            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=key_mask, scale=scaling, enable_gqa=True)
-            hidden = hidden + o_proj(attended.to(hidden.dtype).view(rows, heads * head_dim))
+            values = qkv[:, qk_width:].view(rows, kv_heads, head_dim)
+            attended = attend(index, qk[:, :heads], qk[:, heads:], values, scaling)
+            hidden = hidden + o_proj(attended.to(hidden.dtype))
             gate_up = gate_up_proj(_rms_norm(hidden, norm2))
             hidden = hidden + down_proj(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])
+        if logits_at is not None:
+            hidden = hidden[logits_at]
         return self.head(_rms_norm(hidden, self.final_norm))
+
+
+Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def gqa_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Grouped-query attention [batch, heads, queries, head dim] over keys and values [batch, KV heads,
+    keys, head dim] (``mask``: True where a query may attend), in float32 for bf16 / fp16 as in
+    ``rlvr.fastpaths.attention``, but SDPA called directly with enable_gqa: transformers' SDPA
+    wrapper regroups the heads for one query and was slower here."""
+    dtype = queries.dtype
+    if dtype in LOW_PRECISION:
+        queries, keys, values = queries.float(), keys.float(), values.float()
+    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True).to(dtype)
 
 
 def _rms_norm(hidden: torch.Tensor, norm: nn.Module) -> torch.Tensor:
