@@ -41,6 +41,11 @@ START_WAIT_SECONDS = Histogram(
     documentation="Per request: from queueing to its first token",
     buckets=[0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60],
 )
+PROMPT_TOKENS = Counter(name="rlvr_prompt_tokens_total", documentation="Prompt tokens of the requests the engine served")
+PROMPT_TOKENS_CACHED = Counter(
+    name="rlvr_prompt_tokens_cached_total",
+    documentation="Prompt tokens whose keys and values came from the engine's prefix cache (not prefilled again)",
+)
 START_WAIT_ESTIMATE = Gauge(
     name="rlvr_start_wait_estimate_seconds",
     documentation="How long a new request would wait to start (what /readyz compares with its bound)",

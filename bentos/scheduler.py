@@ -28,7 +28,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from bentos.metrics import GENERATION_SECONDS, PASS_REQUESTS, ROLLOUTS_CANCELLED, ROLLOUTS_GENERATED, START_WAIT_ESTIMATE, START_WAIT_SECONDS
+from bentos.metrics import (
+    GENERATION_SECONDS,
+    PASS_REQUESTS,
+    PROMPT_TOKENS,
+    PROMPT_TOKENS_CACHED,
+    ROLLOUTS_CANCELLED,
+    ROLLOUTS_GENERATED,
+    START_WAIT_ESTIMATE,
+    START_WAIT_SECONDS,
+)
 from rlvr.engine import Engine, EngineRequest, continuous_batching_eligible
 from rlvr.environments.base import Environment, ToolCall
 from rlvr.rollout import SamplingConfig, generate_rollouts, is_greedy
@@ -136,6 +145,8 @@ class ContinuousScheduler:
         if request.first_token_s is not None:
             START_WAIT_SECONDS.observe(request.first_token_s - request.submitted_s)
         PASS_REQUESTS.observe(request.max_neighbours)
+        PROMPT_TOKENS.inc(len(request.prompt_ids))
+        PROMPT_TOKENS_CACHED.inc(request.cached_prompt_tokens)
         if not job.result.set_running_or_notify_cancel():  # its caller gave up
             return
         if request.error is not None:

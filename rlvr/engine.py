@@ -29,6 +29,11 @@ seconds) and its row is parked meanwhile: it rides along in the decode call with
 write at its next position is redone when it resumes) and draws nothing, so other requests go on.
 Other observations (a calculator's, microseconds) run inline.
 
+Prompt prefixes (``rlvr.prefix_cache``): a prompt's keys and values are kept in 16-token blocks once
+it is prefilled, and a later prompt that starts with the same blocks (the chat template and system
+prompt every request of a policy shares) prefills only the rest; the blocks count in the KV budget
+(at most ``prefix_cache_bytes``, an eighth of it by default) and give way to requests.
+
 KV cache: a :class:`SlotCache` holds one slot per running row, every slot as long as the longest
 row of its :class:`Lane` needs (prompt + new tokens), in buffers of [slots, KV heads, length, head
 dim] per layer; rows of at most ``SHORT_LANE_TOKENS`` have a lane (and a decode call) of their own, so
@@ -59,6 +64,7 @@ from rlvr.environments.base import Environment, Injection, ToolCall
 from rlvr.environments.driver import EpisodeDriver, TokenTexts, drives_episodes
 from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.fused_decode import Attend, fused_decoder, gqa_attention
+from rlvr.prefix_cache import PrefixCache
 from rlvr.rollout import _TAIL_TOKENS, SamplingConfig, _newline_counts, _stop_token_ids, is_greedy, sample_tokens
 
 SLOT_LENGTH_QUANTUM = 128  # slot lengths grow and shrink in these steps (fewer buffer reallocations)
@@ -109,6 +115,7 @@ class EngineRequest:
     first_token_s: float | None = None
     done_s: float | None = None
     max_neighbours: int = 1  # most requests that shared a decode step with it
+    cached_prompt_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
     error: Exception | None = None  # set when a step failed under it
     _prefilled: int = 0
     _cache: DynamicCache | None = None
@@ -254,6 +261,7 @@ class Engine:
         kv_budget_bytes: int = 2**30,
         max_share: float = 0.5,
         short_lane_tokens: int | None = SHORT_LANE_TOKENS,
+        prefix_cache_bytes: int | None = None,
         fast_paths: FastPaths = FastPaths(),
     ):
         self.model, self.tokenizer = model, tokenizer
@@ -263,6 +271,7 @@ class Engine:
             raise ValueError("continuous batching needs the fused decoder (rlvr.engine.continuous_batching_eligible)")
         self.device = next(model.parameters()).device
         self.bytes_per_token = kv_cache_bytes_per_token(model.config, model.dtype)
+        self.prefixes = PrefixCache(self.bytes_per_token, kv_budget_bytes // 8 if prefix_cache_bytes is None else prefix_cache_bytes)
         self.stop_ids = _stop_token_ids(model, tokenizer, SamplingConfig())
         self.newlines = _newline_counts(tokenizer, model)
         self.token_texts = TokenTexts(tokenizer)
@@ -281,7 +290,12 @@ class Engine:
         return [row for lane in self.lanes for row in lane.rows]
 
     def kv_bytes(self) -> int:
-        """The KV cache held: every lane's slots, and the prompt caches of requests whose rows wait."""
+        """The KV cache held: every lane's slots, the prompt caches of requests whose rows wait, and the
+        prefix cache's blocks."""
+        return self._reserved_bytes() + self.prefixes.bytes
+
+    def _reserved_bytes(self) -> int:
+        """The KV cache requests hold (the prefix cache's blocks give way to it)."""
         return sum(lane.cache.bytes(self.bytes_per_token) for lane in self.lanes) + self._prompt_cache_bytes()
 
     # ---- from any thread ----------------------------------------------------------------------
@@ -413,10 +427,11 @@ class Engine:
         rows_needed = len(lane.rows) + count
         if rows_needed > cache.capacity_rows or length > cache.capacity_length:
             capacity = min(self.max_rows, max(rows_needed, 8, 2 * cache.capacity_rows if cache.capacity_rows < rows_needed else 0))
-            held = self.kv_bytes() - cache.bytes(self.bytes_per_token)
+            held = self._reserved_bytes() - cache.bytes(self.bytes_per_token)
             while cache.bytes(self.bytes_per_token, capacity, length) + held > self.kv_budget_bytes and capacity > rows_needed:
                 capacity -= 1
             cache.resize(capacity, length, request._cache.layers[0].keys)
+            self.prefixes.shrink_to(self.kv_budget_bytes - self._reserved_bytes())
         slots = cache.add_rows(request._cache, count)
         samples = range(request._next_sample, request._next_sample + count)
         request._next_sample += count
@@ -495,10 +510,13 @@ class Engine:
         for k, (request, _, end) in enumerate(chunks):
             request._prefilled = end
             request._last_logits = logits[offset + k : offset + k + 1] if request.prefilled else None
+            if request.prefilled:
+                self.prefixes.store(request.prompt_ids, request._cache, self.kv_budget_bytes - self._reserved_bytes())
 
     def _prefill_chunks(self, budget: int) -> list[tuple[EngineRequest, int, int]]:
         """Prompt chunks (request, first, end) of the waiting requests, shortest remaining first, within
-        ``budget`` tokens; a prompt starts only when its whole cache fits the KV budget."""
+        ``budget`` tokens; a prompt starts only when its whole cache fits the KV budget (the prefix
+        cache giving way), after the blocks of it the prefix cache holds."""
         now = time.monotonic()
         todo = [q for q in self.waiting if not q.prefilled and not q.cancelled.is_set()]
         todo.sort(key=lambda q: ((len(q.prompt_ids) - q._prefilled) / (1 + now - q.submitted_s), q.submitted_s))
@@ -507,9 +525,12 @@ class Engine:
             if budget <= 0:
                 break
             if request._cache is None:
-                if self.kv_bytes() + len(request.prompt_ids) * self.bytes_per_token > self.kv_budget_bytes:
+                if self._reserved_bytes() + len(request.prompt_ids) * self.bytes_per_token > self.kv_budget_bytes:
                     continue
-                request._cache = DynamicCache(config=self.model.config)
+                request._prefilled, cache = self.prefixes.lookup(request.prompt_ids, self.model.config)
+                request.cached_prompt_tokens = request._prefilled
+                request._cache = cache if cache is not None else DynamicCache(config=self.model.config)
+                self.prefixes.shrink_to(self.kv_budget_bytes - self._reserved_bytes())
             end = min(len(request.prompt_ids), request._prefilled + budget)
             chunks.append((request, request._prefilled, end))
             budget -= end - request._prefilled

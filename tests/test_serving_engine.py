@@ -45,7 +45,10 @@ def test_short_requests_are_answered_within_seconds_while_maximum_cost_ones_run(
         assert all(len(f.result()["answers"]) == 8 for f in longs)
         long_s = time.monotonic() - started
     assert len(short_s) >= 2 and max(short_s) < long_s / 3, (short_s, long_s)
-    assert _metric(server.metrics(), "rlvr_pass_requests_sum") > _metric(server.metrics(), "rlvr_pass_requests_count")  # shared steps
+    metrics = server.metrics()
+    assert _metric(metrics, "rlvr_pass_requests_sum") > _metric(metrics, "rlvr_pass_requests_count")  # shared steps
+    # every /solve prompt starts with the same chat template and system prompt: later ones are not prefilled again
+    assert 0 < _metric(metrics, "rlvr_prompt_tokens_cached_total") < _metric(metrics, "rlvr_prompt_tokens_total")
 
 
 def test_readyz_is_503_while_a_new_request_would_wait_past_its_bound_and_200_after(server):
