@@ -47,7 +47,7 @@ from bentos.schemas import (
 )
 from bentos.traffic_log import generation_fields
 from rlvr.evaluation import majority_vote
-from rlvr.prompts import ControlTokensError, render_messages
+from rlvr.prompts import ControlTokensError, render_messages, with_instructions
 from rlvr.rollout import TokenScores, score_tokens
 
 logger = logging.getLogger("bentoml.rlvr_policy")
@@ -173,11 +173,16 @@ class OpenAIProtocol:
         )
 
     def _openai_prompts(self, body, chat: bool) -> list[list[int]]:
-        """The request's prompts as token ids: the chat messages rendered by ``render_messages`` (a 400
-        naming the message that holds control tokens), or the completions' prompts as they are."""
+        """The request's prompts as token ids: the chat messages with the policy's environment's
+        instructions (``with_instructions``) rendered by ``render_messages`` (a 400 naming the message
+        that holds control tokens), or the completions' prompts as they are."""
         if chat:
+            messages = [m.model_dump() for m in body.messages]
+            fields = [f"messages[{i}].content" for i in range(len(messages))]
+            messages = with_instructions(messages, self.environment)  # the tool instructions the policy was trained with
+            fields = ["environment instructions"] * (len(messages) - len(fields)) + fields
             try:
-                rendered = render_messages(self.prompt_tokenizer, [m.model_dump() for m in body.messages])
+                rendered = render_messages(self.prompt_tokenizer, messages, fields)
             except ControlTokensError as err:
                 raise invalid_request("ChatCompletionRequest", err.field, str(err)) from None
             return [self.prompt_tokenizer(rendered, add_special_tokens=False).input_ids]

@@ -26,6 +26,18 @@ def system_prompt_for(environment: Any = None) -> str:
     return f"{SYSTEM_PROMPT}\n\n{instructions}" if instructions else SYSTEM_PROMPT
 
 
+def with_instructions(messages: list[dict[str, str]], environment: Any = None) -> list[dict[str, str]]:
+    """A client's chat ``messages`` with ``environment``'s instructions (how to call its tool) as the
+    policy was trained with them: appended to the conversation's system message, or as a system
+    message of their own before the others when there is none. Unchanged without instructions."""
+    instructions = (getattr(environment, "instructions", "") or "").strip()
+    if not instructions:
+        return messages
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{instructions}"}, *messages[1:]]
+    return [{"role": "system", "content": instructions}, *messages]
+
+
 def build_messages(question: str, system_prompt: str = SYSTEM_PROMPT) -> list[dict[str, str]]:
     """Chat messages for one problem: a system prompt asking for reasoning and a final '#### <number>' line."""
     question = question.strip()

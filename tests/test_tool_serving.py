@@ -14,8 +14,10 @@ import json
 import pytest
 
 from bentos.build import MODEL_VERSION_LABEL, build_bento, store_policy
+from conftest import tiny_llama_with_embedded_tokenizer
 from rlvr.environments import Calculator, ToolBudget
 from rlvr.policy import write_environment
+from rlvr.prompts import render_messages, with_instructions
 from rlvr.traffic import read_traffic
 from test_bento_service import serving
 from test_tool_assets import GREEDY_WITH_CALCULATOR, save_calculator_llama
@@ -84,3 +86,16 @@ def test_the_traffic_log_keeps_the_tool_calls(server):
     server.post_ok("/solve", {"question": f"{QUESTION} (logged)", "k": 1, "max_new_tokens": 32})
     (record,) = [r for r in read_traffic(server.traffic_dir).records if r["prompt"].endswith("(logged)")]
     assert [[c["call"] for c in calls] for calls in record["tool_calls"]] == [["6*7"]]
+
+
+def test_a_chat_clients_system_message_gets_the_tool_instructions_the_policy_was_trained_with(server):
+    _, tokenizer = tiny_llama_with_embedded_tokenizer(seed=0, tie_word_embeddings=False)
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": QUESTION}]
+    out = server.post_ok("/v1/chat/completions", {"model": "rlvr_policy", "messages": messages, "max_tokens": 8, "temperature": 0})
+
+    def tokens(conversation) -> int:
+        return len(tokenizer(render_messages(tokenizer, conversation), add_special_tokens=False).input_ids)
+
+    served = with_instructions(messages, ENVIRONMENT)
+    assert served[0]["content"] == "Answer briefly.\n\n" + ENVIRONMENT.instructions
+    assert out["usage"]["prompt_tokens"] == tokens(served) > tokens(messages)
