@@ -33,6 +33,7 @@ def main() -> None:
         base, trained = evaluation_rows(conn, meta["base_eval_id"].value), evaluation_rows(conn, meta["trained_eval_id"].value)
         sft = sft_rows(conn, trained, settings)
         whole = widest_shared_evaluation(conn, [r[0]["policy_version"] for r in (base, sft, trained) if r], len(trained))
+        against = paired_against(conn, trained[0]["policy_version"], args.against, [r["problem_id"] for r in trained]) if args.against else []
         source = conn.execute("SELECT any_value(source), count(*) FILTER (split = 'train') FROM gsm8k_problems").fetchone()
         curve = conn.execute(  # the training run's mean reward per reward function, per block of 10 steps
             "SELECT reward_name, list(round(value, 3) ORDER BY block) FROM (SELECT reward_name, (step - 1) // 10 AS block, "
@@ -65,26 +66,31 @@ def main() -> None:
     print(f"\nevaluation on {len(trained)} held-out problems, greedy, max {config.max_new_tokens} new tokens\n")
     print_table(stages, config)
     print_calculator_use(stages, gold)
-    if args.against:
-        other = trained_rows_of(args.against, [r["problem_id"] for r in trained])
-        print(f"\nthis run's trained policy against {args.against}'s, on the same {len(trained)} problems\n")
-        print_table([(f"{args.against.name} trained", other), (f"{settings.home.name} trained", trained)], config)
+    for other, mine in against:
+        print(f"\nthis run's trained policy against {args.against}'s, on the same {len(mine)} problems\n")
+        print_table([(f"{args.against.name} trained", other), (f"{settings.home.name} trained", mine)], config)
+        print_calculator_use([(f"{settings.home.name} trained", mine)], gold)
     if whole:
         print(f"\nthe same policies on {len(whole[0])} problems of the {whole[0][0]['split']} split (their policy_evaluation partitions)\n")
         print_table([(label, rows_) for (label, _), rows_ in zip(stages, whole)], config)
     print("\ntraining reward per block of 10 steps: " + "; ".join(f"{name} {values}" for name, values in sorted(curve)))
 
 
-def trained_rows_of(home: Path, problem_ids: list[str]) -> list[dict]:
-    """The rows of the latest ``grpo_checkpoint`` of the experiment in ``home`` on ``problem_ids`` (its
-    eval_report or its policy_evaluation on those problems)."""
-    version = ModelStore(root=str(home / "models")).latest("grpo_checkpoint").version
-    with duckdb.connect(str(home / "rlvr.duckdb"), read_only=True) as conn:
-        eval_id = evaluations(conn, version).get(tuple(sorted(problem_ids)))
-        if eval_id is None:
-            raise SystemExit(f"{home}: grpo_checkpoint {version} has no evaluation on these {len(problem_ids)} problems")
-        by_id = {r["problem_id"]: r for r in evaluation_rows(conn, eval_id)}
-    return [by_id[p] for p in problem_ids]
+def paired_against(conn, version: str, home: Path, problem_ids: list[str]) -> list[tuple[list[dict], list[dict]]]:
+    """(the rows of the latest ``grpo_checkpoint`` of the experiment in ``home``, this run's ``version``'s
+    rows) on ``problem_ids`` (the eval_report's), then on the widest problem set both policies were
+    evaluated on (e.g. both ``policy_evaluation`` partitions on the whole test split) when it is wider."""
+    other = ModelStore(root=str(home / "models")).latest("grpo_checkpoint").version
+    mine = evaluations(conn, version)
+    with duckdb.connect(str(home / "rlvr.duckdb"), read_only=True) as other_conn:
+        theirs = evaluations(other_conn, other)
+        sets = [tuple(sorted(problem_ids))]
+        widest = max(set(mine) & set(theirs), key=len, default=())
+        if len(widest) > len(sets[0]):
+            sets.append(widest)
+        if sets[0] not in theirs:
+            raise SystemExit(f"{home}: grpo_checkpoint {other} has no evaluation on these {len(problem_ids)} problems")
+        return [(evaluation_rows(other_conn, theirs[ids]), evaluation_rows(conn, mine[ids])) for ids in sets]
 
 
 def evaluation_rows(conn, eval_id: str) -> list[dict]:
