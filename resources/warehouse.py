@@ -333,6 +333,11 @@ def _apply(conn, op: Write, view: str) -> None:
     conn.execute(SCHEMAS.get(op.table) or f'CREATE TABLE IF NOT EXISTS {table} AS SELECT * FROM "{view}" LIMIT 0')
     for statement in MIGRATIONS.get(op.table, []):
         conn.execute(statement)
+    if op.table not in SCHEMAS:  # a table made from frames takes the columns a later frame adds (earlier rows get NULL)
+        existing = {name for (name,) in conn.execute("SELECT column_name FROM information_schema.columns WHERE table_name = ?", [op.table]).fetchall()}
+        for name, dtype, *_ in conn.execute(f'DESCRIBE SELECT * FROM "{view}"').fetchall():
+            if name not in existing:
+                conn.execute(f'ALTER TABLE {table} ADD COLUMN "{name}" {dtype}')
     if isinstance(op, Upsert):
         conn.execute(f'DELETE FROM {table} WHERE "{op.key}" IN (SELECT DISTINCT "{op.key}" FROM "{view}")')
         conn.execute(f'INSERT INTO {table} BY NAME SELECT * FROM "{view}"')

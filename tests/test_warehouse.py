@@ -30,6 +30,16 @@ def test_upsert_replaces_by_key_and_append_skips_stored_keys(warehouse):
     assert rows(warehouse, "t") == [("z", 0)] and warehouse.row_count("t") == 1 and warehouse.row_count("missing") == 0
 
 
+def test_a_later_frame_with_more_columns_adds_them_and_keeps_the_stored_rows(warehouse):
+    """An evaluation with several samples per problem writes columns a greedy one did not (num_samples,
+    pass@k): the table takes them, the earlier rows keep their values with NULL in the new columns."""
+    warehouse.upsert("e", pd.DataFrame({"k": ["a"], "v": [1]}), key="k")
+    warehouse.upsert("e", pd.DataFrame({"k": ["b"], "v": [2], "num_samples": [4], "pass_at_4": [0.5]}), key="k")
+    assert rows(warehouse, "e") == [("a", 1, None, None), ("b", 2, 4, 0.5)]
+    warehouse.write(Append("e", pd.DataFrame({"k": ["c"], "v": [3]}), key="k"))  # fewer columns: NULL in the others
+    assert rows(warehouse, "e")[-1] == ("c", 3, None, None)
+
+
 def test_a_failing_write_leaves_every_table_as_it_was(warehouse):
     warehouse.replace_tables({"a": pd.DataFrame({"x": [1]}), "b": pd.DataFrame({"y": [1]})})
     with pytest.raises(duckdb.Error):
