@@ -63,7 +63,7 @@ from rlvr.answers import is_well_formed
 from rlvr.environments.base import Environment, Injection, ToolCall
 from rlvr.environments.driver import EpisodeDriver, TokenTexts, drives_episodes
 from rlvr.fastpaths import FastPaths
-from rlvr.fastpaths.fused_decode import Attend, fused_decoder, gqa_attention
+from rlvr.fastpaths.fused_decode import Attend, cached_attention, fused_decoder, gqa_attention
 from rlvr.prefix_cache import PrefixCache
 from rlvr.rollout import _TAIL_TOKENS, SamplingConfig, _newline_counts, _stop_token_ids, is_greedy, sample_tokens
 
@@ -679,15 +679,8 @@ def _quantized(length: int) -> int:
 def _slot_attention(cache: SlotCache, positions: torch.Tensor, device: torch.device) -> Attend:
     """A lane's decode attention: each row's new key and value go into its slot at its position, and
     its query attends over its slot up to there."""
-    used = cache.step_length
-    key_mask = (torch.arange(used).unsqueeze(0) <= positions.unsqueeze(1))[:, None, None, :]
-    key_mask = None if bool(key_mask.all()) else key_mask.to(device)
-
-    def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
-        keys, values = cache.layers[index].update(keys.unsqueeze(2), values.unsqueeze(2))
-        return gqa_attention(queries.unsqueeze(2), keys, values, key_mask, scaling).view(len(queries), -1)
-
-    return attend
+    key_mask = (torch.arange(cache.step_length).unsqueeze(0) <= positions.unsqueeze(1))[:, None, None, :]
+    return cached_attention(cache, None if bool(key_mask.all()) else key_mask.to(device))
 
 
 def _prompt_attention(cache: DynamicCache, begin: int, end: int, device: torch.device) -> Attend:

@@ -40,7 +40,7 @@ class PrefixCache:
     def __init__(self, bytes_per_token: int, limit_bytes: int, block_tokens: int = BLOCK_TOKENS):
         self.block_bytes, self.limit_bytes, self.block_tokens = bytes_per_token * block_tokens, limit_bytes, block_tokens
         self._blocks: OrderedDict[int, _Block] = OrderedDict()
-        self.hit_tokens = self.prompt_tokens = 0  # prompt tokens taken from the cache, and looked up
+        self.hit_tokens = 0  # prompt tokens taken from the cache
 
     @property
     def bytes(self) -> int:
@@ -71,7 +71,6 @@ class PrefixCache:
 
     def lookup(self, ids: Sequence[int], config: Any) -> tuple[int, DynamicCache | None]:
         """(tokens of ``ids`` found, a prompt cache holding their keys and values), (0, None) on a miss."""
-        self.prompt_tokens += len(ids)
         if not self.limit_bytes:
             return 0, None
         hits = [(key, block) for key, block in self._run(ids) if block is not None]

@@ -22,19 +22,26 @@ def system_prompt_for(environment: Any = None) -> str:
     """The system prompt of a policy that rolls out in ``environment`` (an ``rlvr.environments``
     Environment, None for single-turn): :data:`SYSTEM_PROMPT` with the environment's instructions
     (how to call its tool) appended. Training, evaluation and serving all ask here."""
+    return _with_instructions(SYSTEM_PROMPT, environment)
+
+
+def _with_instructions(system_prompt: str, environment: Any) -> str:
+    """``system_prompt`` with ``environment``'s instructions (how to call its tool) after it, if any."""
     instructions = (getattr(environment, "instructions", "") or "").strip()
-    return f"{SYSTEM_PROMPT}\n\n{instructions}" if instructions else SYSTEM_PROMPT
+    if not instructions:
+        return system_prompt
+    return f"{system_prompt}\n\n{instructions}" if system_prompt else instructions
 
 
 def with_instructions(messages: list[dict[str, str]], environment: Any = None) -> list[dict[str, str]]:
     """A client's chat ``messages`` with ``environment``'s instructions (how to call its tool) as the
     policy was trained with them: appended to the conversation's system message, or as a system
     message of their own before the others when there is none. Unchanged without instructions."""
-    instructions = (getattr(environment, "instructions", "") or "").strip()
+    instructions = _with_instructions("", environment)
     if not instructions:
         return messages
     if messages and messages[0]["role"] == "system":
-        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{instructions}"}, *messages[1:]]
+        return [{**messages[0], "content": _with_instructions(messages[0]["content"], environment)}, *messages[1:]]
     return [{"role": "system", "content": instructions}, *messages]
 
 

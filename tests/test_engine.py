@@ -1,6 +1,8 @@
 """Iteration-level scheduling (rlvr.engine): the same completions as the rollout engine, whoever joins
 and leaves around them; chunked prefill interleaved with decoding; fair shares; the KV budget held."""
 
+from typing import Callable
+
 import pytest
 import torch
 
@@ -43,6 +45,17 @@ def _run(engine: Engine, arrivals: dict[int, list[EngineRequest]], max_steps: in
     raise AssertionError("the engine did not finish")
 
 
+def watch_forwards(engine: Engine, seen: Callable[[torch.Tensor], None]) -> None:
+    """Show ``seen`` the tokens of each of the engine's forwards (before it runs)."""
+    forward = engine.decoder.forward
+
+    def watched(tokens, positions, attend, logits_at=None):
+        seen(tokens)
+        return forward(tokens, positions, attend, logits_at)
+
+    engine.decoder = type("Watched", (), {"forward": staticmethod(watched)})()
+
+
 def test_greedy_completions_equal_the_rollout_engines_whoever_joins_and_leaves(model, tokenizer):
     """Prompts arriving at different steps, a 3-row batch, 5-token prefill chunks: each completion and
     finish reason is what ``generate_rollouts`` gives the prompt alone."""
@@ -66,13 +79,8 @@ def test_each_step_is_one_forward_over_both_lanes_and_the_prompt_chunks(model, t
     config = SamplingConfig(max_new_tokens=12, temperatures=[0.0], stop_at_final_answer=False)
     expected = generate_rollouts(model, tokenizer, PROMPTS, 2, config)
     engine = Engine(model, tokenizer, max_rows=6, step_tokens=8, kv_budget_bytes=2**24, short_lane_tokens=32)
-    forward, steps = engine.decoder.forward, []
-
-    def counted(tokens, positions, attend, logits_at=None):
-        steps[-1].append((len(tokens), [len(lane.rows) for lane in engine.lanes]))
-        return forward(tokens, positions, attend, logits_at)
-
-    engine.decoder = type("Counted", (), {"forward": staticmethod(counted)})()
+    steps = []
+    watch_forwards(engine, lambda tokens: steps[-1].append((len(tokens), [len(lane.rows) for lane in engine.lanes])))
     original_step = engine.step
     engine.step = lambda: (steps.append([]), original_step())
     requests = [_request(tokenizer, p, samples=2, stop_at_final_answer=False) for p in PROMPTS]

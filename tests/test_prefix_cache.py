@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from rlvr.engine import Engine, EngineRequest, kv_cache_bytes_per_token
 from rlvr.prefix_cache import PrefixCache
 from rlvr.rollout import SamplingConfig, generate_rollouts
-from test_engine import _run
+from test_engine import _run, watch_forwards
 from tiny_policy import char_tokenizer, tiny_llama
 
 SHARED = "solve step by step and end with the answer line: "  # 49 characters, three whole blocks of 16
@@ -27,13 +27,8 @@ def model(tokenizer):
 
 def _prefilled_tokens(engine: Engine) -> list[int]:
     """Patch the engine's decoder to count, per forward, the tokens that are not decode rows."""
-    forward, counts = engine.decoder.forward, []
-
-    def counted(tokens, positions, attend, logits_at=None):
-        counts.append(len(tokens) - len(engine.rows))
-        return forward(tokens, positions, attend, logits_at)
-
-    engine.decoder = type("Counted", (), {"forward": staticmethod(counted)})()
+    counts = []
+    watch_forwards(engine, lambda tokens: counts.append(len(tokens) - len(engine.rows)))
     return counts
 
 

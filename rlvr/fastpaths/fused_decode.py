@@ -99,12 +99,7 @@ class FusedDecoder:
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         """``tokens`` and ``positions`` [rows]; ``attention_mask`` [rows, cached + 1] (0 on padding)."""
         key_mask = None if bool(attention_mask.all()) else attention_mask.bool()[:, None, None, :]
-
-        def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
-            keys, values = cache.layers[index].update(keys.unsqueeze(2), values.unsqueeze(2))
-            return gqa_attention(queries.unsqueeze(2), keys, values, key_mask, scaling).view(len(queries), -1)
-
-        return self.forward(tokens, positions, attend)
+        return self.forward(tokens, positions, cached_attention(cache, key_mask))
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend, logits_at: torch.Tensor | None = None) -> torch.Tensor:
         """The next-token logits [len(logits_at) or tokens, vocab] of a flat batch of ``tokens`` at
@@ -132,6 +127,18 @@ class FusedDecoder:
 
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def cached_attention(cache: Any, key_mask: torch.Tensor | None) -> Attend:
+    """Decode attention of one new token per row: its key and value go into ``cache`` (its layers'
+    ``update``, which returns each row's keys and values so far), its query attends over them
+    (``key_mask`` [rows, 1, 1, keys]: True where it may; None: everywhere)."""
+
+    def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+        keys, values = cache.layers[index].update(keys.unsqueeze(2), values.unsqueeze(2))
+        return gqa_attention(queries.unsqueeze(2), keys, values, key_mask, scaling).view(len(queries), -1)
+
+    return attend
 
 
 def gqa_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
