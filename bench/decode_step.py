@@ -8,7 +8,8 @@ fused decoder) and with them all off (the model's own forward on a growing cache
 the engine ran on CUDA before). A decode step's time is the difference between a run of
 ``--tokens`` tokens and a run of one token (so the prefill cancels), divided by ``--tokens - 1``:
 median of ``--repeats`` after a warm-up (which captures the graphs). The bound is the time to read
-the weights once per step at ``--bandwidth-gbs`` (default: an H100 SXM's 3,350 GB/s).
+the weights once per step at ``--bandwidth-gbs`` (default: the GPU's datasheet bandwidth, e.g. an
+H100 SXM's 3,350 GB/s, an H200's 4,800 GB/s).
 
 ``--from-config`` builds random weights from the folder's config (it needs only the config and
 tokenizer files): every row then runs to the token budget, which is what a step's time needs.
@@ -31,6 +32,7 @@ from rlvr.policy import load_policy, load_tokenizer
 from rlvr.prompts import render_prompt
 from rlvr.rollout import SamplingConfig, generate_rollouts
 
+DATASHEET_BANDWIDTH_GBS = {"H200": 4800.0, "H100 NVL": 3900.0, "H100 PCIe": 2000.0, "H100": 3350.0, "A100-SXM4-80GB": 2039.0, "A100": 1555.0}
 PLAIN = FastPaths(fused_decode=False, packed_linears=False, cuda_graphs=False)
 
 
@@ -64,7 +66,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--bandwidth-gbs", type=float, default=3350.0, help="memory bandwidth of the weight-read bound")
+    parser.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth of the weight-read bound (default: the GPU's datasheet figure)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--from-config", action="store_true", help="random weights from the folder's config: rows run to the budget")
     args = parser.parse_args()
@@ -80,6 +82,12 @@ def main() -> None:
     else:
         model, tokenizer = load_policy(args.model, args.device, dtype)
     model.eval()
+    if args.bandwidth_gbs is None:
+        name = torch.cuda.get_device_name() if args.device.startswith("cuda") else ""
+        known = [gbs for model, gbs in DATASHEET_BANDWIDTH_GBS.items() if model in name]
+        if not known:
+            parser.error(f"no datasheet bandwidth for {name or 'this CPU'}: give --bandwidth-gbs")
+        args.bandwidth_gbs = known[0]
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bound_ms = weight_bytes / (args.bandwidth_gbs * 1e9) * 1000
     for rows in args.rows:

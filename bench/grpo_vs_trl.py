@@ -14,7 +14,9 @@ configurations is compared with the fastest TRL run at its precision.
     python bench/grpo_vs_trl.py .rlvr/models/base_policy/<version> --prompts 2 --group 4 --tokens 128 --steps 5
 
 On a machine with CUDA both trainers run on the GPU (``--device``), and each row also reports its
-peak GPU memory.
+peak GPU memory. ``--configs`` runs some of the rows (by index; at least one TRL row);
+``--micro-batch`` sets our update's micro-batch and TRL's per-device batch with gradient
+accumulation over the step (the default, the whole step in one micro-batch, fits small steps only).
 """
 
 from __future__ import annotations
@@ -73,7 +75,7 @@ def run_rlvr(args, stop_at_final_answer: bool, compute_dtype: str = "float32") -
         total_steps=args.steps,
         aggregation="token-mean",
         beta=0.0,
-        micro_batch_size=args.prompts * args.group,
+        micro_batch_size=args.micro_batch or args.prompts * args.group,
         skip_zero_variance=False,
         compute_dtype=compute_dtype,
         sampling=SamplingConfig(max_new_tokens=args.tokens, temperatures=[1.0], stop_at_final_answer=stop_at_final_answer),
@@ -122,7 +124,8 @@ def run_trl(args, gradient_checkpointing: bool, bf16: bool | None) -> list[dict]
     with tempfile.TemporaryDirectory() as out:
         config = TRLConfig(
             output_dir=out,
-            per_device_train_batch_size=args.prompts * args.group,
+            per_device_train_batch_size=args.micro_batch or args.prompts * args.group,
+            gradient_accumulation_steps=args.prompts * args.group // (args.micro_batch or args.prompts * args.group),
             num_generations=args.group,
             max_completion_length=args.tokens,
             temperature=1.0,
@@ -184,16 +187,27 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument(
+        "--micro-batch", type=int, help="completions per forward/backward of the update (default: the whole step's); TRL accumulates gradients over the step"
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--configs", type=int, nargs="+", help=f"which rows to run, by index into the table's {len(ROWS)} rows (default: all)")
     parser.add_argument("--row", type=int, help=argparse.SUPPRESS)  # run one row here (the parent's child)
     args = parser.parse_args()
+    if args.micro_batch and (args.prompts * args.group) % args.micro_batch:
+        parser.error("--micro-batch must divide --prompts x --group")
+    chosen = args.configs or list(range(len(ROWS)))
+    if not set(chosen) <= set(range(len(ROWS))):
+        parser.error(f"--configs takes row indices 0..{len(ROWS) - 1}")
+    if not any(ROWS[i][0].startswith("TRL") for i in chosen):
+        parser.error("--configs must include a TRL row: every rlvr-ops row is compared with TRL")
     if args.row is not None:
         torch.manual_seed(0)
         name, precision, run = ROWS[args.row]
         print("RESULT " + json.dumps(summarize(name, run(args)) | {"precision": precision}), flush=True)
         return
     results = []
-    for row in range(len(ROWS)):  # each in a fresh process: no state (allocator, threads) carries over
+    for row in chosen:  # each in a fresh process: no state (allocator, threads) carries over
         child = subprocess.run([sys.executable, *sys.argv, "--row", str(row)], capture_output=True, text=True)
         lines = [line for line in child.stdout.splitlines() if line.startswith("RESULT ")]
         if child.returncode != 0 or not lines:
@@ -202,13 +216,14 @@ def main() -> None:
         print(json.dumps(results[-1]), flush=True)
     trl = [r for r in results if r["trainer"].startswith("TRL")]
     baseline = trl[0]["tokens_per_s"]
-    fastest_trl = {p: max(r["tokens_per_s"] for r in trl if r["precision"] == p) for p in ("fp32", "bf16")}
+    fastest_trl = {p: max(r["tokens_per_s"] for r in trl if r["precision"] == p) for p in ("fp32", "bf16") if any(r["precision"] == p for r in trl)}
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else f"cpu, {torch.get_num_threads()} threads"
     print(f"\n{args.prompts} prompts x {args.group} completions x {args.tokens} tokens, beta 0, {where}\n")
-    print("| trainer | median step (s) | completion tokens / step | tokens / s | vs TRL defaults | vs fastest TRL, same precision |")
+    versus = "TRL defaults" if trl[0]["trainer"] == ROWS[0][0] else "first TRL row"
+    print(f"| trainer | median step (s) | completion tokens / step | tokens / s | vs {versus} | vs fastest TRL, same precision |")
     print("|---|---|---|---|---|---|")
     for r in results:
-        same = "" if r in trl else f"{r['tokens_per_s'] / fastest_trl[r['precision']]:.2f}x"
+        same = "" if r in trl or r["precision"] not in fastest_trl else f"{r['tokens_per_s'] / fastest_trl[r['precision']]:.2f}x"
         print(f"| {r['trainer']} | {r['median_step_s']} | {r['mean_tokens_per_step']} | {r['tokens_per_s']} | {r['tokens_per_s'] / baseline:.2f}x | {same} |")
     print(json.dumps(results))
 

@@ -82,7 +82,7 @@ def test_sampled_logprobs_equal_the_trainers_recomputed_ones(device, compute_dty
     config = GRPOConfig(group_size=8, prompts_per_step=4, sampling=sampling, lr=1e-6, total_steps=1, micro_batch_size=32, compute_dtype=compute_dtype)
     trainer = GRPOTrainer(model, tokenizer, config, even_first_digit)
     rollouts = generate_rollouts(trainer.rollout_policy, tokenizer, [p["prompt"] for p in COPY_DIGIT_PROBLEMS[:4]], 8, sampling)
-    batch = pack_rows(rollouts, torch.arange(len(rollouts)))
+    batch = pack_rows(rollouts, torch.arange(len(rollouts)), device)
     with torch.no_grad(), trainer._autocast():
         recomputed, _ = completion_logprobs(trainer.policy, batch, share_prompts=True, with_entropy=False)
     mask = batch.mask.bool()

@@ -4,6 +4,7 @@ never end the row; without an environment nothing changes."""
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field, replace
 
@@ -96,10 +97,16 @@ def test_an_injection_is_written_after_the_third_policy_token(model, tokenizer):
     assert out.finish_reasons == ["length"] * len(out)
 
 
-@pytest.mark.parametrize("fused", [True, False])
-def test_appending_an_injection_to_the_cache_equals_prefilling_it(model, tokenizer, fused):
-    """Greedy continuation after an injection == greedy generation from prompt + policy tokens + injection."""
-    fast = {"fused_decode": fused, "packed_linears": fused}
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graph capture and replay)")
+
+
+@pytest.mark.parametrize("path", ["fused", "plain", pytest.param("cuda_graphs", marks=CUDA)])
+def test_appending_an_injection_to_the_cache_equals_prefilling_it(model, tokenizer, path):
+    """Greedy continuation after an injection == greedy generation from prompt + policy tokens + injection
+    (on CPU with and without the fused decoder; on CUDA in replayed fixed-shape steps)."""
+    fast = {"fused_decode": path == "fused", "packed_linears": path == "fused"}
+    if path == "cuda_graphs":
+        model, fast = copy.deepcopy(model).cuda(), {"cuda_graphs": True}
     out = generate_rollouts(model, tokenizer, PROMPTS, 1, _config(environment=InjectAfter(), fast_paths=fast))
     head = 3 + len(_ids(tokenizer, INJECTED))
     prefixes = [prompt + ids[:head] for prompt, ids in zip(out.prompt_ids, out.completion_token_lists())]
