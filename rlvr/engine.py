@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -151,7 +152,8 @@ class SlotLayer:
     row's new token at its own position and returns the keys and values up to the longest row."""
 
     def __init__(self, cache: SlotCache):
-        self.cache, self.keys, self.values = cache, None, None
+        # weak: a cycle with the cache would keep its buffers (up to the KV budget) until the cyclic GC ran
+        self.cache, self.keys, self.values = weakref.proxy(cache), None, None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         rows, positions, used = self.cache.rows, self.cache.lengths[: self.cache.rows], self.cache.step_length

@@ -1,6 +1,7 @@
 """Iteration-level scheduling (rlvr.engine): the same completions as the rollout engine, whoever joins
 and leaves around them; chunked prefill interleaved with decoding; fair shares; the KV budget held."""
 
+import gc
 from typing import Callable
 
 import pytest
@@ -143,3 +144,22 @@ def test_cancelled_requests_leave_at_the_next_step(model, tokenizer):
     _run(engine, {0: [doomed, other]})
     assert doomed.finish_reasons == ["cancelled", "cancelled"] and all(len(ids) == 5 for ids in doomed.token_ids)
     assert other.finish_reasons == ["length"] and len(other.token_ids[0]) == 30 and not engine.rows
+
+
+def test_released_kv_buffers_are_freed_at_once_not_by_the_cyclic_collector(model, tokenizer):
+    """Caches replaced (a lane resized, or cleared when its last row leaves) and prompt caches free their
+    tensors as soon as the engine drops them: none sits in a reference cycle, which would hold up to
+    the KV budget until Python's cyclic collector happened to run."""
+    engine = Engine(model, tokenizer, max_rows=4, step_tokens=16)
+    gc.collect()
+    gc.disable()
+    try:
+        _run(engine, {0: [_request(tokenizer, p, samples=2) for p in PROMPTS], 3: [_request(tokenizer, PROMPTS[3], samples=3, new_tokens=20)]})
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        cyclic = [o for o in gc.garbage if type(o) is torch.Tensor]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert not cyclic, f"{len(cyclic)} tensors ({sum(t.nbytes for t in cyclic)} bytes) were freed only by the cyclic collector"
