@@ -8,9 +8,8 @@ Requests join and leave the running batch at every decode step. Each :meth:`Engi
    the KV budget the other requests leave (so a new request always finds room for its first row);
    a row's first token is sampled from its prompt's last logits;
 3. picks prompt chunks of the waiting requests (shortest remaining first, older first among equals)
-   under the step's token budget: ``step_tokens`` minus the running rows while rows decode (a long
-   prompt is spread over several steps, interleaved with everyone's decoding), ``idle_step_tokens``
-   while none does (no row waits on the step, so fewer, larger chunks read the weights fewer times);
+   under the step's token budget (``step_tokens`` minus the running rows: a long prompt is spread
+   over several steps, interleaved with everyone's decoding);
 4. runs **one forward** of the model over the step's tokens: every running row's next token (both
    lanes, below) and the prompt chunks, flattened into one batch as vLLM's chunked prefill does, so
    every linear layer reads its weights once per step (on a CPU a small batch's step costs about
@@ -261,7 +260,6 @@ class Engine:
         *,
         max_rows: int = 64,
         step_tokens: int = 256,
-        idle_step_tokens: int = 2048,
         kv_budget_bytes: int = 2**30,
         max_share: float = 0.5,
         short_lane_tokens: int | None = SHORT_LANE_TOKENS,
@@ -269,8 +267,7 @@ class Engine:
         fast_paths: FastPaths = FastPaths(),
     ):
         self.model, self.tokenizer = model, tokenizer
-        self.max_rows, self.kv_budget_bytes, self.max_share = max_rows, kv_budget_bytes, max_share
-        self.step_tokens, self.idle_step_tokens = step_tokens, max(step_tokens, idle_step_tokens)
+        self.max_rows, self.step_tokens, self.kv_budget_bytes, self.max_share = max_rows, step_tokens, kv_budget_bytes, max_share
         self.decoder = fused_decoder(model, max_rows, fast_paths)
         if self.decoder is None:
             raise ValueError("continuous batching needs the fused decoder (rlvr.engine.continuous_batching_eligible)")
@@ -369,17 +366,10 @@ class Engine:
         with torch.inference_mode():
             self._drop_cancelled()
             self._admit_rows()
-            self._forward(self._prefill_budget())
+            self._forward(max(self.step_tokens - len(self.rows), self.step_tokens // 8))
             self._admit_rows()
         if self.rows:
             self.step_seconds = 0.9 * self.step_seconds + 0.1 * (time.monotonic() - started)
-
-    def _prefill_budget(self) -> int:
-        """Prompt tokens this step may prefill: what ``step_tokens`` leaves the decoding rows (an eighth of
-        it at least), or ``idle_step_tokens`` when no row decodes (none running, or all parked)."""
-        if any(row.parked is None for row in self.rows):
-            return max(self.step_tokens - len(self.rows), self.step_tokens // 8)
-        return self.idle_step_tokens
 
     def _drop_cancelled(self) -> None:
         for request in [q for q in self.waiting if q.cancelled.is_set()]:

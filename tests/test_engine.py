@@ -93,20 +93,6 @@ def test_each_step_is_one_forward_over_both_lanes_and_the_prompt_chunks(model, t
     assert [ids for q in requests[:3] + requests[3:] for ids in q.token_ids] == expected.completion_token_lists()
 
 
-def test_a_step_prefills_within_what_decoding_rows_leave_and_more_when_none_decodes(model, tokenizer):
-    """While a row decodes, a step's forward holds at most ``step_tokens`` (the row and a prompt chunk:
-    a long prompt spreads over steps); with no row decoding, a step prefills up to ``idle_step_tokens``."""
-    engine = Engine(model, tokenizer, max_rows=4, step_tokens=8, idle_step_tokens=64, kv_budget_bytes=2**24)
-    forwards = []
-    watch_forwards(engine, lambda tokens: forwards.append((len(tokens), len(engine.rows))))
-    first = _request(tokenizer, "x" * 40, new_tokens=12, stop_at_final_answer=False)
-    second = _request(tokenizer, "y" * 40, new_tokens=4, stop_at_final_answer=False)
-    _run(engine, {0: [first], 2: [second]})
-    assert forwards[0] == (len(first.prompt_ids), 0)  # alone: its whole prompt in one step
-    beside = [tokens for tokens, rows in forwards if rows]
-    assert max(beside) == 8 and len(second.token_ids[0]) == 4  # the second prompt in chunks beside the first's row
-
-
 def test_a_seeded_request_samples_the_same_alone_or_in_a_crowd(model, tokenizer):
     def sampled(crowd: int) -> list[list[int]]:
         engine = Engine(model, tokenizer, max_rows=4, step_tokens=16, kv_budget_bytes=2**24)
@@ -123,7 +109,7 @@ def test_a_short_request_is_served_while_a_long_one_prefills_and_decodes(model, 
     """A 300-token prompt with 4 rows x 250 tokens first; a short greedy request a step later starts within
     a few steps (chunked prefill, a fair share of the rows) in the short lane (its slot not padded to
     the long rows'), and ends long before the long one."""
-    engine = Engine(model, tokenizer, max_rows=4, step_tokens=32, idle_step_tokens=32, kv_budget_bytes=2**24)  # prefill spread, alone too
+    engine = Engine(model, tokenizer, max_rows=4, step_tokens=32, kv_budget_bytes=2**24)
     engine.stop_ids = set()  # no end token: the long one runs to its budget
     long = _request(tokenizer, "y" * 300, samples=4, new_tokens=250, temperatures=(1.0,), stop_at_final_answer=False)
     short = _request(tokenizer, PROMPTS[0], new_tokens=8, stop_at_final_answer=False)
