@@ -74,6 +74,12 @@ def main() -> None:
         parser.error("--rows above 8 must be multiples of 8 (prompts of 8 samples each)")
     if args.tokens < 2:
         parser.error("--tokens must be at least 2 (a step is the difference between a run of --tokens and one of 1)")
+    if args.bandwidth_gbs is None:  # before the model loads: a CPU has no datasheet entry
+        name = torch.cuda.get_device_name() if args.device.startswith("cuda") else ""
+        known = [gbs for card, gbs in DATASHEET_BANDWIDTH_GBS.items() if card in name]
+        if not known:
+            parser.error(f"no datasheet bandwidth for {name or 'this CPU'}: give --bandwidth-gbs")
+        args.bandwidth_gbs = known[0]
     dtype = getattr(torch, args.dtype)
     if args.from_config:
         torch.manual_seed(0)
@@ -82,12 +88,6 @@ def main() -> None:
     else:
         model, tokenizer = load_policy(args.model, args.device, dtype)
     model.eval()
-    if args.bandwidth_gbs is None:
-        name = torch.cuda.get_device_name() if args.device.startswith("cuda") else ""
-        known = [gbs for model, gbs in DATASHEET_BANDWIDTH_GBS.items() if model in name]
-        if not known:
-            parser.error(f"no datasheet bandwidth for {name or 'this CPU'}: give --bandwidth-gbs")
-        args.bandwidth_gbs = known[0]
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bound_ms = weight_bytes / (args.bandwidth_gbs * 1e9) * 1000
     for rows in args.rows:

@@ -75,7 +75,7 @@ def run_rlvr(args, stop_at_final_answer: bool, compute_dtype: str = "float32") -
         total_steps=args.steps,
         aggregation="token-mean",
         beta=0.0,
-        micro_batch_size=args.micro_batch or args.prompts * args.group,
+        micro_batch_size=args.micro_batch,
         skip_zero_variance=False,
         compute_dtype=compute_dtype,
         sampling=SamplingConfig(max_new_tokens=args.tokens, temperatures=[1.0], stop_at_final_answer=stop_at_final_answer),
@@ -124,8 +124,8 @@ def run_trl(args, gradient_checkpointing: bool, bf16: bool | None) -> list[dict]
     with tempfile.TemporaryDirectory() as out:
         config = TRLConfig(
             output_dir=out,
-            per_device_train_batch_size=args.micro_batch or args.prompts * args.group,
-            gradient_accumulation_steps=args.prompts * args.group // (args.micro_batch or args.prompts * args.group),
+            per_device_train_batch_size=args.micro_batch,
+            gradient_accumulation_steps=args.prompts * args.group // args.micro_batch,
             num_generations=args.group,
             max_completion_length=args.tokens,
             temperature=1.0,
@@ -194,7 +194,8 @@ def main() -> None:
     parser.add_argument("--configs", type=int, nargs="+", help=f"which rows to run, by index into the table's {len(ROWS)} rows (default: all)")
     parser.add_argument("--row", type=int, help=argparse.SUPPRESS)  # run one row here (the parent's child)
     args = parser.parse_args()
-    if args.micro_batch and (args.prompts * args.group) % args.micro_batch:
+    args.micro_batch = args.micro_batch or args.prompts * args.group
+    if (args.prompts * args.group) % args.micro_batch:
         parser.error("--micro-batch must divide --prompts x --group")
     chosen = args.configs or list(range(len(ROWS)))
     if not set(chosen) <= set(range(len(ROWS))):
