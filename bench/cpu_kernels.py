@@ -13,6 +13,9 @@ The model is built from the checkpoint's config with random weights (timings dep
   and bf16; then, on the engine's cache, the engine's path for models the fused decoder does not
   take (the model's forward on packed linears) against the fused decoder; and, on that path in
   bf16, transformers' ``"sdpa"`` attention against ``"rlvr_sdpa"``;
+* decode attention: one decode step's attention in every layer (``rows`` queries over caches of
+  ``prompt`` .. ``prompt + completion`` keys, masked per row), SDPA's ``enable_gqa`` against the
+  queries packed by KV head (``rlvr.fastpaths.fused_decode.gqa_attention``), float32;
 * update forward + backward under bf16 autocast (``rows`` completions of up to ``completion``
   tokens after two ``prompt``-token prompts, padded as the trainer pads them): attention
   ``"sdpa"`` against ``"rlvr_sdpa"``; then, float32 and bf16 autocast, the completions' padding
@@ -41,7 +44,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.attention import use_fast_attention
-from rlvr.fastpaths.fused_decode import fused_decoder
+from rlvr.fastpaths.fused_decode import fused_decoder, gqa_attention
 from rlvr.fastpaths.heap import keep_freed_memory
 from rlvr.fastpaths.packed_linear import packed_linears
 from rlvr.grpo.head import head_logprobs
@@ -119,6 +122,31 @@ def pack_fused(model, rows: int) -> None:
     """Build (and release) the fused decoder's packed weights, as a rollout of a Llama-family model does once."""
     with torch.inference_mode():
         assert fused_decoder(model, rows) is not None, "the fused decoder takes Llama-family models only"
+
+
+def decode_attention(config, rows: int, prompt: int, completion: int, packed: bool) -> Callable[[], None]:
+    """One decode step's attention in every layer: ``rows`` queries over their own cache (lengths
+    ``prompt`` .. ``prompt + completion``, views of larger slot buffers as the engine's are, masked per
+    row), each layer's keys and values in their own buffers (read from memory, as in a step); SDPA's
+    ``enable_gqa`` or ``gqa_attention`` (queries packed by KV head)."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    length = prompt + completion
+    lengths = torch.linspace(prompt, length, rows).long()
+    mask = (torch.arange(length)[None] < lengths[:, None])[:, None, None, :]
+    queries = torch.randn(rows, heads, 1, head_dim)
+    slots = (2 * rows, kv_heads, 2 * length, head_dim)  # the engine's slot buffers have room to spare: its views are strided
+    caches = [(torch.randn(slots)[:rows, :, :length], torch.randn(slots)[:rows, :, :length]) for _ in range(config.num_hidden_layers)]
+    scale = head_dim**-0.5
+
+    def run() -> None:
+        for keys, values in caches:
+            if packed:
+                gqa_attention(queries, keys, values, mask, scale)
+            else:
+                torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+
+    return run
 
 
 def update_step(
@@ -218,6 +246,13 @@ def main() -> None:
         decode_step(bf16_fast, rows, prompt, completion, "packed"),
         per_call=True,
     )
+
+    for length in (prompt, 10 * prompt):
+        compare(
+            f"decode attention, float32: enable_gqa -> packed by KV head ({rows} rows, {length}..{length + completion} keys, every layer)",
+            decode_attention(config, rows, length, completion, packed=False),
+            decode_attention(config, rows, length, completion, packed=True),
+        )
 
     compare(
         f"update fwd+bwd, bf16 autocast: attention sdpa -> rlvr_sdpa ({rows} x <= {completion} tokens after {prompt})",

@@ -144,11 +144,20 @@ def cached_attention(cache: Any, key_mask: torch.Tensor | None) -> Attend:
 def gqa_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
     """Grouped-query attention [batch, heads, queries, head dim] over keys and values [batch, KV heads,
     keys, head dim] (``mask``: True where a query may attend), in float32 for bf16 / fp16 as in
-    ``rlvr.fastpaths.attention``, but SDPA called directly with enable_gqa: transformers' SDPA
-    wrapper regroups the heads for one query and was slower here."""
+    ``rlvr.fastpaths.attention``, but SDPA called directly: transformers' SDPA wrapper regroups the
+    heads for one query and was slower here. On CPU a decode step's single query per head is packed
+    by KV head (the group's queries become one KV head's query positions, so each KV head is read
+    once rather than once per query head): the same sums, faster (``bench/cpu_kernels.py``)."""
     dtype = queries.dtype
     if dtype in LOW_PRECISION:
         queries, keys, values = queries.float(), keys.float(), values.float()
+    batch, heads, length, head_dim = queries.shape
+    kv_heads = keys.shape[1]
+    one_mask_per_row = mask is None or (mask.shape[-2] == 1 and (mask.dim() < 3 or mask.shape[-3] == 1))
+    if length == 1 and heads != kv_heads and one_mask_per_row and queries.device.type == "cpu":
+        packed = queries.reshape(batch, kv_heads, heads // kv_heads, head_dim)
+        attended = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=scaling)
+        return attended.reshape(batch, heads, 1, head_dim).to(dtype)
     return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True).to(dtype)
 
 
