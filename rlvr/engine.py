@@ -31,10 +31,8 @@ Other observations (a calculator's, microseconds) run inline.
 
 Prompt prefixes (``rlvr.prefix_cache``): a prompt's keys and values are kept in 16-token blocks once
 it is prefilled, and a later prompt that starts with the same blocks (the chat template and system
-prompt every request of a policy shares, a conversation's earlier turns, a document sent again)
-prefills only the rest; the blocks count in the KV budget (at most ``prefix_cache_bytes``; by
-default whatever part of the budget running requests leave, as vLLM's prefix cache keeps blocks in
-its whole KV space) and give way to requests.
+prompt every request of a policy shares) prefills only the rest; the blocks count in the KV budget
+(at most ``prefix_cache_bytes``, an eighth of it by default) and give way to requests.
 
 KV cache: a :class:`SlotCache` holds one slot per running row, every slot as long as the longest
 row of its :class:`Lane` needs (prompt + new tokens), in buffers of [slots, KV heads, length, head
@@ -275,7 +273,7 @@ class Engine:
             raise ValueError("continuous batching needs the fused decoder (rlvr.engine.continuous_batching_eligible)")
         self.device = next(model.parameters()).device
         self.bytes_per_token = kv_cache_bytes_per_token(model.config, model.dtype)
-        self.prefixes = PrefixCache(self.bytes_per_token, kv_budget_bytes if prefix_cache_bytes is None else prefix_cache_bytes)
+        self.prefixes = PrefixCache(self.bytes_per_token, kv_budget_bytes // 8 if prefix_cache_bytes is None else prefix_cache_bytes)
         self.stop_ids = _stop_token_ids(model, tokenizer, SamplingConfig())
         self.newlines = _newline_counts(tokenizer, model)
         self.token_texts = TokenTexts(tokenizer)
