@@ -146,8 +146,9 @@ def gqa_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     keys, head dim] (``mask``: True where a query may attend), in float32 for bf16 / fp16 as in
     ``rlvr.fastpaths.attention``, but SDPA called directly: transformers' SDPA wrapper regroups the
     heads for one query and was slower here. On CPU a decode step's single query per head is packed
-    by KV head (the group's queries become one KV head's query positions, so each KV head is read
-    once rather than once per query head): the same sums, faster (``bench/cpu_kernels.py``)."""
+    by KV head (the group's queries become one KV head's query positions): the same sums, faster
+    than ``enable_gqa`` (``bench/cpu_kernels.py``; presumably one read of each KV head instead of one
+    per query head, not profiled)."""
     dtype = queries.dtype
     if dtype in LOW_PRECISION:
         queries, keys, values = queries.float(), keys.float(), values.float()
