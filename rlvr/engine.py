@@ -31,10 +31,8 @@ Other observations (a calculator's, microseconds) run inline.
 
 Prompt prefixes (``rlvr.prefix_cache``): a prompt's keys and values are kept in 16-token blocks once
 it is prefilled, and a later prompt that starts with the same blocks (the chat template and system
-prompt every request of a policy shares, a conversation's earlier turns, a document sent again)
-prefills only the rest; the blocks count in the KV budget (at most ``prefix_cache_bytes``; by
-default whatever part of the budget requests leave, as vLLM's prefix cache keeps blocks in its
-whole KV space) and give way to requests.
+prompt every request of a policy shares) prefills only the rest; the blocks count in the KV budget
+(at most ``prefix_cache_bytes``, an eighth of it by default) and give way to requests.
 
 KV cache: a :class:`SlotCache` holds one slot per running row, every slot as long as the longest
 row of its :class:`Lane` needs (prompt + new tokens), in buffers of [slots, KV heads, length, head
@@ -42,9 +40,7 @@ dim] per layer; rows of at most ``SHORT_LANE_TOKENS`` have a lane (and a decode 
 a long request does not pad every short row to its length. A finished row's slot is refilled by the
 last row's (one row copied, no compaction). The engine holds the buffers within ``kv_budget_bytes``
 (the padded footprint: slots x slot length), reserving a slot when a row joins and releasing it when
-it leaves; a lane grows by a few spare slots only while they hold at most ``1 / SPARE_SLOTS_SHARE`` of
-the budget (so a long lane's empty slots keep little of the room other requests and cached prefixes need); a
-prompt's prefill cache counts too until its last row has joined. Finish reasons and stop
+it leaves; a prompt's prefill cache counts too until its last row has joined. Finish reasons and stop
 rules are the rollout engine's (``rlvr.rollout``).
 
 The core of the service's generation (``bentos``); training keeps ``rlvr.rollout``'s static batches
@@ -73,7 +69,6 @@ from rlvr.prefix_cache import PrefixCache
 from rlvr.rollout import _TAIL_TOKENS, SamplingConfig, _newline_counts, _stop_token_ids, is_greedy, sample_tokens
 
 SLOT_LENGTH_QUANTUM = 128  # slot lengths grow and shrink in these steps (fewer buffer reallocations)
-SPARE_SLOTS_SHARE = 16  # the spare slots a lane grows by (fewer reallocations) hold at most 1/16 of the KV budget
 SHORT_LANE_TOKENS = 512  # rows of at most this many tokens (prompt + new) decode in a lane of their own
 TOOL_WORKERS = 4  # threads observing turn ends (tools that may run for seconds) off the engine's thread
 
@@ -278,7 +273,7 @@ class Engine:
             raise ValueError("continuous batching needs the fused decoder (rlvr.engine.continuous_batching_eligible)")
         self.device = next(model.parameters()).device
         self.bytes_per_token = kv_cache_bytes_per_token(model.config, model.dtype)
-        self.prefixes = PrefixCache(self.bytes_per_token, kv_budget_bytes if prefix_cache_bytes is None else prefix_cache_bytes)
+        self.prefixes = PrefixCache(self.bytes_per_token, kv_budget_bytes // 8 if prefix_cache_bytes is None else prefix_cache_bytes)
         self.stop_ids = _stop_token_ids(model, tokenizer, SamplingConfig())
         self.newlines = _newline_counts(tokenizer, model)
         self.token_texts = TokenTexts(tokenizer)
@@ -433,9 +428,7 @@ class Engine:
         cache, length = lane.cache, lane.slot_length(request)
         rows_needed = len(lane.rows) + count
         if rows_needed > cache.capacity_rows or length > cache.capacity_length:
-            grown = max(rows_needed, 8, 2 * cache.capacity_rows if cache.capacity_rows < rows_needed else 0)
-            spare = self.kv_budget_bytes // SPARE_SLOTS_SHARE // (length * self.bytes_per_token)
-            capacity = min(self.max_rows, grown, rows_needed + spare)
+            capacity = min(self.max_rows, max(rows_needed, 8, 2 * cache.capacity_rows if cache.capacity_rows < rows_needed else 0))
             held = self._reserved_bytes() - cache.bytes(self.bytes_per_token)
             while cache.bytes(self.bytes_per_token, capacity, length) + held > self.kv_budget_bytes and capacity > rows_needed:
                 capacity -= 1

@@ -135,18 +135,6 @@ def test_a_request_holds_at_most_half_the_kv_budget_the_others_leave(model, toke
     assert small.first_token_s < min(q.token_ids[0] and q.done_s for q in (big, other))
 
 
-def test_a_long_lane_reserves_slots_by_need_so_a_short_request_fits_beside_it(model, tokenizer):
-    """A budget of a little over two long slots: the long request's lane takes one slot, not spare ones
-    (which would leave no room for the short request's slot until the long one ended)."""
-    per_token = 2 * 2 * 2 * 16 * 4  # layers x (K, V) x KV heads x head dim x float32
-    engine = Engine(model, tokenizer, max_rows=8, step_tokens=64, kv_budget_bytes=(2 * 256 + 24) * per_token, short_lane_tokens=64)
-    engine.stop_ids = set()
-    long = _request(tokenizer, "y" * 20, new_tokens=200, temperatures=(1.0,), stop_at_final_answer=False)  # a 256-position slot
-    short = _request(tokenizer, "7", new_tokens=8, stop_at_final_answer=False)  # a 128-position slot in the short lane
-    _run(engine, {0: [long], 3: [short]})
-    assert short.done_s < long.done_s and len(long.token_ids[0]) == 200 and len(short.token_ids[0]) == 8
-
-
 def test_cancelled_requests_leave_at_the_next_step(model, tokenizer):
     engine = Engine(model, tokenizer, max_rows=4, step_tokens=64, kv_budget_bytes=2**24)
     engine.stop_ids = set()

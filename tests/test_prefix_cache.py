@@ -52,19 +52,6 @@ def test_a_prompt_sharing_a_start_prefills_only_what_is_new_and_completes_as_alo
     assert engine.prefixes.hit_tokens == 48 + 16
 
 
-def test_by_default_cached_prefixes_may_fill_what_requests_leave_of_the_kv_budget(model, tokenizer):
-    per_token = kv_cache_bytes_per_token(model.config, model.dtype)
-    engine = Engine(model, tokenizer, max_rows=2, step_tokens=256, kv_budget_bytes=2048 * per_token)  # no prefix_cache_bytes
-    document = "".join(chr(97 + i % 26) for i in range(480))  # 480 tokens: 29 whole blocks before the last token, 23% of the budget
-    prefilled = _prefilled_tokens(engine)
-    first, again = _greedy(tokenizer, document, new_tokens=2), _greedy(tokenizer, document, new_tokens=2)
-    _run(engine, {0: [first], 30: [again]})
-    assert again.token_ids == first.token_ids
-    counts = [n for n in prefilled if n]
-    assert sum(counts[:-1]) == len(first.prompt_ids) == 480 and counts[-1] == 480 - 29 * 16  # sent again: the rest of its last block
-    assert engine.prefixes.bytes == 29 * 16 * per_token
-
-
 def _prompt_cache(model, ids: list[int]) -> DynamicCache:
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
