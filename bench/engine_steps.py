@@ -2,9 +2,9 @@
 
     OMP_NUM_THREADS=1 python bench/engine_steps.py /tmp/smol --engines ours,vllm --vllm-python /tmp/vllm-venv/bin/python
 
-The prompts are ``serve_mixed.py``'s (its seeded schedule, so the figures explain that benchmark's):
-long prompts of ``--long-prompt-tokens`` and short chat prompts (a GSM8k question in the chat
-template). Each engine runs in a process of its own, one after the other, float32, greedy, no prefix
+The prompts are drawn as ``serve_mixed.py`` draws its load's (its seeded ``schedule``, so the figures
+explain that benchmark's): long prompts of ``--long-prompt-tokens`` and short chat prompts (a GSM8k
+question in the chat template). Each engine runs in a process of its own, one after the other, float32, greedy, no prefix
 caching, no stop token, ``--threads`` threads, and reports:
 
 Each figure is the median of ``--repeats`` timings.
@@ -37,7 +37,7 @@ NEW_TOKENS = 65  # a decode run: its first token comes from the prefill, the oth
 
 
 def prompts(checkpoint: str, long_prompts: int, long_tokens: int, shorts: int) -> dict:
-    """serve_mixed.py's seeded prompts: ``long_prompts`` long ones (one more to warm up) and ``shorts`` chats."""
+    """Prompts from serve_mixed.py's seeded schedule: ``long_prompts`` long ones (one more to warm up) and ``shorts`` chats."""
     sys.path[:0] = [str(REPO), str(REPO / "bench")]
     from serve_mixed import schedule
 
