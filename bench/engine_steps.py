@@ -43,7 +43,9 @@ def prompts(checkpoint: str, long_prompts: int, long_tokens: int, shorts: int) -
 
     from rlvr.policy import load_tokenizer
 
-    args = types.SimpleNamespace(duration_s=10_000, rate=1.0, long_share=0.1, long_prompt_tokens=long_tokens, long_new_tokens=1, short_new_tokens=1, seed=0)
+    # arrivals are drawn one after another, so a longer schedule only adds prompts after these
+    duration_s = 40 * (long_prompts + 1 + shorts)
+    args = types.SimpleNamespace(duration_s=duration_s, rate=1.0, long_share=0.1, long_prompt_tokens=long_tokens, long_new_tokens=1, short_new_tokens=1, seed=0)
     arrivals = schedule(args, load_tokenizer(checkpoint))
     longs = [a["prompt"] for a in arrivals if a["kind"] == "long"]
     chats = [a["prompt"] for a in arrivals if a["kind"] == "short"]
