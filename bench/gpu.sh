@@ -7,7 +7,7 @@
 #                                  checkpoint folder, the products task and GSM8k files in GSM8k's format.
 # Copy the repository with .device/ to the GPU machine; there, from its root, in this order:
 #   bash bench/gpu.sh shapes     # reads .device/whl, .device/config, .device/gguf-a: the CUDA tests, decode
-#                                  steps, GRPO against TRL (TRL_CONFIGS: bench/grpo_vs_trl.py's rows)
+#                                  steps and their profile, GRPO against TRL (TRL_CONFIGS: bench/grpo_vs_trl.py's rows)
 #   bash bench/gpu.sh weights    # reads .device/gguf-b: the embedded model, its decode steps
 #   bash bench/gpu.sh products   # reads .device/data (ARMS: dynamic-sampling arms, default 0:40 2:40)
 #   STEPS=60 bash bench/gpu.sh gsm8k
@@ -65,6 +65,7 @@ case "$stage" in
     for dtype in float32 bfloat16; do
       python3 bench/decode_step.py .device/config --from-config --dtype "$dtype" --rows 8 128 --tokens 128 --repeats 2 | tee -a "$out/decode_step.jsonl" || true
     done
+    python3 bench/decode_profile.py .device/config --from-config --rows 8 128 --tokens 64 >"$out/decode_profile.txt" 2>&1 || true
     python3 -c "
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
