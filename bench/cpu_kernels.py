@@ -15,7 +15,8 @@ The model is built from the checkpoint's config with random weights (timings dep
   bf16, transformers' ``"sdpa"`` attention against ``"rlvr_sdpa"``;
 * decode attention: one decode step's attention in every layer (``rows`` queries over caches of
   ``prompt`` .. ``prompt + completion`` keys, masked per row), SDPA's ``enable_gqa`` against the
-  queries packed by KV head (``rlvr.fastpaths.fused_decode.gqa_attention``), float32;
+  queries packed by KV head (``rlvr.fastpaths.fused_decode.gqa_attention``), float32; then the latter
+  against the continuous engine's ``rlvr.fastpaths.slot_attention`` (each row to its own length);
 * update forward + backward under bf16 autocast (``rows`` completions of up to ``completion``
   tokens after two ``prompt``-token prompts, padded as the trainer pads them): attention
   ``"sdpa"`` against ``"rlvr_sdpa"``; then, float32 and bf16 autocast, the completions' padding
@@ -47,6 +48,7 @@ from rlvr.fastpaths.attention import use_fast_attention
 from rlvr.fastpaths.fused_decode import fused_decoder, gqa_attention
 from rlvr.fastpaths.heap import keep_freed_memory
 from rlvr.fastpaths.packed_linear import packed_linears
+from rlvr.fastpaths.slot_attention import slot_attention
 from rlvr.grpo.head import head_logprobs
 from rlvr.grpo.loss import token_logprobs_and_entropy
 from rlvr.grpo.scoring import CompletionScorer, PackedRows
@@ -124,11 +126,13 @@ def pack_fused(model, rows: int) -> None:
         assert fused_decoder(model, rows) is not None, "the fused decoder takes Llama-family models only"
 
 
-def decode_attention(config, rows: int, prompt: int, completion: int, packed: bool) -> Callable[[], None]:
+def decode_attention(config, rows: int, prompt: int, completion: int, kind: str) -> Callable[[], None]:
     """One decode step's attention in every layer: ``rows`` queries over their own cache (lengths
-    ``prompt`` .. ``prompt + completion``, views of larger slot buffers as the engine's are, masked per
-    row), each layer's keys and values in their own buffers (read from memory, as in a step); SDPA's
-    ``enable_gqa`` or ``gqa_attention`` (queries packed by KV head)."""
+    ``prompt`` .. ``prompt + completion`` in slot buffers with room to spare, as the engine's are),
+    each layer's keys and values in their own buffers (read from memory, as in a step). ``kind``:
+    SDPA's ``enable_gqa`` or ``gqa_attention`` (queries packed by KV head) over every row up to the
+    longest, masked per row (``"sdpa"``, ``"packed"``), or ``slot_attention`` (``"slot"``), each row to
+    its own length."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     length = prompt + completion
@@ -136,15 +140,19 @@ def decode_attention(config, rows: int, prompt: int, completion: int, packed: bo
     mask = (torch.arange(length)[None] < lengths[:, None])[:, None, None, :]
     queries = torch.randn(rows, heads, 1, head_dim)
     slots = (2 * rows, kv_heads, 2 * length, head_dim)  # the engine's slot buffers have room to spare: its views are strided
-    caches = [(torch.randn(slots)[:rows, :, :length], torch.randn(slots)[:rows, :, :length]) for _ in range(config.num_hidden_layers)]
+    caches = [(torch.randn(slots), torch.randn(slots)) for _ in range(config.num_hidden_layers)]
     scale = head_dim**-0.5
 
     def run() -> None:
         for keys, values in caches:
-            if packed:
-                gqa_attention(queries, keys, values, mask, scale)
+            if kind == "slot":
+                slot_attention(queries[:, :, 0], keys, values, lengths, scale)
+            elif kind == "packed":
+                gqa_attention(queries, keys[:rows, :, :length], values[:rows, :, :length], mask, scale)
             else:
-                torch.nn.functional.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+                torch.nn.functional.scaled_dot_product_attention(
+                    queries, keys[:rows, :, :length], values[:rows, :, :length], attn_mask=mask, scale=scale, enable_gqa=True
+                )
 
     return run
 
@@ -250,8 +258,14 @@ def main() -> None:
     for length in (prompt, 10 * prompt):
         compare(
             f"decode attention, float32: enable_gqa -> packed by KV head ({rows} rows, {length}..{length + completion} keys, every layer)",
-            decode_attention(config, rows, length, completion, packed=False),
-            decode_attention(config, rows, length, completion, packed=True),
+            decode_attention(config, rows, length, completion, "sdpa"),
+            decode_attention(config, rows, length, completion, "packed"),
+        )
+    for length in (prompt, 10 * prompt):
+        compare(
+            f"decode attention, float32: packed by KV head -> slot_attention ({rows} rows, {length}..{length + completion} keys, every layer)",
+            decode_attention(config, rows, length, completion, "packed"),
+            decode_attention(config, rows, length, completion, "slot"),
         )
 
     compare(

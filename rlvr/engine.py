@@ -64,7 +64,9 @@ from rlvr.answers import is_well_formed
 from rlvr.environments.base import Environment, Injection, ToolCall
 from rlvr.environments.driver import EpisodeDriver, TokenTexts, drives_episodes
 from rlvr.fastpaths import FastPaths
+from rlvr.fastpaths.eligibility import use_slot_attention
 from rlvr.fastpaths.fused_decode import Attend, cached_attention, fused_decoder, gqa_attention
+from rlvr.fastpaths.slot_attention import slot_attention
 from rlvr.prefix_cache import PrefixCache
 from rlvr.rollout import _TAIL_TOKENS, SamplingConfig, _newline_counts, _stop_token_ids, is_greedy, sample_tokens
 
@@ -272,6 +274,7 @@ class Engine:
         if self.decoder is None:
             raise ValueError("continuous batching needs the fused decoder (rlvr.engine.continuous_batching_eligible)")
         self.device = next(model.parameters()).device
+        self.slot_kernel = use_slot_attention(model, fast_paths)  # decode attention to each row's own length
         self.bytes_per_token = kv_cache_bytes_per_token(model.config, model.dtype)
         self.prefixes = PrefixCache(self.bytes_per_token, kv_budget_bytes // 8 if prefix_cache_bytes is None else prefix_cache_bytes)
         self.stop_ids = _stop_token_ids(model, tokenizer, SamplingConfig())
@@ -481,7 +484,7 @@ class Engine:
             lane_positions = cache.lengths[:rows].clone()
             tokens.append(lane.next_tokens)
             positions.append(lane_positions)
-            segments.append((start, start + rows, _slot_attention(cache, lane_positions, self.device)))
+            segments.append((start, start + rows, _slot_attention(cache, lane_positions, self.device, self.slot_kernel)))
             logits_at += [start + i for i in live]  # parked rows ride along; their outputs are dropped
             decoding.append((lane, live))
         chunks = self._prefill_chunks(prefill_budget)
@@ -678,9 +681,19 @@ def _quantized(length: int) -> int:
     return -(-length // SLOT_LENGTH_QUANTUM) * SLOT_LENGTH_QUANTUM
 
 
-def _slot_attention(cache: SlotCache, positions: torch.Tensor, device: torch.device) -> Attend:
+def _slot_attention(cache: SlotCache, positions: torch.Tensor, device: torch.device, kernel: bool) -> Attend:
     """A lane's decode attention: each row's new key and value go into its slot at its position, and
-    its query attends over its slot up to there."""
+    its query attends over its slot up to there (``kernel``: through ``rlvr.fastpaths.slot_attention``,
+    which reads each slot to that position only; else SDPA over the lane's longest row, masked)."""
+    if kernel:
+        lengths = positions + 1
+
+        def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+            layer = cache.layers[index]
+            layer.update(keys.unsqueeze(2), values.unsqueeze(2))
+            return slot_attention(queries, layer.keys, layer.values, lengths, scaling)
+
+        return attend
     key_mask = (torch.arange(cache.step_length).unsqueeze(0) <= positions.unsqueeze(1))[:, None, None, :]
     return cached_attention(cache, None if bool(key_mask.all()) else key_mask.to(device))
 

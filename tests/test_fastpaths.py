@@ -11,6 +11,7 @@ from rlvr.fastpaths.eligibility import (
     use_fused_decode,
     use_keep_freed_memory,
     use_packed_linears,
+    use_slot_attention,
     use_unpadded_update,
 )
 from rlvr.grpo import GRPOConfig
@@ -56,6 +57,19 @@ def test_each_switch_turns_its_speed_up_off_where_it_would_apply():
     assert not use_unpadded_update(model, FastPaths(chunked_head=False), sharded=False)  # it needs the head
     assert not use_unpadded_update(model, on, sharded=True)  # FSDP
     assert not use_keep_freed_memory(torch.device("meta"), on)
+
+
+def test_slot_attention_applies_to_float32_cpu_models_at_up_to_two_threads():
+    model, threads = tiny_llama(20), torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert use_slot_attention(model, FastPaths())
+        assert not use_slot_attention(model, FastPaths(slot_attention=False))
+        assert not use_slot_attention(model.to(torch.bfloat16), FastPaths())
+        torch.set_num_threads(3)  # SDPA runs rows and heads in parallel; the kernel on one thread
+        assert not use_slot_attention(model.float(), FastPaths())
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_models_outside_the_rules_take_the_plain_paths():

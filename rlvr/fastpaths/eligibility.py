@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from rlvr.fastpaths import FastPaths
+from rlvr.fastpaths import FastPaths, slot_attention
 from rlvr.fastpaths.packed_linear import packing_dtypes
 
 # architectures whose logits are exactly lm_head(last hidden state): no soft-capping or scaling
@@ -43,6 +43,17 @@ def llama_family(model: Any) -> bool:
 def use_fused_decode(model: Any, fast: FastPaths) -> bool:
     """Decode steps through ``rlvr.fastpaths.fused_decode``: Llama-family models on CPU (written and measured there)."""
     return fast.fused_decode and llama_family(model) and _device(model).type == "cpu"
+
+
+SLOT_ATTENTION_MAX_THREADS = 2  # measured faster than SDPA at 1 and 2 threads; SDPA runs rows and heads in parallel beyond
+
+
+def use_slot_attention(model: Any, fast: FastPaths) -> bool:
+    """The continuous engine's decode attention through ``rlvr.fastpaths.slot_attention``: float32 on
+    CPU, numba importable, at most ``SLOT_ATTENTION_MAX_THREADS`` PyTorch threads (the kernel runs on one)."""
+    if not (fast.slot_attention and slot_attention.available() and _device(model).type == "cpu"):
+        return False
+    return next(model.parameters()).dtype == torch.float32 and torch.get_num_threads() <= SLOT_ATTENTION_MAX_THREADS
 
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inverse frequencies fixed at load time

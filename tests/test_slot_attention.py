@@ -1,0 +1,55 @@
+"""The continuous engine's CPU decode attention (rlvr.fastpaths.slot_attention): SDPA's result, each
+row read to its own length only, used by the engine where eligible and equal to the rollout engine."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rlvr.engine as engine_module
+from rlvr.engine import Engine, EngineRequest
+from rlvr.fastpaths.slot_attention import slot_attention
+from rlvr.rollout import SamplingConfig, generate_rollouts
+from tiny_policy import char_tokenizer, tiny_llama
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4)])
+def test_each_row_attends_over_its_own_length_as_sdpa_does(heads, kv_heads):
+    """Rows of different lengths in slot buffers with more slots and positions than used, NaN past each
+    row's length: every output equals SDPA over that row's keys and values alone (no NaN read)."""
+    torch.manual_seed(0)
+    rows, head_dim, lengths = 4, 16, torch.tensor([37, 1, 20, 64])
+    keys, values = torch.randn(6, kv_heads, 70, head_dim), torch.randn(6, kv_heads, 70, head_dim)
+    for r, n in enumerate(lengths.tolist()):
+        keys[r, :, n:] = values[r, :, n:] = float("nan")
+    queries = torch.randn(rows, heads, head_dim)
+    got = slot_attention(queries, keys, values, lengths, 0.25)
+    for r, n in enumerate(lengths.tolist()):
+        expected = F.scaled_dot_product_attention(queries[r, :, None], keys[r, :, :n], values[r, :, :n], scale=0.25, enable_gqa=True)
+        torch.testing.assert_close(got[r], expected.reshape(-1), atol=1e-5, rtol=1e-5)
+
+
+def test_the_engine_decodes_through_it_and_matches_the_rollout_engine(monkeypatch):
+    """A float32 CPU model's engine attends through the kernel in its decode steps, and its greedy
+    completions and log-probs are what ``generate_rollouts`` (SDPA) gives each prompt alone."""
+    tokenizer = char_tokenizer()
+    model = tiny_llama(len(tokenizer), seed=0).requires_grad_(False)
+    prompts = ["what is 12+30?", "7", "x" * 40]
+    config = SamplingConfig(max_new_tokens=10, temperatures=[0.0], stop_at_final_answer=False)
+    expected = generate_rollouts(model, tokenizer, prompts, 1, config)
+    calls = []
+    monkeypatch.setattr(engine_module, "slot_attention", lambda *args: calls.append(len(args[0])) or slot_attention(*args))
+    engine = Engine(model, tokenizer, max_rows=4, step_tokens=8, kv_budget_bytes=2**24)
+    assert engine.slot_kernel
+    requests = [
+        EngineRequest(prompt_ids=tokenizer(p).input_ids, num_samples=1, max_new_tokens=10, temperatures=(0.0,), stop_at_final_answer=False) for p in prompts
+    ]
+    for request in requests:
+        engine.submit(request)
+    engine._take_inbox(block=False)
+    while not all(q.done_s for q in requests):
+        engine.step()
+    assert calls and max(calls) == len(prompts)
+    assert [q.token_ids[0] for q in requests] == expected.completion_token_lists()
+    torch.testing.assert_close(
+        torch.tensor([lp for q in requests for lp in q.logprobs[0]]), expected.logprobs[expected.completion_mask.bool()], atol=1e-4, rtol=0
+    )
