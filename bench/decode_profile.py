@@ -15,11 +15,10 @@ import argparse
 import time
 
 import torch
-from grpo_vs_trl import QUESTIONS  # bench/ is on sys.path when run as a script
-from transformers import AutoConfig, AutoModelForCausalLM
+from decode_step import bench_model  # bench/ is on sys.path when run as a script
+from grpo_vs_trl import QUESTIONS
 
 from rlvr.fastpaths import FastPaths
-from rlvr.policy import load_policy, load_tokenizer
 from rlvr.prompts import render_prompt
 from rlvr.rollout import SamplingConfig, generate_rollouts
 
@@ -43,14 +42,8 @@ def main() -> None:
     parser.add_argument("--from-config", action="store_true", help="random weights from the folder's config: rows run to the budget")
     parser.add_argument("--top", type=int, default=25, help="rows of each profiler table")
     args = parser.parse_args()
-    dtype, cuda = getattr(torch, args.dtype), args.device.startswith("cuda")
-    if args.from_config:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model), dtype=dtype).to(args.device)
-        tokenizer = load_tokenizer(args.model)
-    else:
-        model, tokenizer = load_policy(args.model, args.device, dtype)
-    model.eval()
+    cuda = args.device.startswith("cuda")
+    model, tokenizer = bench_model(args.model, args.device, getattr(torch, args.dtype), args.from_config)
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     for rows in args.rows:
         prompts = [render_prompt(tokenizer, QUESTIONS[i % len(QUESTIONS)][0]) for i in range(max(1, rows // 8))]

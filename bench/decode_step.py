@@ -59,6 +59,17 @@ def step_ms(model, tokenizer, rows: int, tokens: int, fast: FastPaths, device: s
     return statistics.median(steps)
 
 
+def bench_model(path: str, device: str, dtype: torch.dtype, from_config: bool):
+    """The checkpoint's model and tokenizer in eval mode; ``from_config``: random weights (seed 0) from its config."""
+    if from_config:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype).to(device)
+        tokenizer = load_tokenizer(path)
+    else:
+        model, tokenizer = load_policy(path, device, dtype)
+    return model.eval(), tokenizer
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model")
@@ -80,14 +91,7 @@ def main() -> None:
         if not known:
             parser.error(f"no datasheet bandwidth for {name or 'this CPU'}: give --bandwidth-gbs")
         args.bandwidth_gbs = known[0]
-    dtype = getattr(torch, args.dtype)
-    if args.from_config:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model), dtype=dtype).to(args.device)
-        tokenizer = load_tokenizer(args.model)
-    else:
-        model, tokenizer = load_policy(args.model, args.device, dtype)
-    model.eval()
+    model, tokenizer = bench_model(args.model, args.device, getattr(torch, args.dtype), args.from_config)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bound_ms = weight_bytes / (args.bandwidth_gbs * 1e9) * 1000
     for rows in args.rows:

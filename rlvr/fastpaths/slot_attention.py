@@ -1,10 +1,10 @@
 """Decode attention over the continuous engine's row slots on CPU, each row read to its own length.
 
 In a decode step each row's one query attends over its own keys and values; the work is reading
-them, a few multiply-adds per byte. PyTorch's SDPA on CPU reads them at about a third of one core's
-memory bandwidth for such shapes (three query heads per KV head, hundreds to thousands of keys, a
-small matrix product per block) and, given the lane's keys up to its longest row, reads every row to
-that length under a mask. :func:`slot_attention` streams each row's keys once (its query heads'
+them, a few multiply-adds per byte. PyTorch's SDPA on CPU streams them well below one core's memory
+bandwidth for such shapes (three query heads per KV head, hundreds to thousands of keys, a small
+matrix product per block) and, given the lane's keys up to its longest row, reads every row to that
+length under a mask. :func:`slot_attention` streams each row's keys once (its query heads'
 dot products together), takes the softmax in PyTorch, then streams its values once, to the row's
 own length: float32, compiled by numba (no C compiler needed), one thread, the GIL released.
 ``bench/cpu_kernels.py`` times it against SDPA.
@@ -41,6 +41,11 @@ def slot_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     return out.view(rows, heads * head_dim)
 
 
+# Scores past a row's length get the lowest float32, which the softmax turns into a zero weight: no
+# infinity or NaN is made here, so every fast-math assumption holds (and sums vectorize).
+PADDING_SCORE = np.float32(np.finfo(np.float32).min)
+
+
 def _compiled(fn):
     """``fn`` compiled on its first call, the machine code cached on disk where numba finds a writable
     place (beside this file, or its user cache folder), else compiled again in each process."""
@@ -70,7 +75,7 @@ def _scores(q, k, lengths, scale, scores):  # pragma: no cover - compiled
                     scores[r, h * group + g, j] = s * scale
             for g in range(group):
                 for j in range(n, scores.shape[2]):
-                    scores[r, h * group + g, j] = -np.inf
+                    scores[r, h * group + g, j] = PADDING_SCORE
 
 
 @_compiled
