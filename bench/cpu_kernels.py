@@ -132,13 +132,14 @@ def decode_attention(config, rows: int, prompt: int, completion: int, kind: str)
     each layer's keys and values in their own buffers (read from memory, as in a step). ``kind``:
     SDPA's ``enable_gqa`` or ``gqa_attention`` (queries packed by KV head) over every row up to the
     longest, masked per row (``"sdpa"``, ``"packed"``), or ``slot_attention`` (``"slot"``), each row to
-    its own length."""
+    its own length (this one also writes each row's new key and value into its slot, as a step does)."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     length = prompt + completion
     lengths = torch.linspace(prompt, length, rows).long()
     mask = (torch.arange(length)[None] < lengths[:, None])[:, None, None, :]
     queries = torch.randn(rows, heads, 1, head_dim)
+    new_keys, new_values, positions = torch.randn(rows, kv_heads, head_dim), torch.randn(rows, kv_heads, head_dim), lengths - 1
     slots = (2 * rows, kv_heads, 2 * length, head_dim)  # the engine's slot buffers have room to spare: its views are strided
     caches = [(torch.randn(slots), torch.randn(slots)) for _ in range(config.num_hidden_layers)]
     scale = head_dim**-0.5
@@ -146,7 +147,7 @@ def decode_attention(config, rows: int, prompt: int, completion: int, kind: str)
     def run() -> None:
         for keys, values in caches:
             if kind == "slot":
-                slot_attention(queries[:, :, 0], keys, values, lengths, scale)
+                slot_attention(queries[:, :, 0], new_keys, new_values, keys, values, positions, scale)
             elif kind == "packed":
                 gqa_attention(queries, keys[:rows, :, :length], values[:rows, :, :length], mask, scale)
             else:

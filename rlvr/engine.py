@@ -684,14 +684,13 @@ def _quantized(length: int) -> int:
 def _slot_attention(cache: SlotCache, positions: torch.Tensor, device: torch.device, kernel: bool) -> Attend:
     """A lane's decode attention: each row's new key and value go into its slot at its position, and
     its query attends over its slot up to there (``kernel``: through ``rlvr.fastpaths.slot_attention``,
-    which reads each slot to that position only; else SDPA over the lane's longest row, masked)."""
+    which writes them and reads each slot to that position only; else SDPA over the lane's longest
+    row, masked)."""
     if kernel:
-        lengths = positions + 1
 
         def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
             layer = cache.layers[index]
-            layer.update(keys.unsqueeze(2), values.unsqueeze(2))
-            return slot_attention(queries, layer.keys, layer.values, lengths, scaling)
+            return slot_attention(queries, keys, values, layer.keys, layer.values, positions, scaling)
 
         return attend
     key_mask = (torch.arange(cache.step_length).unsqueeze(0) <= positions.unsqueeze(1))[:, None, None, :]

@@ -10,6 +10,7 @@ from rlvr.fastpaths.eligibility import (
     use_float32_attention,
     use_fused_decode,
     use_keep_freed_memory,
+    use_layer_kernels,
     use_packed_linears,
     use_slot_attention,
     use_unpadded_update,
@@ -68,6 +69,17 @@ def test_slot_attention_applies_to_float32_cpu_models_at_up_to_two_threads():
         assert not use_slot_attention(model.to(torch.bfloat16), FastPaths())
         torch.set_num_threads(3)  # SDPA runs rows and heads in parallel; the kernel on one thread
         assert not use_slot_attention(model.float(), FastPaths())
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_layer_kernels_apply_to_float32_cpu_models_at_any_thread_count():
+    model, threads = tiny_llama(20), torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert use_layer_kernels(model, FastPaths())
+        assert not use_layer_kernels(model, FastPaths(layer_kernels=False))
+        assert not use_layer_kernels(model.to(torch.bfloat16), FastPaths())
     finally:
         torch.set_num_threads(threads)
 

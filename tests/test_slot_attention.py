@@ -13,19 +13,26 @@ from tiny_policy import char_tokenizer, tiny_llama
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4)])
-def test_each_row_attends_over_its_own_length_as_sdpa_does(heads, kv_heads):
-    """Rows of different lengths in slot buffers with more slots and positions than used, NaN past each
-    row's length: every output equals SDPA over that row's keys and values alone (no NaN read)."""
+def test_each_row_stores_its_token_and_attends_over_its_own_length_as_sdpa_does(heads, kv_heads):
+    """Rows at different positions in slot buffers with more slots and positions than used, NaN from
+    each row's position on: each row's new key and value land at its position, every output equals
+    SDPA over that row's keys and values alone (no NaN read), and nothing else in the slots changes."""
     torch.manual_seed(0)
-    rows, head_dim, lengths = 4, 16, torch.tensor([37, 1, 20, 64])
-    keys, values = torch.randn(6, kv_heads, 70, head_dim), torch.randn(6, kv_heads, 70, head_dim)
-    for r, n in enumerate(lengths.tolist()):
-        keys[r, :, n:] = values[r, :, n:] = float("nan")
-    queries = torch.randn(rows, heads, head_dim)
-    got = slot_attention(queries, keys, values, lengths, 0.25)
-    for r, n in enumerate(lengths.tolist()):
-        expected = F.scaled_dot_product_attention(queries[r, :, None], keys[r, :, :n], values[r, :, :n], scale=0.25, enable_gqa=True)
+    rows, head_dim, positions = 4, 16, torch.tensor([36, 0, 19, 63])
+    key_slots, value_slots = torch.randn(6, kv_heads, 70, head_dim), torch.randn(6, kv_heads, 70, head_dim)
+    for r, p in enumerate(positions.tolist()):
+        key_slots[r, :, p:] = value_slots[r, :, p:] = float("nan")
+    before_keys, before_values = key_slots.clone(), value_slots.clone()
+    queries, keys, values = torch.randn(rows, heads, head_dim), torch.randn(rows, kv_heads, head_dim), torch.randn(rows, kv_heads, head_dim)
+    got = slot_attention(queries, keys, values, key_slots, value_slots, positions, 0.25)
+    for r, p in enumerate(positions.tolist()):
+        torch.testing.assert_close(key_slots[r, :, p], keys[r], rtol=0, atol=0)
+        torch.testing.assert_close(value_slots[r, :, p], values[r], rtol=0, atol=0)
+        before_keys[r, :, p], before_values[r, :, p] = keys[r], values[r]
+        expected = F.scaled_dot_product_attention(queries[r, :, None], key_slots[r, :, : p + 1], value_slots[r, :, : p + 1], scale=0.25, enable_gqa=True)
         torch.testing.assert_close(got[r], expected.reshape(-1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(key_slots, before_keys, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(value_slots, before_values, rtol=0, atol=0, equal_nan=True)
 
 
 def test_the_engine_decodes_through_it_and_matches_the_rollout_engine(monkeypatch):

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from rlvr.fastpaths import FastPaths, slot_attention
+from rlvr.fastpaths import FastPaths, jit
 from rlvr.fastpaths.packed_linear import packing_dtypes
 
 # architectures whose logits are exactly lm_head(last hidden state): no soft-capping or scaling
@@ -51,9 +51,18 @@ SLOT_ATTENTION_MAX_THREADS = 2  # measured faster than SDPA at 1 and 2 threads; 
 def use_slot_attention(model: Any, fast: FastPaths) -> bool:
     """The continuous engine's decode attention through ``rlvr.fastpaths.slot_attention``: float32 on
     CPU, numba importable, at most ``SLOT_ATTENTION_MAX_THREADS`` PyTorch threads (the kernel runs on one)."""
-    if not (fast.slot_attention and slot_attention.available() and _device(model).type == "cpu"):
-        return False
-    return next(model.parameters()).dtype == torch.float32 and torch.get_num_threads() <= SLOT_ATTENTION_MAX_THREADS
+    return fast.slot_attention and _float32_cpu_kernels(model) and torch.get_num_threads() <= SLOT_ATTENTION_MAX_THREADS
+
+
+def use_layer_kernels(model: Any, fast: FastPaths) -> bool:
+    """The fused decoder's RMSNorms and rotary embeddings through ``rlvr.fastpaths.layer_kernels``:
+    float32 on CPU, numba importable (a few rows' work: one thread serves any thread count)."""
+    return fast.layer_kernels and _float32_cpu_kernels(model)
+
+
+def _float32_cpu_kernels(model: Any) -> bool:
+    parameter = next(model.parameters())
+    return jit.available() and parameter.device.type == "cpu" and parameter.dtype == torch.float32
 
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inverse frequencies fixed at load time

@@ -17,6 +17,7 @@ quantized layers, sliding windows, other architectures), which then decodes thro
 
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import Any, Callable
 
@@ -25,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from rlvr.fastpaths import FastPaths
+from rlvr.fastpaths import FastPaths, layer_kernels
 from rlvr.fastpaths.attention import LOW_PRECISION
-from rlvr.fastpaths.eligibility import use_fused_decode
+from rlvr.fastpaths.eligibility import use_fused_decode, use_layer_kernels
 from rlvr.fastpaths.packed_linear import fused_linear
 
 
@@ -42,19 +43,24 @@ def fused_decoder(model: Any, rows: int, fast: FastPaths = FastPaths()) -> Fused
     and a kept copy would double its weights' memory through the update."""
     if not use_fused_decode(model, fast):
         return None
+    kernels = use_layer_kernels(model, fast)
     parameters = list(model.parameters())
     if any(p.requires_grad for p in parameters):
-        return _build(model, rows)
+        return _build(model, rows, kernels)
     state = [(p, p._version) for p in parameters]  # the tensors themselves: a swapped-in module is a change
     kept = _FROZEN.get(model)
     if kept is None or len(kept[0]) != len(state) or any(a is not b or u != v for (a, u), (b, v) in zip(kept[0], state)):
         # packed for at least 8 rows: it serves later rollouts of any size, and a float32 weight
         # packed for 1 row (a service's warm-up) runs markedly slower on 4 or more
-        kept = _FROZEN[model] = (state, _build(model, max(rows, 8)))
-    return kept[1]
+        kept = _FROZEN[model] = (state, _build(model, max(rows, 8), kernels))
+    decoder = kept[1]
+    if decoder is not None and decoder.kernels != kernels:  # the same packed weights, the other switch
+        decoder = copy.copy(decoder)
+        decoder.kernels = kernels
+    return decoder
 
 
-def _build(model: Any, rows: int) -> FusedDecoder | None:
+def _build(model: Any, rows: int, kernels: bool) -> FusedDecoder | None:
     decoder = model.model
     linears = [model.lm_head]
     for layer in decoder.layers:
@@ -63,7 +69,7 @@ def _build(model: Any, rows: int) -> FusedDecoder | None:
         linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
     if any(type(linear) is not nn.Linear for linear in linears):
         return None
-    return FusedDecoder(model, rows)
+    return FusedDecoder(model, rows, kernels)
 
 
 _FROZEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # frozen model -> ((parameter, version)s, decoder)
@@ -72,9 +78,11 @@ _FROZEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # frozen model
 class FusedDecoder:
     """``decoder(tokens, positions, attention_mask, cache)`` -> the next-token logits [rows, vocab],
     for one new token per row; the cache gets that token's keys and values, as the model's own
-    forward would add them."""
+    forward would add them. ``kernels``: its RMSNorms and rotary embeddings through
+    ``rlvr.fastpaths.layer_kernels`` (float32 CPU models only)."""
 
-    def __init__(self, model: Any, rows: int):
+    def __init__(self, model: Any, rows: int, kernels: bool = False):
+        self.kernels = kernels
         config, decoder = model.config, model.model
         self.embed, self.rotary, self.final_norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -112,18 +120,22 @@ class FusedDecoder:
         hidden = self.embed(tokens)  # [rows, hidden]
         cos, sin = self.rotary(hidden, positions.unsqueeze(1))  # [rows, 1, head_dim], broadcast over heads
         half, qk_width = head_dim // 2, (heads + kv_heads) * head_dim
+        norm = _compiled_rms_norm if self.kernels else _rms_norm
         for index, (norm1, qkv_proj, o_proj, scaling, norm2, gate_up_proj, down_proj) in enumerate(self.layers):
-            qkv = qkv_proj(_rms_norm(hidden, norm1))
-            qk = qkv[:, :qk_width].view(rows, heads + kv_heads, head_dim)
-            qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # rotate_half
+            qkv = qkv_proj(norm(hidden, norm1))
+            if self.kernels:
+                qk = layer_kernels.rotary(qkv, cos.view(rows, head_dim), sin.view(rows, head_dim), heads + kv_heads)
+            else:
+                qk = qkv[:, :qk_width].view(rows, heads + kv_heads, head_dim)
+                qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # rotate_half
             values = qkv[:, qk_width:].view(rows, kv_heads, head_dim)
             attended = attend(index, qk[:, :heads], qk[:, heads:], values, scaling)
             hidden = hidden + o_proj(attended.to(hidden.dtype))
-            gate_up = gate_up_proj(_rms_norm(hidden, norm2))
+            gate_up = gate_up_proj(norm(hidden, norm2))
             hidden = hidden + down_proj(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])
         if logits_at is not None:
             hidden = hidden[logits_at]
-        return self.head(_rms_norm(hidden, self.final_norm))
+        return self.head(norm(hidden, self.final_norm))
 
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -160,6 +172,10 @@ def gqa_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         attended = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=scaling)
         return attended.reshape(batch, heads, 1, head_dim).to(dtype)
     return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True).to(dtype)
+
+
+def _compiled_rms_norm(hidden: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    return layer_kernels.rms_norm(hidden, norm.weight, norm.variance_epsilon)
 
 
 def _rms_norm(hidden: torch.Tensor, norm: nn.Module) -> torch.Tensor:

@@ -4,10 +4,10 @@ In a decode step each row's one query attends over its own keys and values; the 
 them, a few multiply-adds per byte. PyTorch's SDPA on CPU streams them well below one core's memory
 bandwidth for such shapes (three query heads per KV head, hundreds to thousands of keys, a small
 matrix product per block) and, given the lane's keys up to its longest row, reads every row to that
-length under a mask. :func:`slot_attention` streams each row's keys once (its query heads'
-dot products together), takes the softmax in PyTorch, then streams its values once, to the row's
-own length: float32, compiled by numba (no C compiler needed), one thread, the GIL released.
-``bench/cpu_kernels.py`` times it against SDPA.
+length under a mask. :func:`slot_attention` writes each row's new key into its slot and streams
+its keys once (its query heads' dot products together), takes the softmax in PyTorch, then writes
+its new value and streams its values once, to the row's own length: float32, compiled by numba
+(``rlvr.fastpaths.jit``), one thread, the GIL released. ``bench/cpu_kernels.py`` times it against SDPA.
 """
 
 from __future__ import annotations
@@ -15,29 +15,32 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-try:
-    import numba
-except ImportError:  # the plain SDPA path stays
-    numba = None
+from rlvr.fastpaths.jit import available, compiled
+
+__all__ = ["available", "slot_attention"]
 
 
-def available() -> bool:
-    """Whether the kernel can run here (numba importable)."""
-    return numba is not None
-
-
-def slot_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor, scale: float) -> torch.Tensor:
-    """``queries`` [rows, heads, head dim] attend over slot buffers ``keys``/``values`` [slots >= rows,
-    KV heads, positions, head dim] (contiguous float32), row r over positions ``0 .. lengths[r] - 1``;
-    query head h reads KV head h // (heads / KV heads). Returns [rows, heads x head dim]."""
+def slot_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_slots: torch.Tensor,
+    value_slots: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Row r's new ``keys``/``values`` [rows, KV heads, head dim] go into slot r of ``key_slots``/
+    ``value_slots`` [slots >= rows, KV heads, positions, head dim] (contiguous float32) at
+    ``positions[r]``, then its ``queries`` [rows, heads, head dim] attend over the slot's positions
+    ``0 .. positions[r]``; query head h reads KV head h // (heads / KV heads). Returns
+    [rows, heads x head dim]."""
     rows, heads, head_dim = queries.shape
-    queries = queries.contiguous()
-    lengths_np = lengths.numpy()
-    scores = torch.empty(rows, heads, int(lengths.max()))
-    _scores(queries.numpy(), keys.numpy(), lengths_np, np.float32(scale), scores.numpy())
+    positions_np = positions.numpy()
+    scores = torch.empty(rows, heads, int(positions.max()) + 1)
+    _store_and_score(queries.contiguous().numpy(), keys.contiguous().numpy(), key_slots.numpy(), positions_np, np.float32(scale), scores.numpy())
     weights = torch.softmax(scores, dim=-1)
     out = torch.empty(rows, heads, head_dim)
-    _weighted_values(weights.numpy(), values.numpy(), lengths_np, out.numpy())
+    _store_and_weigh(weights.numpy(), values.contiguous().numpy(), value_slots.numpy(), positions_np, out.numpy())
     return out.view(rows, heads * head_dim)
 
 
@@ -46,25 +49,15 @@ def slot_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 PADDING_SCORE = np.float32(np.finfo(np.float32).min)
 
 
-def _compiled(fn):
-    """``fn`` compiled on its first call, the machine code cached on disk where numba finds a writable
-    place (beside this file, or its user cache folder), else compiled again in each process."""
-    if numba is None:
-        return fn
-    try:
-        return numba.njit(fastmath=True, cache=True, nogil=True)(fn)
-    except RuntimeError:  # numba: "cannot cache function ...: no locator available"
-        return numba.njit(fastmath=True, nogil=True)(fn)
-
-
-@_compiled
-def _scores(q, k, lengths, scale, scores):  # pragma: no cover - compiled
+@compiled
+def _store_and_score(q, new_k, k, positions, scale, scores):  # pragma: no cover - compiled
     rows, heads, head_dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
     for r in range(rows):
-        n = lengths[r]
+        n = positions[r] + 1
         for h in range(kv_heads):
+            k[r, h, n - 1] = new_k[r, h]
             for j in range(n):
                 key = k[r, h, j]
                 for g in range(group):
@@ -78,14 +71,15 @@ def _scores(q, k, lengths, scale, scores):  # pragma: no cover - compiled
                     scores[r, h * group + g, j] = PADDING_SCORE
 
 
-@_compiled
-def _weighted_values(p, v, lengths, out):  # pragma: no cover - compiled
+@compiled
+def _store_and_weigh(p, new_v, v, positions, out):  # pragma: no cover - compiled
     rows, heads, head_dim = out.shape
     kv_heads = v.shape[1]
     group = heads // kv_heads
     for r in range(rows):
-        n = lengths[r]
+        n = positions[r] + 1
         for h in range(kv_heads):
+            v[r, h, n - 1] = new_v[r, h]
             acc = np.zeros((group, head_dim), np.float32)
             for j in range(n):
                 value = v[r, h, j]
