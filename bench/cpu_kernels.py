@@ -7,7 +7,7 @@ The model is built from the checkpoint's config with random weights (timings dep
 * decode linears: every ``nn.Linear`` of the model once on ``rows`` rows (one decode step's
   matrix products, output layer included), as ``nn.Linear`` runs them against oneDNN on weights
   packed once (``rlvr.fastpaths.packed_linear``), float32 and bf16; the packing, paid once per rollout, is
-  printed below the table, with the fused decoder's (its fused weights packed);
+  printed above the table, with the fused decoder's (its fused weights packed);
 * decode step: the model's forward on a ``DynamicCache`` (which concatenates every layer's cache
   each step) against the rollout engine's (preallocated cache, ``rlvr.fastpaths.fused_decode``), float32
   and bf16; then, on the engine's cache, the engine's path for models the fused decoder does not
