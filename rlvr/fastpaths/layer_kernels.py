@@ -2,9 +2,10 @@
 
 Between its matrix products a decode layer normalizes a few rows and rotates their queries and
 keys: a handful of small PyTorch operations each, and in a step that streams every weight from
-memory each of those operations starts cold (a few rows take 20-50 µs where a warm call takes 10).
-The fused decoder calls these instead where ``eligibility.use_layer_kernels`` says (float32 on CPU,
-numba importable): the same formulas as the model's ``LlamaRMSNorm`` and ``rotate_half`` rotary
+memory each of those operations starts cold, so they cost far more than their arithmetic (the
+engine's steps before and after: docs/benchmarks.md, ``bench/engine_steps.py``). The fused decoder
+calls these instead where ``eligibility.use_layer_kernels`` says (float32 on CPU, numba
+importable): the same formulas as the model's ``LlamaRMSNorm`` and ``rotate_half`` rotary
 embedding, summed in another order (float32 rounding apart, the same values), compiled by numba
 (``rlvr.fastpaths.jit``), one thread, the GIL released.
 """
