@@ -60,26 +60,21 @@ def test_each_switch_turns_its_speed_up_off_where_it_would_apply():
     assert not use_keep_freed_memory(torch.device("meta"), on)
 
 
-def test_slot_attention_applies_to_float32_cpu_models_at_up_to_two_threads():
+def test_the_float32_cpu_kernels_apply_where_their_rules_say():
+    """slot_attention at up to two threads (SDPA runs rows and heads in parallel beyond; the kernel
+    on one), layer_kernels at any thread count; neither for bf16 or with its switch off."""
     model, threads = tiny_llama(20), torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert use_slot_attention(model, FastPaths())
+        assert use_slot_attention(model, FastPaths()) and use_layer_kernels(model, FastPaths())
         assert not use_slot_attention(model, FastPaths(slot_attention=False))
-        assert not use_slot_attention(model.to(torch.bfloat16), FastPaths())
-        torch.set_num_threads(3)  # SDPA runs rows and heads in parallel; the kernel on one thread
-        assert not use_slot_attention(model.float(), FastPaths())
-    finally:
-        torch.set_num_threads(threads)
-
-
-def test_layer_kernels_apply_to_float32_cpu_models_at_any_thread_count():
-    model, threads = tiny_llama(20), torch.get_num_threads()
-    try:
-        torch.set_num_threads(3)
-        assert use_layer_kernels(model, FastPaths())
         assert not use_layer_kernels(model, FastPaths(layer_kernels=False))
-        assert not use_layer_kernels(model.to(torch.bfloat16), FastPaths())
+        model.to(torch.bfloat16)
+        assert not use_slot_attention(model, FastPaths()) and not use_layer_kernels(model, FastPaths())
+        model.float()
+        torch.set_num_threads(3)
+        assert not use_slot_attention(model, FastPaths())
+        assert use_layer_kernels(model, FastPaths())
     finally:
         torch.set_num_threads(threads)
 
