@@ -69,17 +69,24 @@ mlflow: setup
 # rlvr-ops's Debian base image, then served on 127.0.0.1:$(CONTAINER_PORT) with its traffic logs in
 # $(RLVR_HOME)/traffic, where the monitoring assets read them. CPU torch from a local wheelhouse
 # (RLVR_WHEELHOUSE); RLVR_TORCH=cuda with CONTAINER_RUN_OPTS="--device nvidia.com/gpu=all" for a GPU.
+# Its API keys are the lines of CONTAINER_API_KEYS (RLVR_API_KEYS_FILE, else $(RLVR_HOME)/api-key): made
+# (mode 600) with one new key when missing, and printed (deploy/README.md, Security).
 CONTAINER_PORT ?= 3000
 POLICY_IMAGE ?= rlvr_policy:latest
 RLVR_TORCH ?= cpu
 CONTAINER_RUN_OPTS ?=
 CONTAINER_ENV := CONTAINERS_CONF=$(CURDIR)/deploy/container/containers.conf
+CONTAINER_API_KEYS ?= $(or $(RLVR_API_KEYS_FILE),$(RLVR_HOME)/api-key)
 .PHONY: container
 container: setup
 	$(CONTAINER_ENV) BENTOML_HOME=$${BENTOML_HOME:-$(RLVR_HOME)/bentoml} BENTOML_DO_NOT_TRACK=True \
 	  $(BIN)/python deploy/container/build_images.py policy rlvr_policy:latest --tag $(POLICY_IMAGE) --torch $(RLVR_TORCH)
-	$(CONTAINER_ENV) deploy/container/run-policy.sh $(POLICY_IMAGE) $(RLVR_HOME)/traffic $(CONTAINER_PORT) rlvr-policy $(CONTAINER_RUN_OPTS)
+	@test -s "$(CONTAINER_API_KEYS)" || { mkdir -p "$(dir $(CONTAINER_API_KEYS))" && (umask 077 && \
+	  $(BIN)/python -c 'import secrets; print(secrets.token_urlsafe(32))' > "$(CONTAINER_API_KEYS)") && \
+	  echo "made an API key in $(CONTAINER_API_KEYS)"; }
+	$(CONTAINER_ENV) RLVR_API_KEYS_FILE="$(CONTAINER_API_KEYS)" deploy/container/run-policy.sh $(POLICY_IMAGE) $(RLVR_HOME)/traffic $(CONTAINER_PORT) rlvr-policy $(CONTAINER_RUN_OPTS)
 	@echo "rlvr-policy: http://127.0.0.1:$(CONTAINER_PORT) (ready when /readyz answers 200); podman logs -f rlvr-policy; podman rm -f rlvr-policy"
+	@echo "API keys (send one as 'Authorization: Bearer <key>'), from $(CONTAINER_API_KEYS):"; grep -v '^[[:space:]]*#' "$(CONTAINER_API_KEYS)"
 
 # A read-only SQL session on the warehouse's snapshot ($(RLVR_HOME)/rlvr.snapshot.duckdb, published after
 # every committed write): it never holds the pipeline up; each statement reads the latest snapshot.

@@ -1,10 +1,12 @@
-"""The way in of a public request, each bound enforced before any work (``RequestGuard``, an ASGI
-middleware): JSON only (415); a lone UTF-16 surrogate in it refused naming its field (400); the body
-whole within ``MAX_BODY_BYTES`` (413, chunked bodies included) and ``BODY_TIMEOUT_S`` (408), read
-before the request takes one of the ``MAX_CONCURRENCY`` slots, so a slow client holds none; no free
-slot, or the policy not loaded yet: 503 with ``Retry-After``. Every request is counted in
-``rlvr_requests_total`` with the status its client got; one whose client hangs up is cancelled.
-(Connections that stall before their headers are complete are ``bentos.header_timeout``'s.)
+"""The way in of a request, each bound enforced before any work (``RequestGuard``, an ASGI middleware):
+the caller's API key on every route but the probes (``bentos.api_keys``: 401, or 429 past its rate),
+before anything is read; then, on the public endpoints, JSON only (415); a lone UTF-16 surrogate in it
+refused naming its field (400); the body whole within ``MAX_BODY_BYTES`` (413, chunked bodies included)
+and ``BODY_TIMEOUT_S`` (408), read before the request takes one of the ``MAX_CONCURRENCY`` slots (and
+one of its key's), so a slow client holds none; no free slot, or the policy not loaded yet: 503 with
+``Retry-After`` (429 past its key's share). Every public request is counted in ``rlvr_requests_total``
+with the status its client got; one whose client hangs up is cancelled. (Connections that stall
+before their headers are complete are ``bentos.header_timeout``'s.)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 from bentos import SERVICE_NAME, openai_api
+from bentos.api_keys import PROBES, Access, Refusal
 from bentos.json_body import lone_surrogate_field
 from bentos.metrics import REQUESTS
 from bentos.schemas import BODY_TIMEOUT_S, MAX_BODY_BYTES
@@ -31,6 +34,12 @@ STREAM_GRACE_S = 2.0  # past the timeout, the guard ends a stream whose client s
 MAX_CONCURRENCY = 64  # per replica: public requests past the body and in the handler; more get 503
 RETRY_AFTER_S = 2
 CLIENT_GONE = 499  # the status counted and logged for a request whose client hung up first (nginx's)
+OPENAI_INFO_ROUTES = ("/tokenizer_info",)  # beside /v1/*: the other routes whose errors are OpenAI's shape
+
+
+def openai_shaped(path: str) -> bool:
+    """Whether ``path``'s errors come in OpenAI's shape (``/v1/*`` and vLLM's tokenizer routes)."""
+    return path.startswith("/v1/") or path in OPENAI_ENDPOINTS or path in OPENAI_INFO_ROUTES
 
 
 class Door:
@@ -50,10 +59,11 @@ DOOR = Door(MAX_CONCURRENCY)
 
 @dataclass
 class Exchange:
-    """What the guard knows of one public request: the status its client got, whether it hung up."""
+    """What the guard knows of one public request: the status its client got, whether it hung up, its key's id."""
 
     status: int | None = None
     client_gone: bool = False
+    api_key_id: str | None = None
 
 
 EXCHANGE: contextvars.ContextVar[Exchange] = contextvars.ContextVar("rlvr_exchange")
@@ -68,6 +78,12 @@ def cancelled_status() -> tuple[int, str]:
     return 504, "timed out (the service's request timeout)"
 
 
+def caller_key_id() -> str | None:
+    """The id of the API key that sent the public request being handled (None: an open service)."""
+    exchange = EXCHANGE.get(None)
+    return exchange.api_key_id if exchange is not None else None
+
+
 @functools.cache
 def request_timeout_s() -> float:
     """The service's traffic timeout as BentoML runs it (``BENTOML_CONFIG_OPTIONS`` included)."""
@@ -80,17 +96,22 @@ def request_timeout_s() -> float:
 
 
 class RequestGuard:
-    """ASGI middleware on the public endpoints: the way in (module docstring), each refusal a JSON
-    ``ErrorResponse`` (OpenAI's error shape on ``/v1``); every request counted in
-    ``rlvr_requests_total`` with the status its client got. BentoML's timeout stops at a response's
-    first message, so the guard ends a stream still running ``STREAM_GRACE_S`` past it (a client
-    that stops reading would hold its slot)."""
+    """ASGI middleware in front of every route: the way in (module docstring), each refusal a JSON
+    ``ErrorResponse`` (OpenAI's error shape on ``/v1`` and the tokenizer routes); every public request
+    counted in ``rlvr_requests_total`` with the status its client got. BentoML's timeout stops at a
+    response's first message, so the guard ends a stream still running ``STREAM_GRACE_S`` past it (a
+    client that stops reading would hold its slot)."""
 
-    def __init__(self, app, door: Door):
-        self.app, self.door = app, door
+    def __init__(self, app, door: Door, access: Access):
+        self.app, self.door, self.access = app, door, access
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] not in PUBLIC_ENDPOINTS:
+        if scope["type"] != "http" or scope["path"] in PROBES:
+            return await self.app(scope, receive, send)
+        if scope["path"] not in PUBLIC_ENDPOINTS:  # the key only: no body, slot or count
+            caller = self.access.caller(scope["path"], scope["headers"])
+            if isinstance(caller, Refusal):
+                return await refuse_for(send, caller, openai=openai_shaped(scope["path"]), close=scope["method"] not in ("GET", "HEAD"))
             return await self.app(scope, receive, send)
         exchange = Exchange()
         EXCHANGE.set(exchange)  # this request's task context: the handler reads it when cancelled
@@ -112,9 +133,14 @@ class RequestGuard:
             REQUESTS.labels(endpoint=scope["path"], status=str(exchange.status)).inc()
 
     async def _admit(self, scope, receive, send, exchange: Exchange) -> None:
+        openai = scope["path"] in OPENAI_ENDPOINTS  # refusals in the path's shape
+        caller = self.access.caller(scope["path"], scope["headers"])  # before the body: a stranger costs nothing
+        if isinstance(caller, Refusal):
+            return await refuse_for(send, caller, openai=openai, close=scope["method"] not in ("GET", "HEAD"))
+        exchange.api_key_id = caller.key_id
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)  # 405 from the router
-        _refuse = functools.partial(refuse, openai=scope["path"] in OPENAI_ENDPOINTS)  # in the path's shape
+        _refuse = functools.partial(refuse, openai=openai)
         headers = dict(scope["headers"])
         media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
         if media_type != b"application/json":
@@ -144,11 +170,14 @@ class RequestGuard:
             return await _refuse(send, 503, "the policy is not loaded yet", retry_after=True)
         if self.door.saturated:
             return await _refuse(send, 503, f"overloaded: all {self.door.capacity} slots are taken", retry_after=True)
+        if (over := self.access.take_share(caller, RETRY_AFTER_S)) is not None:
+            return await refuse_for(send, over, openai=openai)
         self.door.in_flight += 1
         try:
             await self._run(scope, bytes(body), receive, send, exchange)
         finally:
             self.door.in_flight -= 1
+            self.access.release(caller)
 
     async def _run(self, scope, body: bytes, receive, send, exchange: Exchange) -> None:
         """The app on the buffered body, cancelled when the client hangs up."""
@@ -189,22 +218,50 @@ class RequestGuard:
             app.cancel()  # a no-op once done; when this request timed out it stops the handler
 
 
-async def refuse(send, status: int, message: str, *, openai: bool = False, retry_after: bool = False, close: bool = False, field: tuple | None = None) -> None:
-    """A JSON ``ErrorResponse`` (``openai``: OpenAI's error shape), naming ``field`` when given. Sent to a
-    client that hung up (499) it goes nowhere, but it ends the exchange for BentoML's middleware (its
-    timeout would hold the request's task for the full timeout)."""
+async def refuse(
+    send,
+    status: int,
+    message: str,
+    *,
+    openai: bool = False,
+    retry_after: bool | int = False,
+    close: bool = False,
+    field: tuple | None = None,
+    code: str | None = None,
+    challenge: str | None = None,
+) -> None:
+    """A JSON ``ErrorResponse`` (``openai``: OpenAI's error shape, with ``code``), naming ``field`` when given;
+    ``Retry-After`` of ``retry_after`` seconds (True: ``RETRY_AFTER_S``), ``WWW-Authenticate: challenge``.
+    Sent to a client that hung up (499) it goes nowhere, but it ends the exchange for BentoML's middleware
+    (its timeout would hold the request's task for the full timeout)."""
     if openai:
-        content = openai_api.error_body(status, message, openai_api.param_name(field or ()), "invalid_value" if field else None)
+        content = openai_api.error_body(status, message, openai_api.param_name(field or ()), "invalid_value" if field else code)
     else:
         content = {"error": message, **({"detail": [{"type": "invalid_value", "loc": list(field), "msg": message}]} if field else {})}
     body = JSONResponse(content).body
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if retry_after:
-        headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
+        headers.append((b"retry-after", str(RETRY_AFTER_S if retry_after is True else retry_after).encode()))
+    if challenge:
+        headers.append((b"www-authenticate", challenge.encode()))
     if close:  # the rest of the body is never read: the connection cannot serve another request
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+async def refuse_for(send, refusal: Refusal, *, openai: bool, close: bool = False) -> None:
+    """``refuse`` with what ``bentos.api_keys`` said; ``close`` when the request's body is left unread."""
+    await refuse(
+        send,
+        refusal.status,
+        refusal.message,
+        openai=openai,
+        retry_after=refusal.retry_after_s or False,
+        close=close,
+        code=refusal.code,
+        challenge=refusal.challenge,
+    )
 
 
 class ClientErrorsInOneLine(logging.Filter):
@@ -221,9 +278,6 @@ class ClientErrorsInOneLine(logging.Filter):
             record.exc_info = record.exc_text = None
             record.levelno, record.levelname = logging.INFO, "INFO"
         return True
-
-
-logging.getLogger("bentoml._internal.server.http_app").addFilter(ClientErrorsInOneLine())
 
 
 logging.getLogger("bentoml._internal.server.http_app").addFilter(ClientErrorsInOneLine())

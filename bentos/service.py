@@ -10,9 +10,11 @@
   request would start within ``READY_START_WAIT_S``, ``$RLVR_READY_START_WAIT_S``), ``/metrics``
   (BentoML's ``bentoml_service_*`` plus the ``rlvr_*`` series of ``bentos.metrics``), ``/docs.json``
   (the OpenAPI 3.1 document of ``bentos.schemas``).
+* Every route but the probes takes an API key, ``Authorization: Bearer <key>`` (``bentos.api_keys``);
+  with none configured the service is open to anyone and says so loudly at start.
 
 This module composes the service from one module per concern: the way in (``bentos.admission``:
-body bounds, slots, hang-ups; ``bentos.header_timeout``: stalled headers), pricing on the loaded model
+API keys, body bounds, slots, hang-ups; ``bentos.header_timeout``: stalled headers), pricing on the loaded model
 (``bentos.pricing``: a 400 naming the field), the scheduler that owns the model thread
 (``bentos.scheduler``: iteration-level scheduling by ``rlvr.engine``, or whole passes), the protocols
 (its own API here, OpenAI's in ``bentos.openai_protocol``) and the traffic log (``bentos.traffic_log``).
@@ -50,6 +52,7 @@ from starlette.routing import Route
 
 from bentos import MODEL_NAME, MODEL_VERSION_LABEL, SERVICE_NAME, header_timeout
 from bentos.admission import DOOR, REQUEST_TIMEOUT_S, RequestGuard
+from bentos.api_keys import ACCESS, access_from_env
 from bentos.metrics import REWARD, VOTE_SHARE
 from bentos.openai_protocol import ROUTES, OpenAIProtocol
 from bentos.pricing import CostFields, Pricing
@@ -103,6 +106,11 @@ def batching_enabled() -> bool:
 
 
 header_timeout.install()  # before the worker's uvicorn starts: its connections close when headers stall
+try:  # on import: a bad key setting stops `bentoml serve` at once
+    ACCESS.configure(access_from_env(os.environ))
+except ValueError as err:
+    logger.error("rlvr_policy: %s", err)  # BentoML's own message names only the module it could not import
+    raise
 
 
 def die_with_parent() -> None:
@@ -125,6 +133,7 @@ class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
     policy = bentoml.models.BentoModel(ARGS.model_tag)
 
     def __init__(self) -> None:
+        (logger.info if ACCESS.config.keys else logger.warning)("rlvr_policy: %s", ACCESS.config.summary())
         stored = self.policy
         self.model_tag = str(stored.tag)
         self.model_version = stored.info.labels.get(MODEL_VERSION_LABEL) or str(stored.tag.version)
@@ -353,7 +362,7 @@ async def _openapi_view(_request) -> JSONResponse:
     return JSONResponse(_openapi())
 
 
-RlvrPolicy.add_asgi_middleware(RequestGuard, door=DOOR)
+RlvrPolicy.add_asgi_middleware(RequestGuard, door=DOOR, access=ACCESS)
 # Matched before BentoML's own /docs.json, which flattens every union to its first member (OpenAPI 3.0).
 # The /v1 routes are plain Starlette ones: BentoML's API layer would answer 400s in its own shape.
 RlvrPolicy.mount_asgi_app(

@@ -1,5 +1,6 @@
 """The traffic log of the public endpoints: each request that reached generation appended to the JSONL
-log (``rlvr.traffic.TrafficLog``) with the status its client got and, when not 200, why."""
+log (``rlvr.traffic.TrafficLog``) with the status its client got and, when not 200, why, and the id of the
+API key that sent it (never the key)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 import time
 from datetime import datetime, timezone
 
-from bentos.admission import cancelled_status
+from bentos.admission import caller_key_id, cancelled_status
 from bentos.scheduler import RolloutResult
 
 logger = logging.getLogger("bentoml.rlvr_policy")
@@ -38,6 +39,7 @@ class TrafficRecording:
                 "request_id": request_id,
                 "model_version": self.model_version,
                 "model_tag": self.model_tag,
+                "api_key_id": caller_key_id(),
                 **record,
                 "status": status,
                 "latency_s": round(time.perf_counter() - started, 4),

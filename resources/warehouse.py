@@ -39,7 +39,7 @@ SCHEMAS = {
   record_id VARCHAR PRIMARY KEY, "timestamp" TIMESTAMPTZ, request_id VARCHAR, endpoint VARCHAR, model_version VARCHAR,
   status INTEGER, latency_s DOUBLE, prompt VARCHAR, answer VARCHAR, vote_share DOUBLE, num_completions INTEGER,
   well_formed DOUBLE, completion_chars DOUBLE, completion_tokens DOUBLE, truncated DOUBLE, ground_truth VARCHAR,
-  mean_reward DOUBLE, best_reward DOUBLE, source_file VARCHAR, source_offset BIGINT)""",
+  mean_reward DOUBLE, best_reward DOUBLE, source_file VARCHAR, source_offset BIGINT, api_key_id VARCHAR)""",
     "serving_traffic_cursor": 'CREATE TABLE IF NOT EXISTS serving_traffic_cursor (file VARCHAR PRIMARY KEY, "offset" BIGINT)',
     "drift_history": "CREATE TABLE IF NOT EXISTS drift_history (reported_at TIMESTAMPTZ, run_id VARCHAR, metric VARCHAR, "
     "value DOUBLE, threshold DOUBLE, drifted BOOLEAN, day VARCHAR)",
@@ -49,6 +49,7 @@ SCHEMAS = {
 }
 MIGRATIONS = {  # columns added since a table was first declared: an older database gains them (empty) on its next write
     "drift_history": ["ALTER TABLE drift_history ADD COLUMN IF NOT EXISTS day VARCHAR"],
+    "serving_traffic": ["ALTER TABLE serving_traffic ADD COLUMN IF NOT EXISTS api_key_id VARCHAR"],
     "rollouts": [f"ALTER TABLE rollouts ADD COLUMN IF NOT EXISTS {c} BIGINT" for c in ("policy_tokens", "environment_tokens", "tool_calls")],
     "eval_results": [
         "ALTER TABLE eval_results ADD COLUMN IF NOT EXISTS environment VARCHAR",

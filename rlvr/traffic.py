@@ -190,6 +190,7 @@ TRAFFIC_COLUMNS = (
     "best_reward",
     "source_file",
     "source_offset",
+    "api_key_id",
 )
 
 
@@ -229,4 +230,5 @@ def traffic_row(record: dict) -> dict:
         "best_reward": record.get("best_reward"),
         "source_file": record.get("_file"),
         "source_offset": record.get("_offset"),
+        "api_key_id": record.get("api_key_id"),  # who sent it: the id of its API key (None: an open service, an older log)
     }

@@ -2,9 +2,10 @@
 
 - The policy image: ``test_bento_service``'s Bento (the scripted tiny Llama) containerized by
   ``deploy/container/build_images.py`` (BentoML's containerize on the shared Debian base) and started
-  by ``deploy/container/run-policy.sh``; ``/readyz``, ``/solve``, ``/v1/chat/completions`` and
-  ``/metrics`` over real HTTP on the published 127.0.0.1 port, and each request's traffic record read
-  on the host, from the mounted folder, with ``rlvr.traffic.read_traffic``.
+  by ``deploy/container/run-policy.sh`` with an API keys file and a metrics token (without a key it
+  starts nothing); ``/readyz``, ``/solve``, ``/v1/chat/completions`` and ``/metrics`` over real HTTP on
+  the published 127.0.0.1 port (401 without the key), and each request's traffic record, with its
+  key's id, read on the host, from the mounted folder, with ``rlvr.traffic.read_traffic``.
 - The code-location image (``deploy/docker/Dockerfile``): its gRPC code server answers
   ``dagster api grpc-health-check`` from the host through the published port, and its own
   HEALTHCHECK command inside the container.
@@ -18,15 +19,18 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from bentos.api_keys import derived_key_id
 from bentos.build import MODEL_VERSION_LABEL, bentoml_env
 from rlvr.answers import extract_final_answer
 from rlvr.traffic import read_traffic, traffic_row
@@ -47,6 +51,24 @@ BUILD_TIMEOUT_S = 1800
 READY_TIMEOUT_S = 300  # the code server imports torch, transformers and every asset module
 MODEL = LINEAGE[MODEL_VERSION_LABEL]
 SERVICE_UID = 1034  # the image's `bentoml` user
+API_KEY, METRICS_TOKEN = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+
+
+class KeyedServer(Server):
+    """``Server`` whose requests carry the container's API key (the metrics token to ``/metrics``)."""
+
+    def call(self, path: str, body=None, *, raw=None, method=None, content_type="application/json", timeout_s: float = 120, key: str | None = None):
+        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+        headers = {"Content-Type": content_type} if data is not None and content_type else {}
+        key = key if key is not None else METRICS_TOKEN if path == "/metrics" else API_KEY
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        req = urllib.request.Request(self.url + path, data=data, method=method or ("POST" if data is not None else "GET"), headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+                return resp.status, resp.read().decode(), resp.headers
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode(), err.headers
 
 
 def _podman_env() -> dict[str, str]:
@@ -95,16 +117,23 @@ def policy_image(podman_ready, built):
 
 @pytest.fixture(scope="module")
 def policy_container(policy_image, built, tmp_path_factory):
-    """The policy image started as ``make container`` starts it; its traffic folder is on this host."""
+    """The policy image started as ``make container`` starts it (its key in a mode-600 file, as the Makefile
+    makes it); its traffic folder is on this host."""
     bento, model_tag, home = built
     folder = tmp_path_factory.mktemp("policy-container")
     traffic, port, name = folder / "traffic", _free_port(), f"rlvr-test-policy-{os.getpid()}"
-    started = subprocess.run(
-        ["bash", str(RUN_POLICY), policy_image, str(traffic), str(port), name], env=_podman_env(), capture_output=True, text=True, timeout=120
-    )
+    keys_file = folder / "api-key"
+    keys_file.write_text(f"# made for the test\n{API_KEY}\n")
+    keys_file.chmod(0o600)
+    command = ["bash", str(RUN_POLICY), policy_image, str(traffic), str(port), name]
+    env = {k: v for k, v in _podman_env().items() if not k.startswith(("RLVR_API_KEYS", "RLVR_ALLOW_UNAUTHENTICATED"))}
+    refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "no API key" in refused.stderr, refused.stderr  # nothing started without a key
+    env.update(RLVR_API_KEYS_FILE=str(keys_file), RLVR_METRICS_TOKEN=METRICS_TOKEN)
+    started = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert started.returncode == 0, f"run-policy.sh failed:\n{started.stderr}"
     try:
-        server = Server(f"http://127.0.0.1:{port}", traffic, bento, model_tag, home, folder / "container.log", proc=None)
+        server = KeyedServer(f"http://127.0.0.1:{port}", traffic, bento, model_tag, home, folder / "container.log", proc=None)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
             state = _podman("inspect", "--format", "{{.State.Status}}", name).stdout.strip()
@@ -140,7 +169,10 @@ def test_policy_image_is_cpu_and_keeps_no_build_input(policy_image):
 def test_policy_container_serves_over_the_published_port_and_logs_to_the_host(policy_container):
     server = policy_container
     for probe in ("/healthz", "/readyz"):
-        assert server.request(probe, timeout_s=5)[0] == 200, probe
+        assert server.request(probe, timeout_s=5, key="")[0] == 200, probe  # probes take no key
+    for path in ("/solve", "/v1/models", "/metrics"):
+        assert server.request(path, key="")[0] == 401, path
+    assert server.request("/metrics", key=API_KEY)[0] == 401  # /metrics takes its own token
     marker = f"container-{os.getpid()}"
     solved = server.post_ok("/solve", {"question": f"{QUESTION} ({marker})", "k": 1, "max_new_tokens": 16})
     assert solved["k"] == 1 and solved["model_version"] == MODEL
@@ -157,6 +189,7 @@ def test_policy_container_serves_over_the_published_port_and_logs_to_the_host(po
     records = {r["request_id"]: r for r in read_traffic(server.traffic_dir).records}
     solve_record, chat_record = records[solved["request_id"]], records[chat["id"]]
     assert (solve_record["endpoint"], solve_record["status"], solve_record["model_version"]) == ("/solve", 200, MODEL)
+    assert solve_record["api_key_id"] == chat_record["api_key_id"] == derived_key_id(API_KEY)
     assert marker in solve_record["prompt"] and solve_record["answer"] == solved["answer"]
     assert (chat_record["endpoint"], chat_record["status"], chat_record["messages"]) == ("/v1/chat/completions", 200, messages)
     assert traffic_row(chat_record)["endpoint"] == "/v1/chat/completions"  # what serving_traffic ingests

@@ -6,7 +6,7 @@ the instance, workspace and the run-queue part of the Helm values; a PromQL pars
 dashboard and alert expression and the metric names they use; hadolint lints the Dockerfiles;
 promtool (Debian's `prometheus` package, when installed) checks the Prometheus configs and runs the
 alert unit tests. The security checks: no port beyond 127.0.0.1 but the authenticating proxy's, no
-default or literal password, NetworkPolicies that keep all but the policy pods to the namespace, and
+default or literal password or key (the policy's API keys come from secrets), NetworkPolicies that keep all but the policy pods to the namespace, and
 (with Debian's nginx installed) the proxy refusing requests without its login. Each check has a
 broken counterpart that it must reject.
 """
@@ -44,8 +44,14 @@ MONITORING = DEPLOY / "monitoring"
 DOCKERFILES = [DOCKER / "Dockerfile", DOCKER / "Dockerfile.dagster", DOCKER / "Dockerfile.mlflow", DOCKER / "Dockerfile.proxy"]
 PROXY_CONF = DOCKER / "proxy" / "nginx.conf"
 
-# The passwords Compose requires (no defaults); the tests resolve the file with these stand-ins.
-COMPOSE_PASSWORDS = {"POSTGRES_PASSWORD": "test-postgres", "GRAFANA_ADMIN_PASSWORD": "test-grafana", "RLVR_PROXY_PASSWORD": "test-proxy"}
+# The passwords and keys Compose requires (no defaults); the tests resolve the file with these stand-ins.
+COMPOSE_PASSWORDS = {
+    "POSTGRES_PASSWORD": "test-postgres",
+    "GRAFANA_ADMIN_PASSWORD": "test-grafana",
+    "RLVR_PROXY_PASSWORD": "test-proxy",
+    "RLVR_API_KEYS": "test-api-key",
+    "RLVR_METRICS_TOKEN": "test-metrics-token",
+}
 COMPOSE_PROFILES = ("monitoring", "public")
 PROXY_SERVICE, PROXY_PROFILE = "proxy", "public"
 
@@ -196,7 +202,7 @@ def test_compose_policy_and_runs_share_the_data_volume(compose_model):
 # ---------------------------------------------------------------------------------------------
 
 # A password-like name: an environment variable, a YAML key (camelCase too: postgresqlPassword).
-SECRET_NAME = re.compile(r"passw(or)?d|(^|_)(secret|token|api_?key|private_?key|credentials?)($|_)", re.I)
+SECRET_NAME = re.compile(r"passw(or)?d|(^|_)(secret|token|api_?keys?|private_?key|credentials?)($|_)", re.I)
 VARIABLE = re.compile(r"\$\{(\w+)([^}]*)\}")
 REQUIRED_VARIABLE = re.compile(r"\$\{\w+:\?[^}]+\}")  # ${VAR:?message}: Compose stops, printing the message
 URL_USERINFO = re.compile(r"://([^/\s@]+)@")
@@ -205,7 +211,8 @@ LOOPBACK = "127.0.0.1"
 
 def _literal_secret_problems(tree, where: str) -> list[str]:
     """Password-like keys, and Kubernetes env entries of password-like names, that hold a value
-    instead of a required variable (Compose) or a secretKeyRef (Kubernetes)."""
+    instead of a required variable (Compose) or a secretKeyRef (Kubernetes). A ``*_file`` key holds
+    the path of a mounted secret (Prometheus' ``credentials_file``), not the secret."""
     problems = []
     if isinstance(tree, dict):
         name = tree.get("name")
@@ -214,7 +221,8 @@ def _literal_secret_problems(tree, where: str) -> list[str]:
                 problems.append(f"{where}: env {name} is not a secretKeyRef")
         for key, value in tree.items():
             literal = isinstance(value, (str, int, float)) and not isinstance(value, bool)
-            if isinstance(key, str) and SECRET_NAME.search(key) and literal and not REQUIRED_VARIABLE.fullmatch(str(value)):
+            secret_key = isinstance(key, str) and SECRET_NAME.search(key) and not key.lower().endswith("_file")
+            if secret_key and literal and not REQUIRED_VARIABLE.fullmatch(str(value)):
                 problems.append(f"{where}: {key} holds a value, not ${{VAR:?message}} or a Secret")
             problems += _literal_secret_problems(value, f"{where}.{key}")
     elif isinstance(tree, list):
@@ -305,6 +313,8 @@ def test_compose_publishes_only_on_loopback_and_has_no_default_password(compose_
         (r'"127\.0\.0\.1:(\$\{RLVR_POLICY_PORT)', r'"\1', "policy: port"),
         (r"\$\{POSTGRES_PASSWORD:\?[^}]*\}", "${POSTGRES_PASSWORD:-rlvr}", "no default"),
         (r"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]*\}", "${GRAFANA_ADMIN_PASSWORD}", "no default"),  # empty when unset
+        (r"\$\{RLVR_API_KEYS:\?[^}]*\}", "${RLVR_API_KEYS:-}", "no default"),  # the policy open to anyone
+        (r'"\$\{RLVR_METRICS_TOKEN:\?[^}]*\}"', "metrics-token", "RLVR_METRICS_TOKEN holds a value"),
         (r'"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]*\}"', "admin", "GF_SECURITY_ADMIN_PASSWORD holds a value"),
         (r'GF_AUTH_ANONYMOUS_ENABLED: "false"', 'GF_AUTH_ANONYMOUS_ENABLED: "true"', "anonymous access"),
         (r"(postgresql\+psycopg2://\$\{POSTGRES_USER:-rlvr\})@", r"\1:rlvr@", "a password in the URL"),
@@ -833,6 +843,9 @@ def test_secret_check_flags_literal_passwords_in_manifests(helm_values):
 
     assert env_problems({"name": "POSTGRES_PASSWORD", "value": "rlvr"})
     assert env_problems({"name": "RLVR_API_KEY", "valueFrom": {"configMapKeyRef": {"name": "rlvr-config", "key": "k"}}})
+    assert env_problems({"name": "RLVR_API_KEYS", "value": "alice:0123456789abcdef0123"})
+    assert _literal_secret_problems({"authorization": {"credentials": "0123456789abcdef0123"}}, "prometheus")
+    assert not _literal_secret_problems({"authorization": {"credentials_file": "/run/secrets/token"}}, "prometheus")
     assert not env_problems({"name": "POSTGRES_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "db", "key": "password"}}})
     assert not env_problems({"name": "TOKENIZERS_PARALLELISM", "value": "false"})
     values = copy.deepcopy(helm_values)
@@ -982,6 +995,25 @@ def test_prometheus_configs_scrape_the_policy_pods():
     for config in (k8s, compose):
         for rule_file in config["rule_files"]:
             assert (MONITORING / rule_file).is_file()
+    # Each sends the policy's metrics token, where its deployment puts it.
+    compose_model = yaml.safe_load(COMPOSE_FILE.read_text())
+    (secret,) = compose_model["services"]["prometheus"]["secrets"]
+    assert compose_model["secrets"][secret["source"]] == {"environment": "RLVR_METRICS_TOKEN"}
+    assert compose["scrape_configs"][0]["authorization"]["credentials_file"] == f"/run/secrets/{secret['source']}"
+    token = next(e for e in container["env"] if e["name"] == "RLVR_METRICS_TOKEN")["valueFrom"]["secretKeyRef"]
+    assert job["authorization"]["credentials_file"] == f"/etc/prometheus/secrets/{token['name']}/{token['key']}"
+
+
+def test_the_policy_service_starts_only_with_its_keys():
+    """Compose and the Deployment give the policy its API keys and metrics token from secrets, required."""
+    container = _by_kind("Deployment")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in container["env"]}
+    for name in ("RLVR_API_KEYS", "RLVR_METRICS_TOKEN"):
+        ref = env[name]["valueFrom"]["secretKeyRef"]
+        assert ref["name"] and ref["key"] and not ref.get("optional", False), name
+    policy_env = yaml.safe_load(COMPOSE_FILE.read_text())["services"]["policy"]["environment"]
+    for name in ("RLVR_API_KEYS", "RLVR_METRICS_TOKEN"):
+        assert REQUIRED_VARIABLE.fullmatch(policy_env[name]) and policy_env[name].startswith(f"${{{name}:?"), name
 
 
 @pytest.fixture(scope="module")
@@ -992,8 +1024,22 @@ def promtool() -> str:
     return path
 
 
-def test_promtool_checks_the_compose_config_and_rules(promtool):
-    result = _run([promtool, "check", "config", MONITORING / "prometheus-compose.yml"])
+def _with_token_file(config: dict, folder: Path) -> dict:
+    """``config`` with each job's credentials file (a mounted secret where it runs) replaced by one in ``folder``."""
+    for job in config["scrape_configs"]:
+        if "authorization" in job:
+            token = folder / f"{job['job_name']}.token"
+            token.write_text("test-metrics-token")
+            job["authorization"]["credentials_file"] = str(token)
+    return config
+
+
+def test_promtool_checks_the_compose_config_and_rules(promtool, tmp_path):
+    config = _with_token_file(yaml.safe_load((MONITORING / "prometheus-compose.yml").read_text()), tmp_path)
+    for rule_file in config["rule_files"]:
+        shutil.copy(MONITORING / rule_file, tmp_path / rule_file)
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    result = _run([promtool, "check", "config", tmp_path / "prometheus.yml"])
     assert result.returncode == 0, result.stdout + result.stderr
     result = _run([promtool, "check", "rules", MONITORING / "rlvr-alerts.yml"])
     assert result.returncode == 0, result.stdout + result.stderr
@@ -1001,7 +1047,7 @@ def test_promtool_checks_the_compose_config_and_rules(promtool):
 
 def test_promtool_checks_the_kubernetes_config(promtool, tmp_path):
     """Debian's promtool is built without Kubernetes discovery: it checks the rest of the file."""
-    config = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
+    config = _with_token_file(yaml.safe_load((MONITORING / "prometheus.yml").read_text()), tmp_path)
     for job in config["scrape_configs"]:
         job["static_configs"] = [{"targets": ["rlvr-policy:3000"]}]
         del job["kubernetes_sd_configs"]
