@@ -24,10 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve_load import questions  # noqa: E402
 
-from rlvr.engine import Engine, EngineRequest  # noqa: E402
+from rlvr.generation import Engine, EngineRequest, SamplingConfig, generate_rollouts  # noqa: E402
 from rlvr.policy import load_policy  # noqa: E402
 from rlvr.prompts import render_prompt  # noqa: E402
-from rlvr.rollout import SamplingConfig, generate_rollouts  # noqa: E402
 
 
 def main() -> int:

@@ -47,8 +47,8 @@ from bentos.schemas import (
 )
 from bentos.traffic_log import generation_fields
 from rlvr.evaluation import majority_vote
+from rlvr.generation import TokenScores, score_tokens
 from rlvr.prompts import ControlTokensError, render_messages, with_instructions
-from rlvr.rollout import TokenScores, score_tokens
 
 logger = logging.getLogger("bentoml.rlvr_policy")
 

@@ -28,8 +28,8 @@ class GSM8kPolicy(PythonModel):
 
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:  # a DataFrame hint: the logged signature governs
         from rlvr.answers import extract_final_answer
+        from rlvr.generation import SamplingConfig, generate_rollouts
         from rlvr.prompts import render_prompt, system_prompt_for
-        from rlvr.rollout import SamplingConfig, generate_rollouts
 
         questions = list(pd.DataFrame(model_input)["question"].astype(str))
         max_new_tokens = int((params or {}).get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))

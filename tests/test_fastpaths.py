@@ -15,8 +15,8 @@ from rlvr.fastpaths.eligibility import (
     use_slot_attention,
     use_unpadded_update,
 )
+from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig
-from rlvr.rollout import SamplingConfig
 from tiny_policy import tiny_llama, tiny_qwen2
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import rlvr.grpo.trainer as trainer_module
+from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig, GRPOTrainer, LoRAConfig
-from rlvr.rollout import SamplingConfig
 from tiny_policy import COPY_DIGIT_CHARS, char_tokenizer, copy_digit_reward, tiny_llama
 from tiny_policy import COPY_DIGIT_PROBLEMS as PROBLEMS
 

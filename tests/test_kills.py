@@ -18,8 +18,8 @@ from dagster import DagsterInstance, ReexecutionOptions, execute_job
 from resources.launcher import LOCK_FILE, TrainingJob, TrainingLauncher, attempt_lock, clear_attempt, step_history
 from resources.tracking import TRAINING_RUN_TAG
 from rlvr import gsm8k
+from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig
-from rlvr.rollout import SamplingConfig
 from rlvr.training_run import die_with_parent
 from rlvr_assets import grpo_worker
 from test_pipeline import resources_for
