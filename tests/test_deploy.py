@@ -5,18 +5,30 @@ every Kubernetes manifest against the API schemas in strict mode; Dagster's own 
 the instance, workspace and the run-queue part of the Helm values; a PromQL parser checks every
 dashboard and alert expression and the metric names they use; hadolint lints the Dockerfiles;
 promtool (Debian's `prometheus` package, when installed) checks the Prometheus configs and runs the
-alert unit tests. Each check has a broken counterpart that it must reject.
+alert unit tests. The security checks: no port beyond 127.0.0.1 but the authenticating proxy's, no
+default or literal password, NetworkPolicies that keep all but the policy pods to the namespace, and
+(with Debian's nginx installed) the proxy refusing requests without its login. Each check has a
+broken counterpart that it must reject.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
+import getpass
+import http.client
+import http.server
 import importlib.util
 import json
+import os
 import re
 import shutil
+import socket
+import ssl
 import subprocess
 import sys
+import threading
+import time
 import tomllib
 from pathlib import Path
 
@@ -29,7 +41,13 @@ COMPOSE_FILE = DEPLOY / "docker-compose.yaml"
 DOCKER = DEPLOY / "docker"
 K8S = DEPLOY / "k8s"
 MONITORING = DEPLOY / "monitoring"
-DOCKERFILES = [DOCKER / "Dockerfile", DOCKER / "Dockerfile.dagster", DOCKER / "Dockerfile.mlflow"]
+DOCKERFILES = [DOCKER / "Dockerfile", DOCKER / "Dockerfile.dagster", DOCKER / "Dockerfile.mlflow", DOCKER / "Dockerfile.proxy"]
+PROXY_CONF = DOCKER / "proxy" / "nginx.conf"
+
+# The passwords Compose requires (no defaults); the tests resolve the file with these stand-ins.
+COMPOSE_PASSWORDS = {"POSTGRES_PASSWORD": "test-postgres", "GRAFANA_ADMIN_PASSWORD": "test-grafana", "RLVR_PROXY_PASSWORD": "test-proxy"}
+COMPOSE_PROFILES = ("monitoring", "public")
+PROXY_SERVICE, PROXY_PROFILE = "proxy", "public"
 
 # Kubernetes API versions the manifests must validate against (kubernetes-validate ships schemas).
 K8S_VERSIONS = ("1.34.0", "1.37.0")
@@ -80,8 +98,11 @@ def compose_bin() -> Path:
     return binary
 
 
-def _compose(compose_bin: Path, compose_file: Path, *args: str) -> subprocess.CompletedProcess:
-    return _run([compose_bin, "-f", compose_file, "--profile", "monitoring", *args], cwd=ROOT)
+def _compose(compose_bin: Path, compose_file: Path, *args: str, profiles=COMPOSE_PROFILES, passwords=COMPOSE_PASSWORDS) -> subprocess.CompletedProcess:
+    """Compose on `compose_file` with these passwords in its environment (no other, nor any .env file)."""
+    env = {k: v for k, v in os.environ.items() if k not in COMPOSE_PASSWORDS} | passwords
+    profile_args = [arg for profile in profiles for arg in ("--profile", profile)]
+    return _run([compose_bin, "-f", compose_file, "--env-file", os.devnull, *profile_args, *args], cwd=ROOT, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +139,7 @@ def test_compose_runs_the_whole_stack(compose_model):
         "policy",
         "prometheus",
         "grafana",
+        "proxy",
     }
 
 
@@ -167,6 +189,267 @@ def test_compose_policy_and_runs_share_the_data_volume(compose_model):
     mlflow_cmd = services["mlflow"]["command"]
     assert mlflow_cmd[mlflow_cmd.index("--port") + 1] == "5000"
     assert "mlflow:5000" in mlflow_cmd[mlflow_cmd.index("--allowed-hosts") + 1].split(",")
+
+
+# ---------------------------------------------------------------------------------------------
+# Security: published ports, passwords, the authenticating proxy
+# ---------------------------------------------------------------------------------------------
+
+# A password-like name: an environment variable, a YAML key (camelCase too: postgresqlPassword).
+SECRET_NAME = re.compile(r"passw(or)?d|(^|_)(secret|token|api_?key|private_?key|credentials?)($|_)", re.I)
+VARIABLE = re.compile(r"\$\{(\w+)([^}]*)\}")
+REQUIRED_VARIABLE = re.compile(r"\$\{\w+:\?[^}]+\}")  # ${VAR:?message}: Compose stops, printing the message
+URL_USERINFO = re.compile(r"://([^/\s@]+)@")
+LOOPBACK = "127.0.0.1"
+
+
+def _literal_secret_problems(tree, where: str) -> list[str]:
+    """Password-like keys, and Kubernetes env entries of password-like names, that hold a value
+    instead of a required variable (Compose) or a secretKeyRef (Kubernetes)."""
+    problems = []
+    if isinstance(tree, dict):
+        name = tree.get("name")
+        if isinstance(name, str) and SECRET_NAME.search(name) and ("value" in tree or "valueFrom" in tree):
+            if "value" in tree or "secretKeyRef" not in tree["valueFrom"]:
+                problems.append(f"{where}: env {name} is not a secretKeyRef")
+        for key, value in tree.items():
+            literal = isinstance(value, (str, int, float)) and not isinstance(value, bool)
+            if isinstance(key, str) and SECRET_NAME.search(key) and literal and not REQUIRED_VARIABLE.fullmatch(str(value)):
+                problems.append(f"{where}: {key} holds a value, not ${{VAR:?message}} or a Secret")
+            problems += _literal_secret_problems(value, f"{where}.{key}")
+    elif isinstance(tree, list):
+        for i, item in enumerate(tree):
+            problems += _literal_secret_problems(item, f"{where}[{i}]")
+    return problems
+
+
+def _url_password(userinfo: str) -> str | None:
+    """The password of a URL's `user:password`; a colon inside ${...} is the variable's, not the separator."""
+    depth = 0
+    for i, char in enumerate(userinfo):
+        depth += {"{": 1, "}": -1}.get(char, 0)
+        if char == ":" and depth == 0:
+            return userinfo[i + 1 :]
+    return None
+
+
+def _compose_problems(text: str) -> list[str]:
+    """What in a compose file opens a control plane by default or runs with a known or empty password."""
+    problems = []
+    for match in VARIABLE.finditer(text):
+        name, rest = match.groups()
+        if SECRET_NAME.search(name) and not rest.startswith(":?"):
+            problems.append(f"{match.group(0)}: a password takes ${{{name}:?message}}, no default")
+    for match in URL_USERINFO.finditer(text):
+        password = _url_password(match.group(1))
+        if password is not None and not REQUIRED_VARIABLE.fullmatch(password):
+            problems.append(f"a password in the URL {match.group(0)}")
+    config = yaml.safe_load(text)
+    problems += _literal_secret_problems(config, "compose")
+    for name, service in config["services"].items():
+        env = service.get("environment") or {}
+        env = env if isinstance(env, dict) else dict(item.partition("=")[::2] for item in env)
+        if str(env.get("GF_AUTH_ANONYMOUS_ENABLED", "false")).lower() != "false":
+            problems.append(f"{name}: Grafana with anonymous access")
+        for port in service.get("ports", []):
+            host_ip = port.get("host_ip") if isinstance(port, dict) else str(port).rpartition(":")[0].partition(":")[0]
+            if host_ip == LOOPBACK:
+                continue
+            if name != PROXY_SERVICE:
+                problems.append(f"{name}: port {port} is published beyond {LOOPBACK} without the proxy in front")
+            elif service.get("profiles") != [PROXY_PROFILE]:
+                problems.append(f"{name}: publishes {port} without being opt-in (profiles: [{PROXY_PROFILE}])")
+    return problems
+
+
+def _proxy_problems(conf: str, published_targets: set[int]) -> list[str]:
+    """What lets a request through the proxy without TLS and its login."""
+    problems = []
+    if not re.search(r'^\s*auth_basic\s+"[^"]+";', conf, re.M) or re.search(r"auth_basic\s+off", conf):
+        problems.append("nginx.conf: not every server requires the login (auth_basic)")
+    if not re.search(r"^\s*auth_basic_user_file\s+\S+;", conf, re.M):
+        problems.append("nginx.conf: no auth_basic_user_file")
+    listens = re.findall(r"^\s*listen\s+(.*);", conf, re.M)
+    tls_ports = {int(m.group(1)) for listen in listens if (m := re.fullmatch(r"(\d+) ssl", listen))}
+    problems += [f"nginx.conf: listen {listen} without TLS" for listen in listens if not re.fullmatch(r"\d+ ssl", listen)]
+    problems += [f"the proxy publishes {port}, where nginx does not listen with TLS" for port in published_targets - tls_ports]
+    return problems
+
+
+def _published_targets(service: dict) -> set[int]:
+    return {port["target"] for port in service.get("ports", [])}
+
+
+def test_compose_publishes_only_on_loopback_and_has_no_default_password(compose_model):
+    assert _compose_problems(COMPOSE_FILE.read_text()) == []
+    for name, service in compose_model["services"].items():
+        if name != PROXY_SERVICE:
+            assert all(port["host_ip"] == LOOPBACK for port in service.get("ports", [])), name
+    proxy = compose_model["services"][PROXY_SERVICE]
+    assert proxy["build"]["dockerfile"] == "deploy/docker/Dockerfile.proxy"
+    conf = PROXY_CONF.read_text()
+    assert _proxy_problems(conf, _published_targets(proxy)) == []
+    upstreams = dict(re.findall(r"set \$upstream ([\w-]+):(\d+);", conf))
+    assert set(upstreams) == {"webserver", "mlflow", "grafana", "prometheus"}
+    for name, port in upstreams.items():
+        assert int(port) in _published_targets(compose_model["services"][name]), name
+    grafana_env = compose_model["services"]["grafana"]["environment"]
+    assert grafana_env["GF_SECURITY_ADMIN_PASSWORD"] == COMPOSE_PASSWORDS["GRAFANA_ADMIN_PASSWORD"]
+
+
+@pytest.mark.parametrize(
+    "pattern, replacement, problem",
+    [
+        (r'"127\.0\.0\.1:(\$\{DAGSTER_UI_PORT)', r'"\1', "webserver: port"),  # every interface
+        (r'"127\.0\.0\.1:(\$\{GRAFANA_PORT)', r'"0.0.0.0:\1', "grafana: port"),
+        (r'"127\.0\.0\.1:(\$\{RLVR_POLICY_PORT)', r'"\1', "policy: port"),
+        (r"\$\{POSTGRES_PASSWORD:\?[^}]*\}", "${POSTGRES_PASSWORD:-rlvr}", "no default"),
+        (r"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]*\}", "${GRAFANA_ADMIN_PASSWORD}", "no default"),  # empty when unset
+        (r'"\$\{GRAFANA_ADMIN_PASSWORD:\?[^}]*\}"', "admin", "GF_SECURITY_ADMIN_PASSWORD holds a value"),
+        (r'GF_AUTH_ANONYMOUS_ENABLED: "false"', 'GF_AUTH_ANONYMOUS_ENABLED: "true"', "anonymous access"),
+        (r"(postgresql\+psycopg2://\$\{POSTGRES_USER:-rlvr\})@", r"\1:rlvr@", "a password in the URL"),
+        (r"    profiles: \[public\]\n", "", "without being opt-in"),  # the proxy on by default
+    ],
+)
+def test_compose_check_flags_open_ports_and_default_passwords(pattern, replacement, problem):
+    broken, count = re.subn(pattern, replacement, COMPOSE_FILE.read_text(), count=1)
+    assert count == 1, pattern
+    problems = _compose_problems(broken)
+    assert any(problem in p for p in problems), problems
+
+
+@pytest.mark.parametrize(
+    "old, new, published",
+    [
+        ('auth_basic "rlvr-ops";', "auth_basic off;", set()),
+        ("listen 8444 ssl;", "listen 8444;", set()),
+        ("", "", {3000}),  # the proxy publishing a port nginx does not serve with the login
+    ],
+)
+def test_proxy_check_flags_a_way_around_the_login(old, new, published):
+    conf = PROXY_CONF.read_text()
+    assert old in conf
+    assert _proxy_problems(conf.replace(old, new, 1), {8443} | published)
+
+
+class _EchoHandler(http.server.BaseHTTPRequestHandler):
+    """An upstream that answers with the request's method and headers, as JSON."""
+
+    def _echo(self):
+        body = json.dumps({"method": self.command, "headers": dict(self.headers)}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = _echo
+
+    def log_message(self, *args):
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _openssl(*args: str, stdin: str | None = None) -> str:
+    result = subprocess.run(["openssl", *args], input=stdin, capture_output=True, text=True, timeout=60, check=True)
+    return result.stdout
+
+
+@pytest.fixture
+def served_proxy(tmp_path):
+    """nginx.conf served by Debian's nginx on 127.0.0.1, every upstream an echo server, with the login
+    rlvr/right-password hashed as entrypoint.sh hashes it. Yields {nginx listen port: local port}."""
+    nginx = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
+    if nginx is None or shutil.which("openssl") is None:
+        pytest.skip("nginx or openssl not installed (Debian: apt-get install nginx openssl); the proxy's config is still checked above")
+    upstream = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _EchoHandler)
+    threading.Thread(target=upstream.serve_forever, daemon=True).start()
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+             "-keyout", str(tmp_path / "tls.key"), "-out", str(tmp_path / "tls.crt"))  # fmt: skip
+    password_hash = _openssl("passwd", "-6", "-stdin", stdin="right-password\n").strip()
+    (tmp_path / "htpasswd").write_text(f"rlvr:{password_hash}\n")
+    (tmp_path / "resolver.conf").write_text("resolver 127.0.0.1;\n")
+    conf = PROXY_CONF.read_text().replace("/run/rlvr-proxy/", f"{tmp_path}/").replace("/etc/rlvr-proxy/tls/", f"{tmp_path}/")
+    conf = re.sub(r"^user \S+;", f"user {getpass.getuser()};", conf, flags=re.M).replace("pid /run/nginx.pid;", f"pid {tmp_path}/nginx.pid;")
+    temp_paths = "".join(f"    {kind}_temp_path {tmp_path}/{kind};\n" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
+    conf = conf.replace("http {\n", "http {\n" + temp_paths, 1)
+    conf = re.sub(r"set \$upstream \S+;", f"set $upstream 127.0.0.1:{upstream.server_port};", conf)
+    ports = {int(port): _free_port() for port in re.findall(r"listen (\d+) ssl;", conf)}
+    for port, local in ports.items():
+        conf = conf.replace(f"listen {port} ssl;", f"listen 127.0.0.1:{local} ssl;")
+    (tmp_path / "nginx.conf").write_text(conf)
+    with open(tmp_path / "nginx.log", "w") as log:
+        process = subprocess.Popen([nginx, "-c", tmp_path / "nginx.conf", "-e", "stderr", "-g", "daemon off;"], stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 30
+        while any(_connection_refused(local) for local in ports.values()):
+            assert process.poll() is None, (tmp_path / "nginx.log").read_text()
+            assert time.monotonic() < deadline, "nginx did not listen within 30 s"
+            time.sleep(0.05)
+        yield ports
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        upstream.shutdown()
+
+
+def _connection_refused(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        return False
+    except ConnectionRefusedError:
+        return True
+
+
+def _through_proxy(port: int, method: str = "GET", login: str | None = None, origin: str | None = None) -> tuple[int, dict]:
+    """(status, the upstream's echo of the request or {}) of one HTTPS request to the proxy."""
+    context = ssl.create_default_context()
+    context.check_hostname, context.verify_mode = False, ssl.CERT_NONE  # the test's self-signed certificate
+    headers = {"Origin": origin} if origin else {}
+    if login:
+        headers["Authorization"] = "Basic " + base64.b64encode(login.encode()).decode()
+    connection = http.client.HTTPSConnection("127.0.0.1", port, timeout=30, context=context)
+    try:
+        connection.request(method, "/", headers=headers)
+        response = connection.getresponse()
+        body = response.read()
+        return response.status, json.loads(body) if response.status == 200 else {}
+    finally:
+        connection.close()
+
+
+def test_proxy_admits_only_its_login_from_its_own_origin(served_proxy):
+    for port in served_proxy.values():
+        assert _through_proxy(port)[0] == 401
+        assert _through_proxy(port, login="rlvr:wrong-password")[0] == 401
+        assert _through_proxy(port, login="admin:right-password")[0] == 401
+        status, echo = _through_proxy(port, login="rlvr:right-password")
+        assert status == 200
+        assert "Authorization" not in echo["headers"], "the proxy's login reached the upstream"
+        status, echo = _through_proxy(port, "POST", login="rlvr:right-password", origin=f"https://127.0.0.1:{port}")
+        assert status == 200 and echo["method"] == "POST" and "Origin" not in echo["headers"]
+        for foreign in ("https://evil.example", f"https://127.0.0.1:{port}.evil.example", f"http://127.0.0.1:{port}"):
+            assert _through_proxy(port, "POST", login="rlvr:right-password", origin=foreign)[0] == 403, foreign
+
+
+@pytest.mark.parametrize("variable", COMPOSE_PASSWORDS)
+def test_compose_refuses_to_run_without_a_password(compose_bin, variable):
+    """Also without the profile that uses it: Compose interpolates every service, active or not."""
+    passwords = {k: v for k, v in COMPOSE_PASSWORDS.items() if k != variable}
+    result = _compose(compose_bin, COMPOSE_FILE, "config", "--quiet", profiles=(), passwords=passwords)
+    assert result.returncode != 0
+    assert f"required variable {variable} is missing a value" in result.stderr
+    assert "deploy/README.md, Security" in result.stderr
+
+
+def test_compose_opens_nothing_beyond_loopback_by_default(compose_bin):
+    result = _compose(compose_bin, COMPOSE_FILE, "config", "--services", profiles=())
+    assert result.returncode == 0, result.stderr
+    assert PROXY_SERVICE not in result.stdout.split()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -459,6 +742,103 @@ def test_helm_values_use_an_external_postgres_secret(helm_values):
     assert helm_values["generatePostgresqlPasswordSecret"] is False
     assert helm_values["global"]["postgresqlSecretName"]
     assert helm_values["postgresql"]["postgresqlHost"]
+
+
+# Pods of the namespace by their labels: the Dagster chart's webserver, daemon and code server, an
+# MLflow server beside them (not in these manifests), and a training pod as a run creates it.
+DAGSTER_POD_LABELS = [
+    {"app.kubernetes.io/name": "dagster", "app.kubernetes.io/instance": "dagster", "component": "dagster-webserver"},
+    {"app.kubernetes.io/name": "dagster", "app.kubernetes.io/instance": "dagster", "component": "dagster-daemon"},
+    {"app.kubernetes.io/name": "dagster-user-deployments", "app.kubernetes.io/instance": "dagster", "deployment": "rlvr-ops"},
+]
+MLFLOW_POD_LABELS = {"app.kubernetes.io/name": "mlflow"}
+
+
+def _network_policies() -> list[dict]:
+    return [r for r in _k8s_resources().values() if r["kind"] == "NetworkPolicy"]
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels"}, f"not evaluated here: {selector}"
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def _admits(policies: list[dict], pod: dict, port: int | str, source: dict | None) -> bool:
+    """Whether NetworkPolicies let a connection reach `port` of a pod with labels `pod`: from a pod of
+    the namespace with labels `source`, or (None) from outside the namespace. An ipBlock or a
+    namespaceSelector counts as admitting everyone."""
+    specs = [p["spec"] for p in policies if _selects(p["spec"]["podSelector"], pod) and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    if not specs:
+        return True  # no policy selects the pod: it is not isolated
+    for rule in (rule for spec in specs for rule in spec.get("ingress", [])):
+        ports = [p["port"] for p in rule.get("ports", [])]
+        if ports and port not in ports:
+            continue
+        for peer in rule.get("from") or [{"ipBlock": {"cidr": "0.0.0.0/0"}}]:
+            if "ipBlock" in peer or "namespaceSelector" in peer:
+                return True
+            if source is not None and _selects(peer["podSelector"], source):
+                return True
+    return False
+
+
+def test_network_policies_keep_all_but_the_policy_service_in_the_namespace():
+    policies = _network_policies()
+    policy_pod = _by_kind("Deployment")["spec"]["template"]
+    training_pod = _load_yaml_docs(K8S / "training" / "pipes-pod.yaml")[0]["metadata"]["labels"]
+    for labels in [*DAGSTER_POD_LABELS, MLFLOW_POD_LABELS, training_pod]:
+        for port in (80, 3000, 4000, 5000, 29400):
+            assert not _admits(policies, labels, port, source=None), (labels, port)
+        assert _admits(policies, labels, 3000, source=DAGSTER_POD_LABELS[0]), labels
+    assert _admits(policies, training_pod, 29400, source=training_pod)  # rendezvous, NCCL: any port
+    labels = policy_pod["metadata"]["labels"]
+    assert _admits(policies, labels, "http", source=None)
+    assert not _admits(policies, labels, 9999, source=None)
+    assert {"name": "http", "containerPort": 3000, "protocol": "TCP"} in policy_pod["spec"]["containers"][0]["ports"]
+
+
+def test_network_policy_check_flags_an_open_pod():
+    policies = _network_policies()
+    namespace_wide = [p for p in policies if p["spec"]["podSelector"] == {}]
+    assert namespace_wide
+    without = [p for p in policies if p not in namespace_wide]
+    assert _admits(without, DAGSTER_POD_LABELS[0], 80, source=None)
+    opened = copy.deepcopy(policies)
+    next(p for p in opened if p["spec"]["podSelector"] == {})["spec"]["ingress"][0]["from"].append({"namespaceSelector": {}})
+    assert _admits(opened, MLFLOW_POD_LABELS, 5000, source=None)
+
+
+def test_services_stay_inside_the_cluster(helm_values):
+    """The policy Service too is ClusterIP: an Ingress or Gateway of the cluster exposes it."""
+    for name, resource in _k8s_resources().items():
+        if resource["kind"] == "Service":
+            assert resource["spec"].get("type", "ClusterIP") == "ClusterIP" and "externalIPs" not in resource["spec"], name
+    assert helm_values.get("dagsterWebserver", {}).get("service", {}).get("type", "ClusterIP") == "ClusterIP"
+    assert not helm_values.get("ingress", {}).get("enabled", False)
+
+
+def test_no_deploy_file_holds_a_password():
+    problems = []
+    for path in sorted(DEPLOY.rglob("*.y*ml")):
+        for doc in _load_yaml_docs(path):
+            problems += _literal_secret_problems(doc, str(path.relative_to(DEPLOY)))
+    assert problems == []
+
+
+def test_secret_check_flags_literal_passwords_in_manifests(helm_values):
+    def env_problems(entry: dict) -> list[str]:
+        deployment = copy.deepcopy(_by_kind("Deployment"))
+        deployment["spec"]["template"]["spec"]["containers"][0]["env"].append(entry)
+        return _literal_secret_problems(deployment, "deployment")
+
+    assert env_problems({"name": "POSTGRES_PASSWORD", "value": "rlvr"})
+    assert env_problems({"name": "RLVR_API_KEY", "valueFrom": {"configMapKeyRef": {"name": "rlvr-config", "key": "k"}}})
+    assert not env_problems({"name": "POSTGRES_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "db", "key": "password"}}})
+    assert not env_problems({"name": "TOKENIZERS_PARALLELISM", "value": "false"})
+    values = copy.deepcopy(helm_values)
+    values["postgresql"]["postgresqlPassword"] = "dagster"
+    (problem,) = _literal_secret_problems(values, "dagster-values")
+    assert problem.startswith("dagster-values.postgresql: postgresqlPassword holds a value")
 
 
 def test_postgres_urls_name_the_installed_driver(helm_values, compose_model):

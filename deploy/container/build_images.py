@@ -4,11 +4,13 @@
     python deploy/container/build_images.py policy rlvr_policy:latest --tag rlvr_policy:latest
     python deploy/container/build_images.py code-location --tag rlvr-ops:latest
     python deploy/container/build_images.py dagster --tag rlvr-ops-dagster:latest
+    python deploy/container/build_images.py proxy --tag rlvr-proxy:latest
 
 ``base``: Debian 12 + Python 3.11 + uv from Debian packages (``base-image.sh``), cached in podman's
 storage under a hash of its recipe. ``policy``: a Bento's image, through BentoML's containerize
 (``bentoml.container.build``, backend podman; the Bento comes from ``$BENTOML_HOME``).
-``code-location`` / ``dagster``: ``deploy/docker/Dockerfile`` / ``Dockerfile.dagster``.
+``code-location`` / ``dagster`` / ``proxy``: ``deploy/docker/Dockerfile`` / ``Dockerfile.dagster`` /
+``Dockerfile.proxy`` (nginx from Debian: no wheels, so no wheelhouse needed).
 
 Build-time inputs, bind-mounted into the builds' RUN steps (``podman build --volume``), so they are
 in no layer of any image:
@@ -42,6 +44,8 @@ CONTAINERS_CONF = HERE / "containers.conf"
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 WHEELHOUSE_MOUNT = "/run/rlvr-build/wheelhouse"
 TORCH_PIN = "2.13.0"  # the Makefile's and bentos/bentofile.yaml's
+# Images built from a Dockerfile of deploy/docker: the file, and whether it installs Python wheels.
+DOCKERFILE_IMAGES = {"code-location": ("Dockerfile", True), "dagster": ("Dockerfile.dagster", True), "proxy": ("Dockerfile.proxy", False)}
 
 
 class BuildError(RuntimeError):
@@ -68,9 +72,9 @@ def base_image() -> str:
     return result.stdout.strip().splitlines()[-1]
 
 
-def wheelhouse(torch_variant: str) -> Path | None:
-    """The folder of local wheels the build uses; for ``cpu`` it must hold torch's CPU wheel."""
-    if torch_variant == "cuda":
+def wheelhouse(torch_variant: str | None) -> Path | None:
+    """The folder of local wheels the build uses; for ``cpu`` it must hold torch's CPU wheel; None: no wheels."""
+    if torch_variant in ("cuda", None):
         return None
     folders = [os.environ["RLVR_WHEELHOUSE"]] if os.environ.get("RLVR_WHEELHOUSE") else os.environ.get("PIP_FIND_LINKS", "").split()
     for folder in map(Path, folders):
@@ -84,7 +88,7 @@ def wheelhouse(torch_variant: str) -> Path | None:
 
 
 @contextlib.contextmanager
-def build_mounts(base: str, torch_variant: str):
+def build_mounts(base: str, torch_variant: str | None):
     """``podman build --volume`` values of the build-time inputs: the CA bundle, uv's config, the wheelhouse."""
     extra_ca = Path(os.environ.get("RLVR_BUILD_CA_BUNDLE", HOST_CA_BUNDLE))
     if not extra_ca.is_file():
@@ -125,7 +129,7 @@ def build_policy_image(bento_tag: str, image_tag: str, torch_variant: str = "cpu
     return image_tag
 
 
-def build_dockerfile_image(dockerfile: Path, image_tag: str, torch_variant: str = "cpu") -> str:
+def build_dockerfile_image(dockerfile: Path, image_tag: str, torch_variant: str | None = "cpu") -> str:
     """Build ``dockerfile`` (context: the repository, filtered by its ``.dockerignore``) on the base image."""
     base = base_image()
     with build_mounts(base, torch_variant) as mounts:
@@ -142,7 +146,7 @@ def build_dockerfile_image(dockerfile: Path, image_tag: str, torch_variant: str 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("image", choices=["base", "policy", "code-location", "dagster"])
+    parser.add_argument("image", choices=["base", "policy", *DOCKERFILE_IMAGES])
     parser.add_argument("bento", nargs="?", help="policy: the Bento's tag, e.g. rlvr_policy:latest")
     parser.add_argument("--tag", help="the image's tag")
     parser.add_argument("--torch", choices=["cpu", "cuda"], default="cpu", help="torch build in the image (default cpu)")
@@ -156,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error("policy needs a Bento tag, e.g. rlvr_policy:latest")
             print(build_policy_image(args.bento, args.tag or args.bento, args.torch))
         else:
-            dockerfile = ROOT / "deploy/docker" / ("Dockerfile" if args.image == "code-location" else "Dockerfile.dagster")
-            print(build_dockerfile_image(dockerfile, args.tag or f"rlvr-ops-{args.image}:latest", args.torch))
+            name, installs_wheels = DOCKERFILE_IMAGES[args.image]
+            torch_variant = args.torch if installs_wheels else None
+            print(build_dockerfile_image(ROOT / "deploy/docker" / name, args.tag or f"rlvr-ops-{args.image}:latest", torch_variant))
     except BuildError as err:
         print(f"build_images.py: {err}", file=sys.stderr)
         return 1
