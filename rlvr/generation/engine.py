@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 from transformers import DynamicCache
 
+from rlvr.cpu_threads import tune_threads
 from rlvr.environments.base import Environment, Injection, ToolCall
 from rlvr.environments.driver import EpisodeDriver, TokenTexts, drives_episodes
 from rlvr.fastpaths import FastPaths
@@ -268,6 +269,7 @@ class Engine:
                 item()
 
     def step(self) -> None:
+        tune_threads()  # the CPUs this process may use, less those others keep busy
         started = time.monotonic()
         with torch.inference_mode():
             self._drop_cancelled()
