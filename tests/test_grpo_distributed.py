@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from rlvr.grpo.checkpoint import read_trainer_state
+
 WORKER = Path(__file__).with_name("grpo_ddp_worker.py")
 
 
@@ -34,5 +36,5 @@ def test_two_ranks_end_identical_and_learn(tmp_path):
     assert {r["rank"] for r in first_step} == {0, 1}
     assert all(len({r["rank"] for r in first_step if r["group_index"] == g}) == 1 for g in range(16))
 
-    state = torch.load(tmp_path / "checkpoints" / "step-000025" / "trainer_state.pt", weights_only=False)
+    state = read_trainer_state(tmp_path / "checkpoints" / "step-000025")
     assert len(state["rng"]) == 2  # both ranks' RNG states, written by rank 0

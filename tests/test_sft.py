@@ -6,6 +6,7 @@ import torch
 
 from rlvr.answers import extract_final_answer, is_well_formed
 from rlvr.generation import SamplingConfig, generate_rollouts
+from rlvr.grpo import checkpoint as ckpt
 from rlvr.sft import SFTConfig, SFTTrainer, sft_examples, sft_target
 from tiny_policy import COPY_DIGIT_CHARS, char_tokenizer, tiny_llama
 
@@ -146,6 +147,26 @@ def test_a_killed_run_resumes_to_the_same_weights(tmp_path):
     assert resumed.step_count == 6
     for (name, a), b in zip(straight.policy.state_dict().items(), resumed.policy.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_a_pickled_checkpoint_is_refused_not_run(tmp_path):
+    """SFT checkpoints are the GRPO ones (trainer state as safetensors + JSON); resuming from a state
+    file in the old pickle format fails naming it, and its code never runs."""
+    tokenizer = char_tokenizer(COPY_DIGIT_CHARS)
+    SFTTrainer(tiny_llama(len(tokenizer)), tokenizer, config(total_steps=2), checkpoint_dir=tmp_path).train(copy_examples(tokenizer))
+    folder, marker = tmp_path / "step-000002", tmp_path / "pwned"
+    (folder / ckpt.STATE_FILE).unlink()
+    (folder / ckpt.STATE_TENSORS).unlink()
+
+    class Exploit:
+        def __reduce__(self):
+            return open, (str(marker), "w")
+
+    torch.save({"step": 2, "optimizer": Exploit()}, folder / ckpt.PICKLED_STATE_FILE)
+    resumed = SFTTrainer(tiny_llama(len(tokenizer)), tokenizer, config(total_steps=4), checkpoint_dir=tmp_path)
+    with pytest.raises(ckpt.PickledCheckpoint, match=f"{folder / ckpt.PICKLED_STATE_FILE} is a checkpoint in the old pickle format.*start the run afresh"):
+        resumed.train(copy_examples(tokenizer))
+    assert not marker.exists() and resumed.step_count == 0
 
 
 def test_the_sft_asset_is_the_cold_start_grpo_can_start_from(home, gsm8k_dir, tiny_llama_dir):

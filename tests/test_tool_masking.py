@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+import rlvr.grpo.trainer as trainer_module
 from rlvr.environments.base import ToolCall
 from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.eligibility import use_unpadded_update
@@ -67,14 +68,16 @@ def tool_rollouts(trainer, tokenizer, environment_logprob=0.0, with_environment=
     return replace(rollouts, logprobs=logprobs, environment_mask=environment, tool_calls=calls)
 
 
-def trainer_loss(trainer, rollouts, advantages):
-    """The update's loss for all rows in one micro-batch, its parameter gradients and token stats."""
+def trainer_loss(trainer, rollouts, advantages, on_policy=False):
+    """The update's loss for all rows in one micro-batch, its parameter gradients and token stats;
+    π_old is the rollouts' log-probs, or with ``on_policy`` the update's own (a one-update step's)."""
     rows = torch.arange(len(rollouts))
     ref_logprobs = trainer._reference_logprobs(rollouts, rows)
     trainer.policy.zero_grad()
-    stats = dict.fromkeys(("tokens", "clip_frac_low", "clip_frac_high", "ratio_mean", "kl", "entropy", "entropy_tokens", "loss"), 0.0)
+    stats = dict.fromkeys(trainer_module._TOKEN_STATS, 0.0)
     num_tokens = int(rollouts.policy_mask.sum())
-    loss = trainer._micro_batch_loss(rollouts, advantages, ref_logprobs, rows, len(rows), num_tokens, stats, first_pass=True)
+    old_logprobs = None if on_policy else rollouts.logprobs
+    loss = trainer._micro_batch_loss(rollouts, advantages, ref_logprobs, rows, len(rows), num_tokens, stats, first_pass=True, old_logprobs=old_logprobs)
     loss.backward()
     return loss.detach(), [p.grad.clone() for p in trainer.policy.parameters()], stats, ref_logprobs
 
@@ -172,7 +175,7 @@ def test_a_step_records_tool_calls_and_token_counts(monkeypatch):
     trainer, tokenizer = make_trainer()
     rollouts = tool_rollouts(trainer, tokenizer)
     rewards = [float(i % 2) for i in range(len(rollouts))]  # every group has signal: all rows train
-    expected_loss, *_ = trainer_loss(trainer, rollouts, group_advantages(torch.tensor(rewards), GROUP))
+    expected_loss, *_ = trainer_loss(trainer, rollouts, group_advantages(torch.tensor(rewards), GROUP), on_policy=True)
     trainer.policy.zero_grad()
     trainer.reward_fn = lambda texts, problems: (rewards, {})
     monkeypatch.setattr(trainer, "_generate", lambda problems: rollouts)

@@ -2,13 +2,14 @@
 
 Layout under ``checkpoint_dir``::
 
-    step-000010/model/             HF ``save_pretrained`` (safetensors) + tokenizer; a LoRA adapter for LoRA runs
-    step-000010/trainer_state.pt   optimizer, scheduler, step, RNG states of every rank, config
-    latest                         the name of the newest complete checkpoint
+    step-000010/model/                      HF ``save_pretrained`` (safetensors) + tokenizer; a LoRA adapter for LoRA runs
+    step-000010/trainer_state.safetensors   the trainer state's tensors (optimizer moments and steps, torch RNG states)
+    step-000010/trainer_state.json          the rest: step, param groups, scheduler, python/numpy RNG states of every rank, config
+    latest                                  the name of the newest complete checkpoint
 
-A checkpoint is assembled in a hidden temporary folder, flushed to disk, and renamed into place;
-``latest`` is then replaced atomically. A run killed at any moment leaves the previous checkpoint
-intact and ``latest`` pointing at a complete one.
+Loading runs no code from the files (no pickle): an old pickled ``trainer_state.pt`` is refused.
+A checkpoint is assembled in a hidden temporary folder, flushed, and renamed into place; ``latest`` is
+then replaced atomically, so a run killed at any moment leaves ``latest`` naming a complete one.
 """
 
 from __future__ import annotations
@@ -25,9 +26,18 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 LATEST = "latest"
-STATE_FILE = "trainer_state.pt"
+STATE_TENSORS = "trainer_state.safetensors"
+STATE_FILE = "trainer_state.json"
+PICKLED_STATE_FILE = "trainer_state.pt"  # the old format, refused
+STATE_FORMAT = 1
+
+
+class PickledCheckpoint(ValueError):
+    """A checkpoint in the old pickle format: unpickling can run code, so it is not loaded."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -59,7 +69,8 @@ def save_checkpoint(
     try:
         model.save_pretrained(tmp / "model", state_dict=model_state)
         tokenizer.save_pretrained(tmp / "model")
-        torch.save(
+        write_trainer_state(
+            tmp,
             {
                 "step": step,
                 "optimizer": optimizer_state if optimizer_state is not None else optimizer.state_dict(),
@@ -67,7 +78,6 @@ def save_checkpoint(
                 "rng": rng_states,
                 "config": config,
             },
-            tmp / STATE_FILE,
         )
         (tmp / "meta.json").write_text(json.dumps({"step": step, "saved_at": time.time(), "lora": _is_peft(model)}))
         _fsync_tree(tmp)
@@ -89,20 +99,21 @@ def save_checkpoint(
 
 
 def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
-    """The checkpoint ``latest`` points to, or None when there is none."""
+    """The checkpoint ``latest`` points to (also one in the old format, which loading refuses), or None
+    when there is none."""
     pointer = Path(checkpoint_dir) / LATEST
     if not pointer.is_file():
         return None
     path = Path(checkpoint_dir) / pointer.read_text().strip()
-    return path if (path / STATE_FILE).is_file() else None
+    return path if (path / STATE_FILE).is_file() or (path / PICKLED_STATE_FILE).is_file() else None
 
 
 def load_checkpoint(path: str | Path, model: Any, optimizer: Any = None, scheduler: Any = None) -> dict:
     """Load weights (and optimizer / scheduler state when given) from a checkpoint; return its state
-    dict (``step``, ``rng``, ``config``)."""
+    dict (``step``, ``rng``, ``config``). The trainer state is read first: a refused one changes nothing."""
     path = Path(path)
+    state = read_trainer_state(path)
     load_model_weights(model, path / "model")
-    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
     if optimizer is not None:
         optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None:
@@ -126,8 +137,87 @@ def load_model_weights(model: Any, folder: str | Path) -> None:
     from transformers import AutoModelForCausalLM
 
     dtype = next(model.parameters()).dtype
-    saved = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
+    saved = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype, use_safetensors=True, trust_remote_code=False)
     model.load_state_dict(saved.state_dict())
+
+
+def write_trainer_state(folder: str | Path, state: dict) -> None:
+    """Write ``state`` into ``folder`` as safetensors (its tensors) + JSON (the rest, tensors by name)."""
+    folder, tensors = Path(folder), {}
+    document = {"format": STATE_FORMAT} | {key: _encode(value, key, tensors) for key, value in state.items()}
+    save_file(_unshared(tensors), folder / STATE_TENSORS)
+    (folder / STATE_FILE).write_text(json.dumps(document))
+
+
+def read_trainer_state(folder: str | Path) -> dict:
+    """The trainer state :func:`write_trainer_state` wrote into ``folder``; refuses an old pickled one."""
+    folder = Path(folder)
+    if not (folder / STATE_FILE).is_file() and (folder / PICKLED_STATE_FILE).exists():
+        raise PickledCheckpoint(
+            f"{folder / PICKLED_STATE_FILE} is a checkpoint in the old pickle format, which is not loaded (unpickling can run code), "
+            f"so the run cannot resume from it: start the run afresh (remove {folder.parent} or use another checkpoint_dir)"
+        )
+    try:
+        document = json.loads((folder / STATE_FILE).read_text())
+        tensors = load_file(folder / STATE_TENSORS, device="cpu")
+    except (SafetensorError, ValueError) as e:  # ValueError: bad JSON or bytes that are not text
+        raise ValueError(f"checkpoint {folder} holds no readable trainer state ({e}), so the run cannot resume from it: start the run afresh") from e
+    if not isinstance(document, dict) or document.get("format") != STATE_FORMAT:
+        raise ValueError(f"{folder / STATE_FILE} is not a trainer state of format {STATE_FORMAT}")
+    return {key: _decode(value, tensors, folder) for key, value in document.items() if key != "format"}
+
+
+def _encode(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """``value`` as JSON, its tensors moved into ``tensors`` under their path; tuples, dicts with
+    keys other than strings, and numpy arrays tagged so :func:`_decode` restores them exactly."""
+    if isinstance(value, torch.Tensor):
+        if path in tensors:
+            raise ValueError(f"two tensors of the trainer state are both named {path!r}")
+        tensors[path] = value.detach().cpu().contiguous()
+        return {"__tensor__": path}
+    if isinstance(value, np.ndarray):
+        return {"__ndarray__": value.tolist(), "dtype": value.dtype.str}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [_encode(v, f"{path}/{i}", tensors) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            return {k: _encode(v, f"{path}/{k}", tensors) for k, v in value.items()}
+        return {"__dict__": [[_encode(k, path, tensors), _encode(v, f"{path}/{k}", tensors)] for k, v in value.items()]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"trainer state {path!r} is a {type(value).__name__}: a checkpoint holds tensors, numbers, strings, lists, tuples and dicts")
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors``, copying each one whose memory an earlier one holds (safetensors refuses shared memory)."""
+    seen: set[int] = set()
+    unshared = {}
+    for name, tensor in tensors.items():
+        storage = tensor.untyped_storage().data_ptr()
+        unshared[name] = tensor.clone() if storage in seen else tensor
+        seen.add(storage)
+    return unshared
+
+
+def _decode(value: Any, tensors: dict[str, torch.Tensor], folder: Path) -> Any:
+    """The value :func:`_encode` turned into ``value``."""
+    if isinstance(value, list):
+        return [_decode(v, tensors, folder) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__tensor__" in value:
+        if value["__tensor__"] not in tensors:
+            raise ValueError(f"{folder / STATE_TENSORS} lacks the tensor {value['__tensor__']!r} that {STATE_FILE} names")
+        return tensors[value["__tensor__"]]
+    if "__ndarray__" in value:
+        return np.array(value["__ndarray__"], dtype=np.dtype(value["dtype"]))
+    if "__tuple__" in value:
+        return tuple(_decode(v, tensors, folder) for v in value["__tuple__"])
+    if "__dict__" in value:
+        return {_decode(k, tensors, folder): _decode(v, tensors, folder) for k, v in value["__dict__"]}
+    return {k: _decode(v, tensors, folder) for k, v in value.items()}
 
 
 def export_merged(model: Any, tokenizer: Any, out_dir: str | Path) -> Path:

@@ -9,6 +9,8 @@ from rlvr.generation import SamplingConfig, is_greedy
 
 from .loss import AGGREGATIONS, POLICY_LOSSES
 
+TIS_MODES = ("auto", "on", "off")
+
 
 @dataclass
 class LoRAConfig:
@@ -47,6 +49,9 @@ class GRPOConfig:
     num_minibatches: int = 1  # optimizer steps per pass
     micro_batch_size: int = 8  # rows per forward/backward
     share_prompt_forward: bool = True  # one prompt pass per group in the update (off with gradient checkpointing)
+    # truncated importance sampling: each token's policy loss times min(π_old / π_rollout, tis_cap)
+    tis: str = "auto"  # "on", "off" or "auto": on exactly when rollouts come from the low-precision copy (compute_dtype bfloat16, no fsdp)
+    tis_cap: float = 2.0  # C, the largest TIS weight; must be > 1
     # optimisation (AdamW, linear warmup then decay, per training step)
     lr: float = 1e-6
     weight_decay: float = 0.0
@@ -103,6 +108,16 @@ class GRPOConfig:
             raise ValueError("dynamic_sampling_rounds needs skip_zero_variance: refills replace the groups it skips")
         if self.dynamic_sampling_rounds and self.fsdp:
             raise ValueError("dynamic_sampling_rounds is not supported with fsdp (ranks would generate different rounds)")
+        if self.tis not in TIS_MODES:
+            raise ValueError(f"tis must be one of {TIS_MODES}, got {self.tis!r}")
+        if isinstance(self.tis_cap, bool) or not isinstance(self.tis_cap, (int, float)) or not self.tis_cap > 1:
+            raise ValueError(f"tis_cap must be a number > 1 (the largest importance weight a token gets), got {self.tis_cap!r}")
         for name in ("prompts_per_step", "num_iterations", "num_minibatches", "micro_batch_size", "total_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+
+    def tis_weight_cap(self, low_precision_rollouts: bool) -> float | None:
+        """The TIS cap in force, None when TIS is off: ``tis="auto"`` turns it on exactly when the
+        rollouts come from a lower-precision copy of the policy than the update's."""
+        on = self.tis == "on" or (self.tis == "auto" and low_precision_rollouts)
+        return float(self.tis_cap) if on else None

@@ -12,6 +12,7 @@ dict of scalar metrics. Aggregating that matrix into one number is a separate ch
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import torch
@@ -111,6 +112,31 @@ def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
     """
     log_ratio = (ref_logprobs - logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+def truncated_importance_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Per-token truncated importance sampling weight (TIS, Yao et al. 2025; TRL's
+    ``vllm_importance_sampling_correction``, verl's TIS), detached:
+
+    w_t = min(π_old(o_t) / π_rollout(o_t), C),
+
+    which corrects each token's policy-gradient loss for having been sampled by the rollout
+    engine's π_rollout (another precision, other kernels) rather than the trainer's π_old.
+    """
+    log_ratio = (old_logprobs - rollout_logprobs).detach().clamp(max=math.log(cap))
+    return torch.exp(log_ratio)
+
+
+def rollout_mismatch(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How far the rollout engine's log-probs are from the trainer's π_old over ``mask``'s tokens:
+    ``rollout_logprob_abs_diff`` = mean |log π_old - log π_rollout| and ``rollout_kl``, the k3
+    estimate of KL(π_rollout || π_old) under the rollout's samples (:func:`kl_k3`), >= 0."""
+    with torch.no_grad():
+        old_logprobs, rollout_logprobs = old_logprobs.float(), rollout_logprobs.float()
+        return {
+            "rollout_logprob_abs_diff": masked_mean((old_logprobs - rollout_logprobs).abs(), mask),
+            "rollout_kl": masked_mean(kl_k3(rollout_logprobs, old_logprobs), mask),
+        }
 
 
 def aggregate_loss(

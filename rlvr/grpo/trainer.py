@@ -2,15 +2,19 @@
 
 One step, top to bottom (:meth:`GRPOTrainer.step`):
 
-1. generate G completions for each of this rank's prompts (rollout engine; its sampling
-   log-probs are the "old" log-probs, so no extra forward pass);
+1. generate G completions for each of this rank's prompts (rollout engine, with its sampling
+   log-probs);
 2. score them with the reward callback; group-relative advantages;
 3. drop rows that carry no signal (zero-variance groups) or must not be trained on (truncated
    completions, when masked) — they cost no compute;
 4. μ passes over the rest, each split into optimizer steps of gradient-accumulated micro-batches:
    one forward per micro-batch gives the per-token log-probs (temperature-scaled like sampling, over
-   completion tokens only), the registered policy loss, the optional KL to the reference, the
-   chosen aggregation; backward; clip; AdamW. Only the policy's own tokens count
+   completion tokens only), the registered policy loss (π_old: the trainer's own log-probs before
+   the step's first update, i.e. this forward's, detached, when the step is one optimizer step, else
+   one no-grad forward beforehand), times the TIS weight min(π_old / π_rollout, C) when on, the
+   optional KL to the reference, the chosen aggregation; backward; clip; AdamW. The sampling
+   log-probs' distance from π_old is reported as ``rollout_logprob_abs_diff`` and ``rollout_kl``.
+   Only the policy's own tokens count
    (``Rollouts.policy_mask``): tokens an environment wrote (a calculator's result, a tool's
    output) are context the policy conditions on, outside the loss, the KL, the ratio and the
    token counts.
@@ -54,7 +58,15 @@ from .distributed import (
     shard_for_rank,
     wrap_model,
 )
-from .loss import POLICY_LOSSES, aggregate_loss, group_advantages, kl_k3, zero_variance_groups
+from .loss import (
+    POLICY_LOSSES,
+    aggregate_loss,
+    group_advantages,
+    kl_k3,
+    rollout_mismatch,
+    truncated_importance_weights,
+    zero_variance_groups,
+)
 from .sampler import derive_seed, step_problems
 from .scoring import CompletionScorer, completion_logprobs, pack_rows
 
@@ -66,7 +78,19 @@ RewardFn = Callable[[list[str], list[dict]], tuple[list[float], dict[str, list[f
 OnStep = Callable[[int, dict, list[dict]], None]
 
 # token-weighted sums all-reduced over ranks after each step's update
-_TOKEN_STATS = ("tokens", "clip_frac_low", "clip_frac_high", "ratio_mean", "kl", "entropy", "entropy_tokens", "loss")
+_TOKEN_STATS = (
+    "tokens",
+    "clip_frac_low",
+    "clip_frac_high",
+    "ratio_mean",
+    "kl",
+    "entropy",
+    "entropy_tokens",
+    "loss",
+    "rollout_logprob_abs_diff",
+    "rollout_kl",
+    "rollout_tokens",
+)
 
 
 class GRPOTrainer:
@@ -110,6 +134,7 @@ class GRPOTrainer:
         self._autocast = partial(torch.autocast, self.dist.device.type, compute_dtype, enabled=autocast)
         # generation runs on a low-precision copy in mixed precision (FSDP casts on its own)
         self.rollout_policy = copy.deepcopy(model).to(compute_dtype) if autocast else model
+        self.tis_cap = config.tis_weight_cap(low_precision_rollouts=self.rollout_policy is not self.policy)
         self.optimizer = torch.optim.AdamW(
             decay_param_groups(self.policy, config.weight_decay),
             lr=config.lr,
@@ -255,6 +280,8 @@ class GRPOTrainer:
             return stats
         policy_tokens = rollouts.policy_mask.sum(dim=1)
         ref_logprobs = self._reference_logprobs(rollouts, rows) if config.beta > 0 else None
+        one_update = config.num_iterations == 1 and config.num_minibatches == 1  # then each forward's own log-probs are π_old
+        old_logprobs = None if one_update else self._old_logprobs(rollouts, rows)
         shuffle = torch.Generator().manual_seed(derive_seed(config.seed, self.step_count, self.dist.rank, 1))
         for iteration in range(config.num_iterations):
             order = rows[torch.randperm(len(rows), generator=shuffle)] if config.num_minibatches > 1 else rows
@@ -277,6 +304,7 @@ class GRPOTrainer:
                             num_tokens,
                             stats=None if dummy else stats,
                             first_pass=iteration == 0,
+                            old_logprobs=old_logprobs,
                         )
                         (loss * (0.0 if dummy else self.dist.world_size)).backward()
                 max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
@@ -300,17 +328,22 @@ class GRPOTrainer:
         num_tokens: int,
         stats: dict | None,
         first_pass: bool,
+        old_logprobs: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """This micro-batch's share of the minibatch loss (normalized by the minibatch totals, of
-        policy tokens); adds its token-weighted metrics to ``stats`` unless that is None."""
+        policy tokens); adds its token-weighted metrics to ``stats`` unless that is None.
+        ``old_logprobs``: π_old of every row, None when this forward's own (detached) are π_old."""
         config, device = self.config, self.dist.device
         batch = pack_rows(rollouts, rows, device)
         with_entropy = first_pass and stats is not None
         with self._autocast():
             logprobs, entropy = self.model(batch, with_entropy=with_entropy)
         mask = batch.policy_mask  # the environment's tokens were not sampled: no ratio, no KL, no loss
-        old_logprobs = rollouts.logprobs[rows, : batch.width].to(device) * mask
-        loss_mat, loss_metrics = POLICY_LOSSES[config.loss_type](logprobs, old_logprobs, advantages[rows].to(device), mask, config)
+        rollout_logprobs = rollouts.logprobs[rows, : batch.width].to(device) * mask
+        old = logprobs.detach() if old_logprobs is None else old_logprobs[rows, : batch.width].to(device) * mask
+        loss_mat, loss_metrics = POLICY_LOSSES[config.loss_type](logprobs, old, advantages[rows].to(device), mask, config)
+        if self.tis_cap is not None:
+            loss_mat = loss_mat * truncated_importance_weights(old, rollout_logprobs, self.tis_cap)
         kl = None
         if ref_logprobs is not None:
             kl = kl_k3(logprobs, ref_logprobs[rows, : batch.width].to(device))
@@ -335,18 +368,33 @@ class GRPOTrainer:
         if entropy is not None:
             stats["entropy"] += float((entropy * mask).sum())
             stats["entropy_tokens"] += tokens
+        if first_pass:  # each row once, scored by the policy before the step's update
+            for name, value in rollout_mismatch(old, rollout_logprobs, mask).items():
+                stats[name] += float(value) * tokens
+            stats["rollout_tokens"] += tokens
         return loss
 
-    @torch.no_grad()
     def _reference_logprobs(self, rollouts: Rollouts, rows: torch.Tensor) -> torch.Tensor:
         """log π_ref of the policy tokens of ``rows`` (zeros elsewhere), at the sampling temperature."""
-        out = torch.zeros_like(rollouts.logprobs)
         with self._reference() as reference:
-            for micro in _micro_batches(rollouts, rows, self.config.micro_batch_size):
-                batch = pack_rows(rollouts, micro, self.dist.device)
-                with self._autocast():
-                    logprobs, _ = completion_logprobs(reference, batch, self._share_prompts, fast=self.config.fast_paths)
-                out[micro, : batch.width] = (logprobs * batch.policy_mask).cpu()
+            return self._scored_logprobs(reference, rollouts, rows)
+
+    def _old_logprobs(self, rollouts: Rollouts, rows: torch.Tensor) -> torch.Tensor:
+        """log π_old of the policy tokens of ``rows`` (zeros elsewhere): the policy before the step's
+        first update, scored as the update scores (for a step of several optimizer steps)."""
+        gather = gathered_parameters(self.model) if self.config.fsdp else contextlib.nullcontext()
+        with gather:  # FSDP: ranks may score different numbers of micro-batches
+            return self._scored_logprobs(self.policy, rollouts, rows, sharded=self.config.fsdp)
+
+    @torch.no_grad()
+    def _scored_logprobs(self, model: Any, rollouts: Rollouts, rows: torch.Tensor, sharded: bool = False) -> torch.Tensor:
+        """``model``'s log-probs of the policy tokens of ``rows`` (zeros elsewhere), no gradient, at the sampling temperature."""
+        out = torch.zeros_like(rollouts.logprobs)
+        for micro in _micro_batches(rollouts, rows, self.config.micro_batch_size):
+            batch = pack_rows(rollouts, micro, self.dist.device)
+            with self._autocast():
+                logprobs, _ = completion_logprobs(model, batch, self._share_prompts, fast=self.config.fast_paths, sharded=sharded)
+            out[micro, : batch.width] = (logprobs.float() * batch.policy_mask).cpu()
         return out
 
     @contextlib.contextmanager
@@ -434,6 +482,8 @@ class GRPOTrainer:
             "clip_frac_low": update["clip_frac_low"] / tokens,
             "clip_frac_high": update["clip_frac_high"] / tokens,
             "ratio_mean": update["ratio_mean"] / tokens,
+            "rollout_logprob_abs_diff": update["rollout_logprob_abs_diff"] / max(update["rollout_tokens"], 1.0),
+            "rollout_kl": update["rollout_kl"] / max(update["rollout_tokens"], 1.0),
             "grad_norm": update["grad_norm"] / optimizer_steps,
             "optimizer_steps": update["optimizer_steps"],
             "reward_mean": rewards.mean().item(),
