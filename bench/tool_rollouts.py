@@ -1,4 +1,4 @@
-"""What tool calling costs the rollout engine: ``rlvr.rollout.generate_rollouts`` on GSM8k prompts
+"""What tool calling costs the engine: ``rlvr.generation.generate_rollouts`` on GSM8k prompts
 without an environment and with the calculator (``rlvr.environments.calculator``), in one invocation.
 
     OMP_NUM_THREADS=1 python bench/tool_rollouts.py /tmp/smol --prompts 4 --samples 8 --new-tokens 256

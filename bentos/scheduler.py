@@ -77,9 +77,7 @@ class ModelCall:
             self.result.set_exception(err)
 
 
-def make_scheduler(
-    model: Any, tokenizer: Any, kv_budget_bytes: int, batching: bool, seed: int, environment: Environment | None = None
-) -> ContinuousScheduler:
+def make_scheduler(model: Any, tokenizer: Any, kv_budget_bytes: int, batching: bool, seed: int, environment: Environment | None = None) -> ContinuousScheduler:
     """The service's scheduler; every job rolls out in ``environment`` (the policy's; None: single-turn)."""
     return ContinuousScheduler(model, tokenizer, kv_budget_bytes, seed, environment, batching)
 

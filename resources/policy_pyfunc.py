@@ -1,7 +1,7 @@
 """The policy as an MLflow pyfunc model (models from code: MLflow runs this file when it loads the model).
 
 A GSM8k question in, its answer out: the core's prompt builder (``rlvr.prompts.render_prompt``),
-greedy decoding (``rlvr.rollout.generate_rollouts``) and answer extractor
+greedy decoding (``rlvr.generation.generate_rollouts``) and answer extractor
 (``rlvr.answers.extract_final_answer``, strict, as the service's ``/solve``): one implementation
 everywhere, in the environment the checkpoint records (``rlvr.policy.policy_environment``). The
 checkpoint is the model's ``checkpoint`` artifact (an HF folder).

@@ -283,7 +283,7 @@ def test_bento_packs_the_model_with_its_lineage_and_a_dockerfile(built):
     model_bytes = sum(f.stat().st_size for f in model_dir.rglob("*") if f.is_file())
     assert bento.size_bytes > model_bytes
     assert (bento.path / "env/docker/Dockerfile").is_file()
-    assert (bento.path / "src/rlvr/rollout.py").is_file() and (bento.path / "src/bentos/service.py").is_file()
+    assert (bento.path / "src/rlvr/generation/engine.py").is_file() and (bento.path / "src/bentos/service.py").is_file()
     assert not (bento.path / "src/tests").exists()
     # Nothing was locked against an index: requirements are the bentofile's pins.
     python_env = bento.path / "env/python"

@@ -1,6 +1,5 @@
 """Rollouts through the engine: shapes, padding, seeds, temperatures, finish reasons, row dropping, HF parity."""
 
-
 import pytest
 import torch
 
@@ -186,8 +185,6 @@ def greedy(**overrides) -> SamplingConfig:
     # No end token can stop a row early: only the budget or a stop string does.
     settings = {"max_new_tokens": 40, "temperatures": [0.0], "stop_at_final_answer": False, "stop_token_ids": [-1]}
     return SamplingConfig(**{**settings, **overrides})
-
-
 
 
 def test_a_row_stops_at_the_step_its_text_first_holds_a_stop_string(model, tokenizer):

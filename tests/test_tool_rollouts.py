@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import rlvr.generation.engine as engine_module
-from rlvr.generation.model_runner import ModelForward
 from rlvr.environments.base import Injection, SingleTurn, ToolCall
 from rlvr.generation import Engine, EngineRequest, SamplingConfig, generate_rollouts
+from rlvr.generation.model_runner import ModelForward
 from tiny_policy import CHARS, char_tokenizer, tiny_llama
 
 PROMPTS = ["what is 12+30?", "7", "count: a b c d e f"]
