@@ -2,9 +2,9 @@
 
 Tables the assets write: ``gsm8k_problems`` (replaced), ``rollouts`` / ``rewards`` / ``tool_calls``
 (upserted by completion, together), ``eval_results`` (upserted by evaluation), ``serving_traffic`` and its per-file cursor
-(appended / upserted together), ``drift_history`` (appended). Tables with declared columns are
-created from :data:`SCHEMAS` (an older file gains later columns through :data:`MIGRATIONS`); the others from the
-first frame written to them.
+(appended / upserted together; the days past retention deleted together), ``drift_history`` (appended). Tables with
+declared columns are created from :data:`SCHEMAS` (an older file gains later columns through :data:`MIGRATIONS`); the
+others from the first frame written to them.
 
 Readers never fail writers. DuckDB lets one process hold the file (a read-only session too), so every
 committed ``write`` also publishes a read-only copy, ``<name>.snapshot.duckdb`` (written beside it and
@@ -83,7 +83,16 @@ class Append:
     key: str | None = None
 
 
-Write = Replace | Upsert | Append
+@dataclass(frozen=True)
+class Delete:
+    """Delete the rows of ``table`` where the SQL condition ``where`` holds (``?`` bound to ``params``); a table not created yet has none."""
+
+    table: str
+    where: str
+    params: tuple = ()
+
+
+Write = Replace | Upsert | Append | Delete
 WRITER_POOL = "duckdb_writer"  # the Dagster pool of every asset that writes the file; the instance runs one step of it at a time (deploy/)
 
 
@@ -138,22 +147,25 @@ class Warehouse(DuckDBResource):
                 yield conn
 
     def write(self, *writes: Write) -> None:
-        """Apply every write in one transaction: all of them land, or none does; then publish the
+        """Apply every write, in order, in one transaction: all of them land, or none does; then publish the
         snapshot (still holding the file, so it is exactly what was committed). An empty upsert or
         append changes nothing and is skipped (an empty frame's columns have no types to compare), but
         creates its table when it is declared (:data:`SCHEMAS`), so queries of it find it, empty."""
         with self.get_connection() as conn:
             with _transaction(conn):
-                for op in writes:
-                    if not isinstance(op, Replace) and not len(op.frame) and op.table in SCHEMAS:
-                        conn.execute(SCHEMAS[op.table])
-                for index, op in enumerate(w for w in writes if isinstance(w, Replace) or len(w.frame)):
-                    view = f"_incoming_{index}"
-                    conn.register(view, op.frame)
-                    try:
-                        _apply(conn, op, view)
-                    finally:
-                        conn.unregister(view)
+                for index, op in enumerate(writes):
+                    if isinstance(op, Delete):
+                        _delete(conn, op)
+                    elif not isinstance(op, Replace) and not len(op.frame):
+                        if op.table in SCHEMAS:
+                            conn.execute(SCHEMAS[op.table])
+                    else:
+                        view = f"_incoming_{index}"
+                        conn.register(view, op.frame)
+                        try:
+                            _apply(conn, op, view)
+                        finally:
+                            conn.unregister(view)
             if self.publish_snapshot:
                 publish_snapshot(conn, Path(self.database))
 
@@ -249,6 +261,23 @@ class Warehouse(DuckDBResource):
         self.write(rows, Upsert("serving_traffic_cursor", cursor, key="file"))
         return len(frame)
 
+    def delete_traffic_before(self, day: str) -> int:
+        """Delete the ``serving_traffic`` rows of the days before ``day`` (``YYYY-MM-DD``) and their files'
+        cursor entries, in one transaction; returns the rows deleted. Delete the days' log files first: a file
+        whose cursor entry is gone would be read again from its first byte."""
+        if not self.table_exists("serving_traffic"):
+            return 0
+        before = day_prefix(day)  # the files of earlier days sort before it
+        counts = self.query(
+            "SELECT (SELECT count(*) FROM serving_traffic WHERE source_file < ?) AS n_rows, "
+            "(SELECT count(*) FROM serving_traffic_cursor WHERE file < ?) AS n_files",
+            [before, before],
+        )
+        rows, files = int(counts["n_rows"].iloc[0]), int(counts["n_files"].iloc[0])
+        if rows or files:
+            self.write(Delete("serving_traffic", "source_file < ?", (before,)), Delete("serving_traffic_cursor", "file < ?", (before,)))
+        return rows
+
     def traffic_rows(self, day: str) -> int:
         """Rows stored of ``day`` (``YYYY-MM-DD``: the UTC day their log lines were written)."""
         if not self.table_exists("serving_traffic"):
@@ -323,6 +352,11 @@ def lock_holder(error: str) -> str | None:
     except OSError:
         command = match["program"]
     return f"PID {pid} ({command[:200]})"
+
+
+def _delete(conn, op: Delete) -> None:
+    if conn.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [op.table]).fetchone()[0]:
+        conn.execute(f'DELETE FROM "{op.table}" WHERE {op.where}', list(op.params))
 
 
 def _apply(conn, op: Write, view: str) -> None:

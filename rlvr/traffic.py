@@ -6,6 +6,7 @@ holds the lines of one UTC day, named in its file name (``traffic-YYYYMMDDT...``
 belongs to is the day its line was written. The reader resumes from a cursor (byte offset per
 file), optionally over one day's files; a last line without its newline is still being written, so
 it is left for the next pass, and a malformed complete line is counted and reported, never fatal.
+Retention keeps today's files and those of the ``retention_days`` days before it, and deletes the rest.
 """
 
 from __future__ import annotations
@@ -17,13 +18,15 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import date
+from datetime import date, timedelta
 from pathlib import Path
 from typing import Callable
 
 FILE_PREFIX = "traffic-"
 FILE_SUFFIX = ".jsonl"
 _DAY = re.compile(rf"^{FILE_PREFIX}(\d{{4}})(\d{{2}})(\d{{2}})T")
+RETENTION_DAYS_ENV = "RLVR_TRAFFIC_RETENTION_DAYS"
+DEFAULT_RETENTION_DAYS = 30
 
 
 def file_day(name: str) -> str | None:
@@ -45,6 +48,44 @@ def day_prefix(day: str) -> str:
     except (TypeError, ValueError):
         raise ValueError(f"day must be an ISO date YYYY-MM-DD, got {day!r}") from None
     return f"{FILE_PREFIX}{parsed:%Y%m%d}T"
+
+
+def retention_days_from_env() -> int:
+    """Days of traffic kept before today: ``$RLVR_TRAFFIC_RETENTION_DAYS``, else 30; a ValueError names a bad value."""
+    value = os.environ.get(RETENTION_DAYS_ENV, str(DEFAULT_RETENTION_DAYS))
+    try:
+        days = int(value)
+    except ValueError:
+        days = 0
+    if days < 1:
+        raise ValueError(f"{RETENTION_DAYS_ENV} must be a whole number of days, at least 1; got {value!r}")
+    return days
+
+
+def first_kept_day(today: date, retention_days: int) -> str:
+    """The oldest UTC day whose traffic is kept: ``retention_days`` before ``today``. At least 1, so neither
+    today's files (being written) nor yesterday's (still written by a service whose clock is behind) expire."""
+    if not isinstance(retention_days, int) or retention_days < 1:
+        raise ValueError(f"retention_days must be a whole number of days, at least 1; got {retention_days!r}")
+    return (today - timedelta(days=retention_days)).isoformat()
+
+
+def delete_expired_files(folder: str | Path, first_kept: str) -> tuple[list[str], list[str]]:
+    """Delete the log files in ``folder`` of days before ``first_kept`` (``YYYY-MM-DD``). Returns the names
+    deleted, and ``"name: error"`` of those that could not be (left for the next pass)."""
+    cutoff = day_prefix(first_kept)  # the files of earlier days sort before it
+    folder, deleted, failed = Path(folder), [], []
+    if not folder.is_dir():
+        return deleted, failed
+    for path in sorted(folder.glob(f"{FILE_PREFIX}*{FILE_SUFFIX}")):
+        if file_day(path.name) is None or path.name >= cutoff:
+            continue
+        try:
+            path.unlink(missing_ok=True)
+            deleted.append(path.name)
+        except OSError as err:
+            failed.append(f"{path.name}: {err.strerror or err}")
+    return deleted, failed
 
 
 class TrafficLog:

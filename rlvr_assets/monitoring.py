@@ -2,7 +2,7 @@
 
 Both are partitioned by UTC day (``partitions.traffic_days``): a run of a day ingests that day's
 log files and reports that day's drift; the traffic sensor requests the days whose logs grew, and a
-backfill re-ingests or re-reports any day."""
+backfill re-ingests or re-reports any day within retention (``TrafficConfig.retention_days``)."""
 
 from datetime import datetime, timezone
 
@@ -14,7 +14,7 @@ from resources import WRITER_POOL, Settings, Warehouse, config_from
 from rlvr import plots
 from rlvr.drift import DriftThresholds, history_curves, traffic_drift
 from rlvr.embeddings import embed_texts
-from rlvr.traffic import read_traffic
+from rlvr.traffic import TrafficBatch, delete_expired_files, first_kept_day, read_traffic, retention_days_from_env
 from rlvr_assets.freshness import DAILY
 from rlvr_assets.partitions import traffic_days
 
@@ -22,6 +22,27 @@ from rlvr_assets.partitions import traffic_days
 class TrafficConfig(Config):
     folder: str = Field(default_factory=lambda: str(Settings.from_env().traffic_dir), description="the service's traffic log folder ($RLVR_TRAFFIC_DIR)")
     reread: bool = Field(default=False, description="read the day's files from their first byte again, replacing the rows already stored")
+    retention_days: int = Field(
+        default_factory=retention_days_from_env,
+        description="days of traffic kept before today ($RLVR_TRAFFIC_RETENTION_DAYS, default 30); older log files and their rows are deleted, "
+        "and an older day is not ingested",
+    )
+
+
+def apply_retention(context: AssetExecutionContext, folder: str, retention_days: int, duckdb: Warehouse) -> tuple[str, dict]:
+    """Delete the log files of the days past retention, then their rows; returns the first day kept and the metadata
+    of what was deleted. A file that could not be deleted is reported and tried again by the next run."""
+    first_kept = first_kept_day(datetime.now(timezone.utc).date(), retention_days)
+    deleted, failed = delete_expired_files(folder, first_kept)
+    rows = duckdb.delete_traffic_before(first_kept)
+    if failed:
+        context.log.error(f"{len(failed)} traffic log files past retention could not be deleted, e.g. {failed[:3]}")
+    return first_kept, {
+        "retention_days": retention_days,
+        "expired_files_deleted": len(deleted),
+        "expired_rows_deleted": rows,
+        "expired_files_not_deleted": MetadataValue.json(failed[:20]),
+    }
 
 
 @asset(
@@ -40,10 +61,17 @@ def serving_traffic(context: AssetExecutionContext, config: TrafficConfig, duckd
     it); the traffic sensor materializes each day whose logs grew. One day's logs are ingested incrementally: each file is read from
     a per-file byte cursor stored with the rows in one transaction, so re-runs never duplicate rows
     (``reread`` starts from the first byte and replaces them); a partly written last line waits for
-    the next pass; malformed lines are counted and reported."""
+    the next pass; malformed lines are counted and reported. Each run first deletes the log files and
+    rows of the days more than ``retention_days`` before today (never today's or yesterday's); a day
+    past retention ingests nothing."""
     day = context.partition_key
-    batch = read_traffic(config.folder, {} if config.reread else duckdb.traffic_cursor(), day=day)
-    new_rows = duckdb.ingest_traffic(batch, replace=config.reread)
+    first_kept, retention = apply_retention(context, config.folder, config.retention_days, duckdb)
+    if day < first_kept:
+        context.log.warning(f"{day} is past retention (traffic is kept from {first_kept}): nothing ingested")
+        batch, new_rows = TrafficBatch(), 0
+    else:
+        batch = read_traffic(config.folder, {} if config.reread else duckdb.traffic_cursor(), day=day)
+        new_rows = duckdb.ingest_traffic(batch, replace=config.reread)
     if batch.malformed:
         context.log.warning(f"{len(batch.malformed)} malformed traffic lines skipped, e.g. {batch.malformed[:3]}")
     return MaterializeResult(
@@ -54,6 +82,7 @@ def serving_traffic(context: AssetExecutionContext, config: TrafficConfig, duckd
             "malformed_examples": MetadataValue.json(batch.malformed[:20]),
             "files": len(batch.cursor),
             "table": f"{duckdb.database}:serving_traffic",
+            **retention,
         }
     )
 

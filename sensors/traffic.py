@@ -12,10 +12,17 @@ from rlvr_assets.partitions import traffic_days
 
 
 def traffic_state(folder: Path) -> dict[str, int]:
-    """Size of every traffic log file in ``folder``: what the sensor compares between ticks."""
+    """Size of every traffic log file in ``folder``: what the sensor compares between ticks. A file deleted
+    (retention) since the listing is left out, as the next tick's listing leaves it out."""
     if not folder.is_dir():
         return {}
-    return {p.name: p.stat().st_size for p in sorted(folder.glob(f"{FILE_PREFIX}*{FILE_SUFFIX}"))}
+    state = {}
+    for path in sorted(folder.glob(f"{FILE_PREFIX}*{FILE_SUFFIX}")):
+        try:
+            state[path.name] = path.stat().st_size
+        except FileNotFoundError:
+            continue
+    return state
 
 
 @sensor(
