@@ -49,6 +49,11 @@ class RolloutJob:
     on_tokens: Callable[[list[tuple[int, int]]], None] | None = None  # (sample, token) pairs of each decode step
     cancelled: threading.Event = field(default_factory=threading.Event)
     result: Future = field(default_factory=Future)
+    progress: list[list[int]] | None = None  # each sample's tokens so far (the engine's lists, once submitted)
+
+    def tokens_so_far(self) -> list[int]:
+        """How many tokens each sample has so far (what a timed-out request's record keeps)."""
+        return [len(ids) for ids in self.progress] if self.progress is not None else [0] * self.num_samples
 
 
 @dataclass
@@ -110,6 +115,7 @@ class ContinuousScheduler:
             cancelled=job.cancelled,
             environment=self.environment,
         )
+        job.progress = request.token_ids
         self.engine.submit(request)
 
     def _done(self, job: RolloutJob, request: EngineRequest) -> None:
@@ -143,6 +149,9 @@ class ContinuousScheduler:
 
     def call(self, call: ModelCall) -> None:
         self.engine.call(call)
+
+    def estimated_s(self, prompt_tokens: int, rows: int, max_new_tokens: int) -> float:
+        return self.engine.estimated_seconds(prompt_tokens, rows, max_new_tokens)
 
     def warm_up(self, job: RolloutJob) -> RolloutResult:
         self.submit(job)

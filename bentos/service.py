@@ -66,7 +66,7 @@ from bentos.schemas import (
     ToolCall,
     openapi_document,
 )
-from bentos.traffic_log import TrafficRecording, generation_fields
+from bentos.traffic_log import TrafficRecording, generation_fields, note_job
 from bentos.vocabulary import Vocabulary
 from rlvr.answers import extract_final_answer
 from rlvr.evaluation import majority_vote
@@ -276,6 +276,7 @@ class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
     async def _rollouts(self, job: RolloutJob) -> RolloutResult:
         """Queue the job for the model thread and wait for it; a caller that gives up (its client hung
         up, its time ran out) stops the job's rows at the next decode step."""
+        note_job(job)
         self.scheduler.submit(job)
         try:
             return await asyncio.wrap_future(job.result)

@@ -162,3 +162,13 @@ def test_released_kv_buffers_are_freed_at_once_not_by_the_cyclic_collector(model
         gc.garbage.clear()
         gc.enable()
     assert not cyclic, f"{len(cyclic)} tensors ({sum(t.nbytes for t in cyclic)} bytes) were freed only by the cyclic collector"
+
+
+def test_a_requests_time_is_estimated_from_the_measured_step_time(model, tokenizer):
+    """Prompt chunks, then the new tokens in waves of at most ``max_rows`` rows, at the measured step time."""
+    engine = Engine(model, tokenizer, max_rows=4, step_tokens=16, kv_budget_bytes=2**24)
+    _run(engine, {0: [_request(tokenizer, p, samples=2) for p in PROMPTS]})
+    step = engine.step_seconds
+    assert 0 < step < 1
+    assert engine.estimated_seconds(10, 4, 100) == pytest.approx((1 + 100) * step)
+    assert engine.estimated_seconds(40, 9, 100) == pytest.approx((3 + 3 * 100) * step)  # 3 chunks, 3 waves of 4 rows

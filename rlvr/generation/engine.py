@@ -207,6 +207,12 @@ class Engine:
             self._inbox.append(item)
             self._wakeup.notify()
 
+    def estimated_seconds(self, prompt_tokens: int, rows: int, max_new_tokens: int) -> float:
+        """A new request's time at the measured step time, at best: its prompt's chunks, then its new
+        tokens in waves of at most ``max_rows`` rows (queueing and slower steps only add to it)."""
+        waves = -(-rows // self.max_rows)
+        return (-(-prompt_tokens // self.step_tokens) + max_new_tokens * waves) * self.step_seconds
+
     def start_wait_s(self) -> float:
         """How long a new short request would wait to start: the oldest waiting request's wait so far,
         or, with every slot taken, the steps until the first running row ends at the budget."""
