@@ -3,7 +3,9 @@
 No state and no model here: ``bentos.service`` validates, prices, batches, cancels and logs a
 ``/v1`` request on the same paths as ``/generate`` and ``/solve``, and calls these functions to
 say it in OpenAI's words. Finish reasons: the engine's ``eos`` and ``stop`` (a stop string) are
-``"stop"``, ``length`` is ``"length"``; a choice's text ends before the first stop string in it.
+``"stop"``, ``length`` is ``"length"``; a choice's text ends before the first stop string in it, and
+without a character left incomplete by its last token (``returned_text``); its log-probs list the
+tokens that start inside that text (``logprob_token_count``).
 """
 
 from __future__ import annotations
@@ -64,6 +66,22 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
     return (text[: min(cuts)], True) if cuts else (text, False)
 
 
+def returned_text(text: str, stopped: bool, ends_inside_a_character: bool) -> str:
+    """A choice's text (already cut at its stop string, if ``stopped``) without the incomplete character
+    its tokens end in when ``max_tokens`` cut one (decoded alone, U+FFFD): as vLLM, whose incremental
+    detokenizer emits a character only once its bytes are complete, and as our stream, which holds it back."""
+    if not stopped and ends_inside_a_character and text.endswith("\ufffd"):
+        return text[:-1]
+    return text
+
+
+def logprob_token_count(offsets: list[int], text: str, whole: bool) -> int:
+    """How many of a choice's tokens its log-probs list (``offsets``: where each starts in the decoded
+    tokens, in characters): all of them, the end token included, when ``text`` is their ``whole`` text,
+    else those that start inside ``text`` (the last may run on into the cut stop string or character)."""
+    return len(offsets) if whole else sum(offset < len(text) for offset in offsets)
+
+
 def finish_reason(engine_reason: str, stopped: bool) -> str:
     return "length" if engine_reason == "length" and not stopped else "stop"
 
@@ -73,19 +91,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
 
 
 def chat_logprobs(tokens: list[str], token_bytes: list[bytes], logprobs: list[float]) -> ChatLogprobs:
-    """Each generated token (the end token included) with its log-prob and its own bytes (part of a
-    character when it splits one: joined, they are the text's UTF-8); no alternatives."""
+    """Each listed token with its log-prob and its own bytes (part of a character when it splits one; its
+    text then ``bytes:\\xe4\\xbd``, as ``Vocabulary.token_texts`` writes it); joined, the bytes begin with
+    the content's UTF-8. No alternatives."""
     return ChatLogprobs(content=[TokenLogprob(token=t, logprob=lp, bytes=list(b)) for t, b, lp in zip(tokens, token_bytes, logprobs)])
 
 
-def completion_logprobs(tokens: list[str], logprobs: list[float | None], alternatives: list[dict[str, float] | None] | None = None) -> CompletionLogprobs:
+def completion_logprobs(
+    tokens: list[str], logprobs: list[float | None], offsets: list[int], alternatives: list[dict[str, float] | None] | None = None
+) -> CompletionLogprobs:
     """Legacy completions log-probs: each token, its log-prob, the most likely tokens at its position with
     the token itself (itself alone without ``alternatives``; null where its log-prob is: an echoed
-    prompt's first token), and its offset in the text."""
-    offsets, offset = [], 0
-    for token in tokens:
-        offsets.append(offset)
-        offset += len(token)
+    prompt's first token), and its offset in the choice's text, in characters."""
     alternatives = alternatives or [{} for _ in tokens]
     top = [None if lp is None else {**(alt or {}), t: lp} for t, lp, alt in zip(tokens, logprobs, alternatives)]
     return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, top_logprobs=top, text_offset=offsets)

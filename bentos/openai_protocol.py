@@ -34,6 +34,7 @@ from bentos.schemas import (
     ChatChoice,
     ChatCompletion,
     ChatCompletionRequest,
+    ChatMessage,
     Completion,
     CompletionChoice,
     CompletionRequest,
@@ -140,7 +141,8 @@ class OpenAIProtocol:
             return JSONResponse(response.model_dump(mode="json"))  # serialised here: a failure is logged as the 500 it is
 
     async def tokenize(self, request: Request, detokenize: bool) -> Response:
-        """``POST /tokenize`` / ``/detokenize``, as vLLM's server has them (what lm-eval's remote tokenizer calls)."""
+        """``POST /tokenize`` / ``/detokenize``, as vLLM's server has them (what lm-eval's remote tokenizer calls):
+        ``/tokenize`` takes a ``prompt`` as it is, or chat ``messages`` rendered as ``/v1/chat/completions`` renders them."""
         schema = DetokenizeRequest if detokenize else TokenizeRequest
         try:
             body = schema.model_validate_json(await request.body())
@@ -154,7 +156,13 @@ class OpenAIProtocol:
                     request.url.path, 400, f"tokens: id {max(body.tokens)} is outside the vocabulary of {self.vocab_size}", "tokens", None
                 )
             return JSONResponse(DetokenizeResponse(prompt=self.prompt_tokenizer.decode(body.tokens)).model_dump())
-        ids = self.prompt_tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        text = body.prompt
+        if body.messages is not None:
+            try:
+                text = self._chat_prompt(body.messages, "TokenizeRequest", body.add_generation_prompt)
+            except ValidationError as err:
+                return self._openai_refusal(request.url.path, 400, *openai_api.invalid(err))
+        ids = self.prompt_tokenizer(text, add_special_tokens=body.special_tokens()).input_ids
         strs = self.prompt_tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=self.context_tokens, tokens=ids, token_strs=strs).model_dump())
 
@@ -173,22 +181,29 @@ class OpenAIProtocol:
         )
 
     def _openai_prompts(self, body, chat: bool) -> list[list[int]]:
-        """The request's prompts as token ids: the chat messages with the policy's environment's
-        instructions (``with_instructions``) rendered by ``render_messages`` (a 400 naming the message
-        that holds control tokens), or the completions' prompts as they are."""
+        """The request's prompts as token ids: the chat messages rendered by ``_chat_prompt``, or the
+        completions' prompts as they are."""
         if chat:
-            messages = [m.model_dump() for m in body.messages]
-            fields = [f"messages[{i}].content" for i in range(len(messages))]
-            messages = with_instructions(messages, self.environment)  # the tool instructions the policy was trained with
-            fields = ["environment instructions"] * (len(messages) - len(fields)) + fields
-            try:
-                rendered = render_messages(self.prompt_tokenizer, messages, fields)
-            except ControlTokensError as err:
-                raise invalid_request("ChatCompletionRequest", err.field, str(err)) from None
-            return [self.prompt_tokenizer(rendered, add_special_tokens=False).input_ids]
+            return [self.prompt_tokenizer(self._chat_prompt(body.messages, "ChatCompletionRequest"), add_special_tokens=False).input_ids]
         if isinstance(body.prompt[0], str):
             return self.prompt_tokenizer(body.prompt, add_special_tokens=False).input_ids
         return body.prompt
+
+    def _chat_prompt(self, chat: list[ChatMessage], title: str, add_generation_prompt: bool = True) -> str:
+        """Chat messages with the policy's environment's instructions (``with_instructions``) rendered by
+        ``render_messages`` (a 400 naming the message that holds control tokens); without
+        ``add_generation_prompt``, the same chat template without the assistant's turn opened."""
+        messages = [m.model_dump() for m in chat]
+        fields = [f"messages[{i}].content" for i in range(len(messages))]
+        messages = with_instructions(messages, self.environment)  # the tool instructions the policy was trained with
+        fields = ["environment instructions"] * (len(messages) - len(fields)) + fields
+        try:
+            rendered = render_messages(self.prompt_tokenizer, messages, fields)
+        except ControlTokensError as err:
+            raise invalid_request(title, err.field, str(err)) from None
+        if add_generation_prompt:
+            return rendered
+        return self.prompt_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
 
     def _openai_response(
         self, reply: OpenAIReply, results: list[RolloutResult], record: dict, prompts: list[tuple[int, ...]], scores: list[TokenScores] | None = None
@@ -198,8 +213,12 @@ class OpenAIProtocol:
         choice's prompt and completion scored (``echo``, ``logprobs`` above 0)."""
         texts, reasons, tokens, choices = [], [], [], []
         for p, result in enumerate(results):
-            for text, engine_reason, ids, logprobs in zip(result.texts, result.finish_reasons, result.token_ids, result.logprobs):
-                text, stopped = openai_api.cut_at_stop(text, reply.body.stop)
+            for decoded, engine_reason, ids, logprobs in zip(result.texts, result.finish_reasons, result.token_ids, result.logprobs):
+                tokens.append(len(ids))
+                text, stopped = openai_api.cut_at_stop(decoded, reply.body.stop)
+                text = openai_api.returned_text(text, stopped, self.vocabulary.ends_inside_a_character(ids))
+                listed = openai_api.logprob_token_count(self.vocabulary.text_offsets(ids), text, whole=text == decoded)
+                ids, logprobs = ids[:listed], logprobs[:listed]
                 reason = openai_api.finish_reason(engine_reason, stopped)
                 index = len(choices)
                 if reply.chat:
@@ -214,21 +233,21 @@ class OpenAIProtocol:
                         )
                     )
                 else:
-                    echo = reply.body.echo
-                    echoed = "" if not echo else reply.body.prompt[p] if isinstance(reply.body.prompt[p], str) else self._decode(list(prompts[p]))
+                    echoed = None
+                    if reply.body.echo:
+                        echoed = reply.body.prompt[p] if isinstance(reply.body.prompt[p], str) else self._decode(list(prompts[p]))
                     choices.append(
                         CompletionChoice(
                             index=index,
-                            text=echoed + text,
+                            text=(echoed or "") + text,
                             finish_reason=reason,
-                            logprobs=self._completion_logprobs(prompts[p], echo, ids, logprobs, scores[index] if scores else None)
+                            logprobs=self._completion_logprobs(prompts[p], echoed, ids, logprobs, scores[index] if scores else None)
                             if reply.body.logprobs is not None
                             else None,
                         )
                     )
                 texts.append(text)
                 reasons.append(reason)
-                tokens.append(len(ids))
         used = openai_api.usage(reply.prompt_tokens, sum(tokens))
         merged = RolloutResult(
             texts=texts,
@@ -243,23 +262,25 @@ class OpenAIProtocol:
         response_type = ChatCompletion if reply.chat else Completion
         return response_type(id=reply.response_id, created=reply.created, model=reply.model, choices=choices, usage=used)
 
-    def _completion_logprobs(self, prompt_ids, echo: bool, ids: list[int], sampled: list[float], score: TokenScores | None):
-        """A completion choice's log-probs: the sampled tokens' (the engine's own), after the prompt's when
-        echoed (its first token has none), each with the ``logprobs`` most likely tokens at its position."""
-        texts, before = self.vocabulary.token_texts, len(prompt_ids) - 1  # the score of token i is at position i - 1
+    def _completion_logprobs(self, prompt_ids, echoed: str | None, ids: list[int], sampled: list[float], score: TokenScores | None):
+        """A completion choice's log-probs: the listed tokens' (the engine's own), after the prompt's when
+        ``echoed`` (not None; its first token has none), each with the ``logprobs`` most likely tokens at its position
+        and its offset in the choice's text (the echoed prompt and the completion, each decoded alone)."""
+        vocabulary, before = self.vocabulary, len(prompt_ids) - 1  # the score of token i is at position i - 1
 
         def alternatives(position: int) -> dict[str, float] | None:
             if score is None or not score.top_ids:
                 return None
-            return dict(zip(texts(score.top_ids[position]), score.top_logprobs[position]))
+            return dict(zip(vocabulary.token_texts(score.top_ids[position]), score.top_logprobs[position]))
 
-        tokens, logprobs = texts(ids), list(sampled)
+        tokens, logprobs, offsets = vocabulary.token_texts(ids), list(sampled), vocabulary.text_offsets(ids)
         top = [alternatives(before + j) for j in range(len(ids))]
-        if echo:
-            tokens = texts(list(prompt_ids)) + tokens
+        if echoed is not None:
+            tokens = vocabulary.token_texts(list(prompt_ids)) + tokens
             logprobs = [None, *score.logprobs[:before], *logprobs]
             top = [None, *(alternatives(j) for j in range(before)), *top]
-        return openai_api.completion_logprobs(tokens, logprobs, top)
+            offsets = vocabulary.text_offsets(list(prompt_ids)) + [len(echoed) + offset for offset in offsets]
+        return openai_api.completion_logprobs(tokens, logprobs, offsets, top)
 
     async def _openai_stream(self, reply: OpenAIReply, jobs: list[RolloutJob], started: float, record: dict) -> AsyncIterator[bytes]:
         """Server-sent events: each choice's text as its tokens are sampled (held back while it could still

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationInfo, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.json_schema import models_json_schema
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from rlvr.answers import format_number
 from rlvr.rewards import DEFAULT_GSM8K_REWARD, reward_names
@@ -307,11 +308,21 @@ class ChatMessage(_Request):
     content: Annotated[str, PlainValidator(_message_text, json_schema_input_type=str | list[TextPart])]
 
 
+def _bounded_chat_text(messages: list[ChatMessage]) -> list[ChatMessage]:
+    chars = sum(len(m.content) for m in messages)
+    if chars > MAX_CHAT_CHARS:
+        raise ValueError(f"messages hold {chars} characters of content; at most {MAX_CHAT_CHARS}")
+    return messages
+
+
+ChatMessages = Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES), AfterValidator(_bounded_chat_text)]
+
+
 class ChatCompletionRequest(_OpenAIRequest):
     """``POST /v1/chat/completions``: ``n`` replies to the messages, rendered with the model's chat
     template as given (no system prompt is added; rlvr.prompts.SYSTEM_PROMPT is training's)."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    messages: ChatMessages
     max_tokens: NewTokens | None = Field(default=None, description=f"default {DEFAULT_CHAT_MAX_TOKENS}")
     max_completion_tokens: NewTokens | None = Field(default=None, description="max_tokens' newer name")
     logprobs: bool = Field(default=False, description="each generated token's log-prob (not with stream)")
@@ -323,14 +334,6 @@ class ChatCompletionRequest(_OpenAIRequest):
     )
     _no_stream_logprobs = _unsupported_unless(lambda v, data: not v or not data.get("stream"), "log-probs are not streamed", "logprobs")
     _no_alternatives = _unsupported_unless(lambda v, _: not v, NO_ALTERNATIVES, "top_logprobs")
-
-    @field_validator("messages")
-    @classmethod
-    def _bounded_text(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
-        chars = sum(len(m.content) for m in messages)
-        if chars > MAX_CHAT_CHARS:
-            raise ValueError(f"messages hold {chars} characters of content; at most {MAX_CHAT_CHARS}")
-        return messages
 
     def new_tokens(self) -> int:
         return self.max_completion_tokens or self.max_tokens or DEFAULT_CHAT_MAX_TOKENS
@@ -356,13 +359,35 @@ class CompletionRequest(_OpenAIRequest):
     _no_suffix = _unsupported_unless(lambda v, _: not v, "no insertion (suffix)", "suffix")
 
 
-class TokenizeRequest(_Request):
-    """``POST /tokenize`` (vLLM's): the served tokenizer's ids of ``prompt``."""
+def _absent_unless_given(schema: dict) -> None:
+    schema.pop("default", None)  # a field that is either given (not null) or absent
 
+
+class TokenizeRequest(_Request):
+    """``POST /tokenize`` (vLLM's): the served tokenizer's ids of ``prompt`` as it is, or of chat
+    ``messages`` rendered as ``/v1/chat/completions`` renders them; one of the two."""
+
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]})
     model: Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)] | None = None
-    prompt: RawPrompt
-    add_special_tokens: bool = Field(default=True, description="the tokenizer's own (this one adds none)")
+    prompt: RawPrompt = Field(default=None, json_schema_extra=_absent_unless_given, description="text, tokenized as it is")
+    messages: ChatMessages = Field(default=None, json_schema_extra=_absent_unless_given, description="a chat, in /v1/chat/completions' chat template")
+    add_generation_prompt: bool = Field(default=True, description="with messages: the assistant's turn opened, as the chat endpoint does")
+    add_special_tokens: bool = Field(
+        default=None, json_schema_extra=_absent_unless_given, description="the tokenizer's own (this one adds none); default: with prompt only, as vLLM"
+    )
     return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _prompt_or_messages(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            field, said = ("messages", "not both") if self.prompt is not None else ("prompt", "the body has neither")
+            error = PydanticCustomError("prompt_or_messages", "give prompt (text) or messages (a chat), {said}", {"said": said})
+            raise ValidationError.from_exception_data(type(self).__name__, [InitErrorDetails(type=error, loc=(field,), input=None)])
+        return self
+
+    def special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens: as asked, else with ``prompt`` (a chat template holds them)."""
+        return self.add_special_tokens if self.add_special_tokens is not None else self.messages is None
 
 
 class TokenizeResponse(BaseModel):
@@ -402,9 +427,9 @@ class Usage(BaseModel):
 
 
 class TokenLogprob(BaseModel):
-    token: str
+    token: str = Field(description="its text; one that is part of a character: its bytes written out, bytes:\\xe4\\xbd")
     logprob: float = Field(description="under the distribution it was sampled from (temperature applied, before top-p; greedy: the model's own)")
-    bytes: list[int]
+    bytes: list[int] = Field(description="the token's own UTF-8 bytes (part of a character when it splits one)")
     top_logprobs: list[dict] = Field(default_factory=list, description=f"always empty: {NO_ALTERNATIVES}")
 
 
@@ -441,10 +466,12 @@ class ChatCompletion(_CompletionAnswer):
 
 
 class CompletionLogprobs(BaseModel):
-    tokens: list[str]
+    """The tokens that start inside the choice's text (and the end token that ended it)."""
+
+    tokens: list[str] = Field(description="each token's text; one that is part of a character: its bytes written out, bytes:\\xe4\\xbd")
     token_logprobs: list[float | None] = Field(description="null for an echoed prompt's first token")
     top_logprobs: list[dict[str, float] | None] = Field(description="the k most likely tokens and the token itself; null where token_logprobs is")
-    text_offset: list[int]
+    text_offset: list[int] = Field(description="where each token starts in the choice's text, in characters")
 
 
 class CompletionChoice(BaseModel):
@@ -532,6 +559,11 @@ def openapi_document(title: str, version: str, description: str) -> dict:
         (Completion, "serialization"),
         (ModelList, "serialization"),
         (OpenAIErrorResponse, "serialization"),
+        (TokenizeRequest, "validation"),
+        (TokenizeResponse, "serialization"),
+        (DetokenizeRequest, "validation"),
+        (DetokenizeResponse, "serialization"),
+        (TokenizerInfo, "serialization"),
     ]
     refs, schemas = models_json_schema(models, ref_template="#/components/schemas/{model}")
 
@@ -548,9 +580,9 @@ def openapi_document(title: str, version: str, description: str) -> dict:
         out["504"]["content"] = json_body(ErrorResponse, "serialization")  # BentoML's own timeout answer
         return out
 
-    def post(model_in, model_out, summary: str, openai: bool = False) -> dict:
+    def post(model_in, model_out, summary: str, openai: bool = False, stream: bool = False) -> dict:
         ok = json_body(model_out, "serialization")
-        if openai:
+        if stream:
             ok["text/event-stream"] = {
                 "schema": {  # each event (OpenAPI 3.1)
                     "type": "object",
@@ -585,13 +617,25 @@ def openapi_document(title: str, version: str, description: str) -> dict:
         "paths": {
             "/generate": post(GenerateRequest, GenerateResponse, "Generate rollouts of one prompt, graded against ground_truth when given"),
             "/solve": post(SolveRequest, SolveResponse, "Solve a math word problem by majority vote over k samples"),
-            "/v1/chat/completions": post(ChatCompletionRequest, ChatCompletion, "Chat: OpenAI-compatible chat completions", openai=True),
-            "/v1/completions": post(CompletionRequest, Completion, "Completions: OpenAI-compatible completions of raw prompts", openai=True),
+            "/v1/chat/completions": post(ChatCompletionRequest, ChatCompletion, "Chat: OpenAI-compatible chat completions", openai=True, stream=True),
+            "/v1/completions": post(CompletionRequest, Completion, "Completions: OpenAI-compatible completions of raw prompts", openai=True, stream=True),
             "/v1/models": {
                 "get": {
                     "summary": "Models: the served policy",
                     "operationId": "models",
                     "responses": {"200": {"description": "OK", "content": json_body(ModelList, "serialization")}},
+                }
+            },
+            "/tokenize": post(TokenizeRequest, TokenizeResponse, "Tokenize: token ids of a prompt or a chat, as vLLM's /tokenize", openai=True),
+            "/detokenize": post(DetokenizeRequest, DetokenizeResponse, "Detokenize: the text of token ids, as vLLM's /detokenize", openai=True),
+            "/tokenizer_info": {
+                "get": {
+                    "summary": "Tokenizer_info: the tokenizer's class, special tokens and chat template, as vLLM's /tokenizer_info",
+                    "operationId": "tokenizer_info",
+                    "responses": {
+                        "200": {"description": "OK", "content": json_body(TokenizerInfo, "serialization")},
+                        "503": {"description": "the policy is not loaded yet", "content": json_body(OpenAIErrorResponse, "serialization")},
+                    },
                 }
             },
             "/healthz": probe("Healthz: alive (loading has not failed)"),

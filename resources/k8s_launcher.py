@@ -44,6 +44,7 @@ from resources.launcher import (
     StepMetrics,
     TrainingJob,
     TrainingLauncher,
+    attempt_lock,
     check_digests,
     clear_attempt,
     process_count,
@@ -211,10 +212,11 @@ class K8sTrainingLauncher(ConfigurableResource):
 
     def train(self, context: Any, job: TrainingJob, nproc: int, restart: bool = False, on_step: OnStep | None = None) -> list[tuple[int, dict]]:
         """Run ``job`` on ``nproc`` processes in pods; returns (step, metrics) of every step of the run (earlier
-        attempts' included), handing each to ``on_step`` as it ends. First deletes the pods an earlier attempt
-        left running on the same scratch folder (its run pod killed); creates the rendezvous Service and worker
-        Job (several nodes), runs the Pipes pod, deletes them all whatever happens. A failed run raises
-        :class:`dagster.Failure` with each rank's account."""
+        attempts' included), handing each to ``on_step`` as it ends. Holds the scratch folder as the local
+        launcher does (:func:`~resources.launcher.attempt_lock`: a second attempt while one lives is refused);
+        holding it, first deletes the pods a dead earlier attempt left running there (its run pod killed);
+        creates the rendezvous Service and worker Job (several nodes), runs the Pipes pod, deletes them all
+        whatever happens. A failed run raises :class:`dagster.Failure` with each rank's account."""
         from dagster_k8s import PipesK8sClient  # the cluster client, only where a run needs it
         from dagster_k8s.client import DagsterK8sError
         from dagster_k8s.utils import detect_current_namespace
@@ -227,43 +229,50 @@ class K8sTrainingLauncher(ConfigurableResource):
             raise Failure(description="K8sTrainingLauncher: set image (RLVR_TRAINING_IMAGE): this run has no container image of its own")
         name, namespace = f"grpo-{context.run.run_id[:8]}-{context.retry_number}", self.namespace or detect_current_namespace(None) or "default"
         job = replace(job, device=("cuda" if self.gpus_per_node else "cpu") if nproc == 1 else None)  # the pod's device, not the run pod's
-        stop_earlier_attempt(job.scratch, context)
-        clear_attempt(job.scratch, restart)
-        plan, extras = self.manifests(name, nproc, image, namespace, job.scratch), job.extras()
-        apis, created = kubernetes_apis() if plan.workers is not None else None, []
-        record = {"name": name, "namespace": namespace, "objects": [o for o in (plan.workers, plan.service) if o is not None]}
-        (job.scratch / ATTEMPT_FILE).write_text(json.dumps(record))
-        metrics, done = StepMetrics(job.scratch, on_step), threading.Event()
+        with attempt_lock(job.scratch, context.run.run_id):  # on the shared volume: one attempt at a time, wherever its run pod runs
+            stop_earlier_attempt(job.scratch, context)
+            clear_attempt(job.scratch, restart)
+            plan, extras = self.manifests(name, nproc, image, namespace, job.scratch), job.extras()
+            apis, created = kubernetes_apis() if plan.workers is not None else None, []
+            record = {"name": name, "namespace": namespace, "objects": [o for o in (plan.workers, plan.service) if o is not None]}
+            (job.scratch / ATTEMPT_FILE).write_text(json.dumps(record))
+            metrics, done = StepMetrics(job.scratch, on_step), threading.Event()
 
-        def follow() -> None:  # each step's metrics as it ends, while PipesK8sClient follows the pod
-            while not done.wait(1.0):
+            def follow() -> None:  # each step's metrics as it ends, while PipesK8sClient follows the pod
+                while not done.wait(1.0):
+                    metrics.poll()
+
+            follower = threading.Thread(target=follow, daemon=True)
+            try:
+                if plan.workers is not None:
+                    created = create_objects(apis, namespace, [plan.service, plan.workers])
+                follower.start()
+                pipes = PipesK8sClient(context_injector=PipesFileContextInjector(str(job.scratch / CONTEXT_FILE)))
+                pipes.run(
+                    context=context,
+                    extras=extras,
+                    namespace=namespace,
+                    base_pod_meta=plan.pod_meta,
+                    base_pod_spec=plan.pod_spec,
+                    pod_wait_timeout=self.timeout_s,
+                )
+            except DagsterK8sError as err:
+                raise training_failure(err, job.scratch, nproc) from None
+            finally:
+                done.set()
+                if follower.is_alive():
+                    follower.join()
                 metrics.poll()
-
-        follower = threading.Thread(target=follow, daemon=True)
-        try:
-            if plan.workers is not None:
-                created = create_objects(apis, namespace, [plan.service, plan.workers])
-            follower.start()
-            pipes = PipesK8sClient(context_injector=PipesFileContextInjector(str(job.scratch / CONTEXT_FILE)))
-            pipes.run(
-                context=context, extras=extras, namespace=namespace, base_pod_meta=plan.pod_meta, base_pod_spec=plan.pod_spec, pod_wait_timeout=self.timeout_s
-            )
-        except DagsterK8sError as err:
-            raise training_failure(err, job.scratch, nproc) from None
-        finally:
-            done.set()
-            if follower.is_alive():
-                follower.join()
-            metrics.poll()
-            delete_objects(apis, namespace, created, context)
-            (job.scratch / ATTEMPT_FILE).unlink(missing_ok=True)
+                delete_objects(apis, namespace, created, context)
+                (job.scratch / ATTEMPT_FILE).unlink(missing_ok=True)
         check_digests(job.scratch, nproc)
         return step_history(job.scratch)
 
 
 def stop_earlier_attempt(scratch: Path, context: Any) -> None:
     """Delete what an earlier attempt on ``scratch`` left running (its run pod killed before it could):
-    its worker Job (with its pods), rendezvous Service and Pipes pod, named in its ``k8s-attempt.json``."""
+    its worker Job (with its pods), rendezvous Service and Pipes pod, named in its ``k8s-attempt.json``.
+    Called holding the attempt lock, so that attempt is gone."""
     path = scratch / ATTEMPT_FILE
     if not path.is_file():
         return

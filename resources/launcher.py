@@ -10,8 +10,9 @@ disagree fails). Every run size takes this path, one process included.
 Training lives and dies with its run: torchrun runs in a process group of its own that the launcher
 stops when the step fails or is cancelled, and with a parent-death signal (as every rank has), so a
 killed run worker takes its training along. One attempt at a time holds the scratch folder
-(:func:`attempt_lock`, a lock naming its PID and training's process group): a re-execution first
-stops whatever an earlier attempt left running there.
+(:func:`attempt_lock`, an ``flock`` naming its Dagster run, PID, host and training's process group): a
+second attempt while the first lives is refused, naming it; the holder stops what an attempt that died
+left running there (:func:`stop_abandoned_training`), and nothing else.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 import warnings
@@ -30,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from subprocess import Popen, TimeoutExpired
-from typing import Any, Callable, Iterator, Mapping
+from typing import IO, Any, Callable, Iterator, Mapping
 
 import pandas as pd
 from dagster import ConfigurableResource, Failure, PipesTempFileContextInjector, PipesTempFileMessageReader, PreviewWarning, open_pipes_session
@@ -42,7 +44,8 @@ from rlvr.rewards import pickled_reward
 from rlvr.training_run import die_with_parent
 
 WORKER_MODULE = "rlvr_assets.grpo_worker"
-LOCK_FILE = "attempt.lock"  # in the scratch folder: {"pid": run worker, "pgid": its training's process group}
+LOCK_FILE = "attempt.lock"  # in the scratch folder: the holder's {"dagster_run_id", "pid", "host", "pgid": its training's process group}
+SCRATCH_ENV = "RLVR_TRAINING_SCRATCH"  # in every training process's environment: the scratch folder it trains in
 TRAINING_MARKERS = (b"torch.distributed.run", b"torchrun", WORKER_MODULE.encode())  # what a training process's command line holds
 OnStep = Callable[[int, dict], None]
 
@@ -103,6 +106,7 @@ class TrainingLauncher(ConfigurableResource):
 
     python: str = Field(default=sys.executable, description="the interpreter torchrun and the worker run with")
     stop_grace_s: float = Field(default=10.0, description="how long a stopped training gets to end after SIGTERM before SIGKILL")
+    lock_wait_s: float = Field(default=30.0, description="how long an attempt waits for another that holds the run but is not training (starting, or ending)")
 
     def processes(self, nproc: str | int) -> int:
         """:func:`process_count` for this machine's visible GPUs."""
@@ -119,11 +123,12 @@ class TrainingLauncher(ConfigurableResource):
         attempts' included, and hands each to ``on_step`` as it ends (those of earlier attempts first).
         ``restart`` drops the run's checkpoints first (a run cannot resume on another number of
         processes). A failed run raises :class:`dagster.Failure` with each rank's account."""
-        with attempt_lock(job.scratch, context.log.warning, self.stop_grace_s) as record:
+        with attempt_lock(job.scratch, context.run.run_id, self.lock_wait_s) as attempt:
+            stop_abandoned_training(attempt.earlier, job.scratch, self.stop_grace_s, context.log.warning)
             clear_attempt(job.scratch, restart)
             metrics = StepMetrics(job.scratch, on_step)
             try:
-                returncode = self._run(context, job, nproc, record, metrics)
+                returncode = self._run(context, job, nproc, attempt.record, metrics)
             finally:
                 metrics.poll()
         if returncode != 0:
@@ -136,7 +141,7 @@ class TrainingLauncher(ConfigurableResource):
         this step is interrupted (a cancelled run). Returns torchrun's exit code."""
         path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))  # the worker imports what this process can
         with open_pipes_session(context, PipesTempFileContextInjector(), PipesTempFileMessageReader(), extras=job.extras()) as session:
-            env = {**os.environ, "PYTHONPATH": path, **session.get_bootstrap_env_vars()}
+            env = {**os.environ, "PYTHONPATH": path, SCRATCH_ENV: str(job.scratch.resolve()), **session.get_bootstrap_env_vars()}
             process = Popen(self.command(nproc), env=env, start_new_session=True, preexec_fn=die_with_parent)
             try:
                 record(process.pid)  # its process group: what a later attempt stops if this one is killed
@@ -147,7 +152,7 @@ class TrainingLauncher(ConfigurableResource):
             finally:
                 if process.poll() is None:
                     context.log.warning(f"stopping the training (process group {process.pid}): the step ended before it")
-                    stop_group(process.pid, self.stop_grace_s, process)
+                    stop_group(process.pid, job.scratch, self.stop_grace_s, process)
             return process.returncode
 
     @staticmethod
@@ -195,47 +200,89 @@ def clear_attempt(scratch: Path, restart: bool) -> None:
             (scratch / "steps" / f"metrics-step{step:06d}.json").unlink()
 
 
+@dataclass
+class Attempt:
+    """One attempt's hold on a scratch folder: what the attempt before it recorded there (``earlier``), and
+    ``record(pgid)``, which names this attempt's training's process group in the lock."""
+
+    earlier: dict
+    record: Callable[[int | None], None]
+
+
 @contextmanager
-def attempt_lock(scratch: Path, warn: Callable[[str], None], grace_s: float = 10.0, wait_s: float = 120.0) -> Iterator[Callable[[int], None]]:
-    """Hold the scratch folder for one attempt (an ``flock`` on ``attempt.lock``); yields ``record(pgid)``,
-    which writes this process's PID and its training's process group there. Taking it stops the
-    training an earlier attempt left running (a killed run worker's) and waits at most ``wait_s`` for a
-    live earlier run worker to let go."""
+def attempt_lock(scratch: Path, dagster_run_id: str, wait_s: float = 30.0) -> Iterator[Attempt]:
+    """Hold the scratch folder for one attempt: an ``flock`` on ``attempt.lock``, which names the holder
+    (Dagster run, PID, host, training's process group). A second attempt refuses rather than wait for a live
+    one (:class:`dagster.Failure` naming its Dagster run): at once when the holder's training runs on this
+    host, after ``wait_s`` otherwise (a holder starting, or ending). Nothing is stopped before the lock is
+    held: the holder then stops what a dead earlier attempt left (:func:`stop_abandoned_training`)."""
     scratch.mkdir(parents=True, exist_ok=True)
     with open(scratch / LOCK_FILE, "a+") as handle:
-        deadline = time.monotonic() + wait_s
-        while True:
-            handle.seek(0)
-            earlier = json.loads(handle.read() or "{}")
-            if earlier.get("pgid") and stop_group(earlier["pgid"], grace_s):
-                warn(
-                    f"stopped the training an earlier attempt left running on {scratch} (run worker PID {earlier.get('pid')}, process group {earlier['pgid']})"
-                )
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise Failure(
-                        description=f"GRPO training: {scratch} is still held by the run worker PID {earlier.get('pid')} after {wait_s:.0f} s"
-                    ) from None
-                time.sleep(0.2)
+        take_lock(handle, scratch, wait_s)
+        earlier = lock_record(handle)
+        owner = {"dagster_run_id": dagster_run_id, "pid": os.getpid(), "host": socket.gethostname()}
 
-        def record(pgid: int) -> None:
+        def record(pgid: int | None) -> None:
             handle.seek(0)
             handle.truncate()
-            handle.write(json.dumps({"pid": os.getpid(), "pgid": pgid}))
+            handle.write(json.dumps({**owner, "pgid": pgid}))
             handle.flush()
 
-        yield record
+        record(earlier.get("pgid") if on_this_host(earlier) else None)  # an earlier training stays named until it is stopped
+        yield Attempt(earlier, record)
 
 
-def stop_group(pgid: int, grace_s: float, process: Popen | None = None) -> bool:
-    """Stop the training of process group ``pgid`` (torchrun's) and every process under it (its ranks,
-    which torchrun puts in groups of their own): SIGTERM, then SIGKILL after ``grace_s``; returns once
-    they are gone, False when there was no training there (a recycled group id is left alone).
+def take_lock(handle: IO[str], scratch: Path, wait_s: float) -> None:
+    """``flock`` the lock file, or raise :class:`dagster.Failure` naming the live attempt holding it."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            holder = lock_record(handle)
+            training = bool(holder.get("pgid")) and on_this_host(holder) and bool(training_tree(holder["pgid"], scratch))
+            if training or time.monotonic() > deadline:
+                doing = "is training there now" if training else f"has held it for over {wait_s:.0f} s"
+                raise Failure(
+                    description=f"GRPO training: Dagster run {holder.get('dagster_run_id')} (run worker PID {holder.get('pid')} on "
+                    f"{holder.get('host')}) holds {scratch} and {doing}; this attempt refuses to train the same run twice. "
+                    "Wait for that run to end (re-execute it if it fails) or terminate it."
+                ) from None
+            time.sleep(0.2)
+
+
+def lock_record(handle: IO[str]) -> dict:
+    """What the lock file names (empty while a holder rewrites it, or before any did)."""
+    handle.seek(0)
+    try:
+        return json.loads(handle.read() or "{}")
+    except ValueError:
+        return {}
+
+
+def on_this_host(record: dict) -> bool:
+    """The record's process ids are this host's (a record without a host is an older local launcher's)."""
+    return record.get("host", socket.gethostname()) == socket.gethostname()
+
+
+def stop_abandoned_training(earlier: dict, scratch: Path, grace_s: float, warn: Callable[[str], None]) -> None:
+    """Stop the training a dead earlier attempt left running on ``scratch`` (its run worker killed where its
+    parent-death signal did not reach torchrun), named in the lock. Only the lock's holder calls it, so that
+    attempt is gone; a process group that is not this scratch folder's training is left alone."""
+    if earlier.get("pgid") and on_this_host(earlier) and stop_group(earlier["pgid"], scratch, grace_s):
+        warn(
+            f"stopped the training an earlier attempt left running on {scratch} (Dagster run {earlier.get('dagster_run_id')}, "
+            f"run worker PID {earlier.get('pid')}, process group {earlier['pgid']})"
+        )
+
+
+def stop_group(pgid: int, scratch: Path, grace_s: float, process: Popen | None = None) -> bool:
+    """Stop the training of process group ``pgid`` (torchrun's) on ``scratch`` and every process under it (its
+    ranks, which torchrun puts in groups of their own): SIGTERM, then SIGKILL after ``grace_s``; returns once
+    they are gone, False when there was no such training (a recycled group id is left alone).
     ``process``: torchrun when it is this process's child (reaped here)."""
-    pids = training_tree(pgid)
+    pids = training_tree(pgid, scratch)
     if not pids:
         return False
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -254,9 +301,10 @@ def stop_group(pgid: int, grace_s: float, process: Popen | None = None) -> bool:
     raise Failure(description=f"GRPO training: could not stop processes {[pid for pid in pids if _alive(pid)]} of process group {pgid}")
 
 
-def training_tree(pgid: int) -> list[int]:
-    """Live processes of group ``pgid`` and all their descendants; empty unless one of them is torchrun or
-    a training rank (a recycled id is not ours). Linux ``/proc``; empty elsewhere."""
+def training_tree(pgid: int, scratch: Path) -> list[int]:
+    """Live processes of group ``pgid`` and all their descendants; empty unless one of them is torchrun or a
+    training rank on ``scratch`` (its command line, and :data:`SCRATCH_ENV` in its environment): a recycled
+    id, or another run's training, is not ours. Linux ``/proc``; empty elsewhere."""
     table: dict[int, tuple[int, int]] = {}  # pid -> (parent, group) of live processes
     for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
         try:
@@ -269,12 +317,14 @@ def training_tree(pgid: int) -> list[int]:
     tree = {pid for pid, (_, group) in table.items() if group == pgid}
     while grown := {pid for pid, (parent, _) in table.items() if parent in tree} - tree:
         tree |= grown
-    return sorted(tree) if any(_is_training(pid) for pid in tree) else []
+    marker = f"{SCRATCH_ENV}={scratch.resolve()}".encode()
+    return sorted(tree) if any(_is_training(pid, marker) for pid in tree) else []
 
 
-def _is_training(pid: int) -> bool:
+def _is_training(pid: int, marker: bytes) -> bool:
     try:
-        return any(marker in Path(f"/proc/{pid}/cmdline").read_bytes() for marker in TRAINING_MARKERS)
+        proc = Path(f"/proc/{pid}")
+        return any(m in (proc / "cmdline").read_bytes() for m in TRAINING_MARKERS) and marker in (proc / "environ").read_bytes().split(b"\0")
     except OSError:
         return False
 

@@ -2,18 +2,22 @@
 
 Everything goes through an ``MlflowClient`` bound to this resource's URI, so no asset touches the
 ``mlflow`` module's global state: runs (a context manager), params, metrics, artifacts and tables,
-the evaluation record the promotion gate reads, registry aliases and checkpoint downloads.
+the evaluation record the promotion gate reads, registry aliases and checkpoint downloads. A local
+store keeps its artifacts in its own data directory, also once that directory is copied or moved.
 """
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import json
+import logging
 import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import pandas as pd
 from dagster import ConfigurableResource
@@ -27,11 +31,20 @@ CHAMPION, CHALLENGER = "champion", "challenger"
 POLICY_VERSION_TAG = "rlvr.policy_version"  # the model-store version of the registered checkpoint
 EVAL_PROTOCOL_TAG = "rlvr.eval_protocol"  # the evaluation protocol of an evaluation run, as JSON
 TRAINING_RUN_TAG = "rlvr.training_run"  # the Dagster root run id of a training run: every attempt's MLflow run carries it
+DAGSTER_RUN_TAG = "dagster.run_id"  # the Dagster run that owns an MLflow run: every asset's runs carry it
 PARAMS_PER_BATCH, METRICS_PER_BATCH = 100, 1000  # per log_batch call (MLflow's limits)
 # The tag the MLflow UI reads to open an experiment in its model-training mode (runs, charts, registry)
 # rather than the GenAI one (traces); its values are the UI's ExperimentKind.
 EXPERIMENT_KIND_TAG, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
 DEFAULT_EXPERIMENT_ID = "0"
+# Where a SQL store keeps artifact URIs: what a data directory copied or moved elsewhere rewrites (:func:`relocate_artifacts`).
+ARTIFACT_COLUMNS = (
+    ("experiments", "artifact_location"),
+    ("runs", "artifact_uri"),
+    ("logged_models", "artifact_location"),
+    ("model_versions", "source"),
+    ("model_versions", "storage_location"),
+)
 
 
 class MLflowResource(ConfigurableResource):
@@ -47,6 +60,7 @@ class MLflowResource(ConfigurableResource):
         """An MlflowClient bound to this tracking URI (registry too)."""
         from mlflow.tracking import MlflowClient
 
+        ready_store(self.tracking_uri)
         return MlflowClient(tracking_uri=self.tracking_uri, registry_uri=self.tracking_uri)
 
     def registry(self) -> "PolicyRegistry":
@@ -58,6 +72,8 @@ class MLflowResource(ConfigurableResource):
         gets it, and the store's empty ``Default`` experiment is removed, once."""
         client = self.client()
         experiment = client.get_experiment_by_name(self.experiment)
+        if experiment is not None:
+            self.own_artifacts(experiment.artifact_location)
         if experiment is not None and experiment.tags.get(EXPERIMENT_KIND_TAG):
             return experiment.experiment_id
         if experiment is None:
@@ -68,6 +84,25 @@ class MLflowResource(ConfigurableResource):
             client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING)
         remove_empty_default_experiment(client)
         return experiment_id
+
+    def own_artifacts(self, location: str) -> None:
+        """Keep the experiment's artifacts at ``artifact_location``. MLflow records absolute artifact URIs, so a
+        data directory copied (``cp -a``) or moved still points at the original's: when the store (a SQLite file)
+        lies beside ``artifact_location``, every URI under the old location is rewritten to it; otherwise a
+        ValueError names both. No check without ``artifact_location`` (a tracking server keeps its own)."""
+        if not self.artifact_location:
+            return
+        root = Path(self.artifact_location).resolve()
+        if location == root.as_uri():
+            return
+        store = sqlite_store(self.tracking_uri)
+        if store is None or store.parent != root.parent or not location.startswith("file:"):
+            raise ValueError(
+                f"MLflow experiment {self.experiment!r} of {self.tracking_uri} keeps its artifacts at {location}, not at this "
+                f"resource's artifact_location {root}: point tracking_uri at this data directory's own store, or artifact_location at {location}"
+            )
+        relocate_artifacts(self.tracking_uri, location, root.as_uri())
+        logging.getLogger(__name__).warning(f"MLflow store {store}: artifacts now under {root}, not {location} (a copied or moved data directory)")
 
     def links(self) -> MlflowLinks:
         """Addresses of this experiment's runs and the registered model's versions in the MLflow UI."""
@@ -100,14 +135,25 @@ class MLflowResource(ConfigurableResource):
             raise
         client.set_terminated(run.info.run_id, "FINISHED")
 
-    def end_abandoned_runs(self, tag: str, value: str) -> list[str]:
-        """End as KILLED the runs tagged ``tag = value`` still RUNNING: attempts whose process was killed
-        before it could end them (call before starting the next attempt); returns their ids."""
+    def end_runs_of(self, dagster_run_id: str, status: str = "KILLED") -> list[str]:
+        """End as ``status`` the runs of the Dagster run ``dagster_run_id`` (tag ``dagster.run_id``) still RUNNING:
+        those its run worker, killed, could not end (call once Dagster marked it failed); returns their ids."""
+        client = self.client()
+        runs = client.search_runs([self.experiment_id()], f"tags.`{DAGSTER_RUN_TAG}` = '{dagster_run_id}' AND attributes.status = 'RUNNING'")
+        for run in runs:
+            client.set_terminated(run.info.run_id, status)
+        return [run.info.run_id for run in runs]
+
+    def end_abandoned_runs(self, tag: str, value: str, owner_gone: Callable[[str], bool]) -> list[str]:
+        """End as KILLED the runs tagged ``tag = value`` still RUNNING whose owner is provably gone:
+        ``owner_gone(dagster_run_id)`` of their ``dagster.run_id`` tag (its Dagster run has ended); a live
+        attempt's run, or one naming no Dagster run, is left alone. Returns their ids."""
         client = self.client()
         runs = client.search_runs([self.experiment_id()], f"tags.`{tag}` = '{value}' AND attributes.status = 'RUNNING'")
-        for run in runs:
-            client.set_terminated(run.info.run_id, "KILLED")
-        return [run.info.run_id for run in runs]
+        abandoned = [run.info.run_id for run in runs if DAGSTER_RUN_TAG in run.data.tags and owner_gone(run.data.tags[DAGSTER_RUN_TAG])]
+        for run_id in abandoned:
+            client.set_terminated(run_id, "KILLED")
+        return abandoned
 
     def metric_history(self, run_id: str | None, names: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
         """(step, value) of each named metric of a run; empty when there is no run."""
@@ -135,6 +181,45 @@ class MLflowResource(ConfigurableResource):
 
         folder = tempfile.mkdtemp(prefix="checkpoint-")
         return checkpoint_in(download_artifacts(artifact_uri=source, dst_path=folder, tracking_uri=self.tracking_uri))
+
+
+def sqlite_store(tracking_uri: str) -> Path | None:
+    """The file of a SQLite tracking URI (``sqlite:///relative.db``, ``sqlite:////absolute.db``); None for any other."""
+    return Path(tracking_uri.removeprefix("sqlite:///")).resolve() if tracking_uri.startswith("sqlite:///") else None
+
+
+@functools.cache
+def ready_store(tracking_uri: str) -> None:
+    """Create a SQLite store's schema, once per process, under an ``flock`` beside it: processes opening a new
+    store at once otherwise race on its migrations (alembic: "Online migration expected to match one row")."""
+    from mlflow.tracking import MlflowClient
+
+    store = sqlite_store(tracking_uri)
+    if store is None:
+        return
+    store.parent.mkdir(parents=True, exist_ok=True)
+    with open(store.with_name(store.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        client.search_experiments(max_results=1)  # the tracking tables
+        client.search_registered_models(max_results=1)  # the registry's
+
+
+def relocate_artifacts(tracking_uri: str, old: str, new: str) -> None:
+    """Rewrite every artifact URI of the SQL store at ``tracking_uri`` that is ``old`` or under it to the same
+    place under ``new`` (experiments, runs, logged models, model versions), in one transaction."""
+    import sqlalchemy
+
+    engine = sqlalchemy.create_engine(tracking_uri)
+    try:
+        with engine.begin() as conn:
+            for table, column in ARTIFACT_COLUMNS:
+                conn.execute(
+                    sqlalchemy.text(f"UPDATE {table} SET {column} = :new || substr({column}, :tail) WHERE {column} = :old OR substr({column}, 1, :n) = :under"),
+                    {"new": new, "old": old, "tail": len(old) + 1, "under": old + "/", "n": len(old) + 1},
+                )
+    finally:
+        engine.dispose()
 
 
 def remove_empty_default_experiment(client) -> None:

@@ -6,7 +6,7 @@ from dagster import Definitions, in_process_executor
 from rlvr_assets import data, evaluation, models, monitoring, registry, serving, sft, training
 from rlvr_assets.jobs import champion_evaluation_job, monitoring_job, pipeline_job, retraining_job
 from rlvr_assets.resources import default_resources
-from sensors import champion_evaluation_schedule, drift_sensor, evaluation_automation, retraining_schedule, traffic_sensor
+from sensors import champion_evaluation_schedule, drift_sensor, evaluation_automation, failed_run_mlflow_sensor, retraining_schedule, traffic_sensor
 
 defs = Definitions(
     assets=[
@@ -23,7 +23,7 @@ defs = Definitions(
         monitoring.drift_report,
     ],
     jobs=[pipeline_job, monitoring_job, retraining_job, champion_evaluation_job],
-    sensors=[traffic_sensor, drift_sensor, evaluation_automation],
+    sensors=[traffic_sensor, drift_sensor, evaluation_automation, failed_run_mlflow_sensor],
     schedules=[retraining_schedule, champion_evaluation_schedule],
     resources=default_resources(),
     executor=in_process_executor,

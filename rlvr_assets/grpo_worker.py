@@ -38,11 +38,22 @@ def main() -> None:
     signal.signal(signal.SIGTERM, _stopped)  # torchrun stops every rank when one fails: say so, not die silently
     if rank == 0:
         with open_dagster_pipes() as pipes:
-            _run(dict(pipes.extras), rank, pipes)
+            stop = _run_unless_stopped(dict(pipes.extras), rank, pipes)
+        if stop is not None:  # raised once the Pipes session closed: a stopped rank is reported as stopped, not as an error
+            raise stop
     else:  # other ranks read the same job, and report nothing (one voice in the event log)
         with PipesDefaultContextLoader().load_context(PipesEnvVarParamsLoader().load_context_params()) as data:
             extras = dict(data["extras"])
         _run(extras, rank, None)
+
+
+def _run_unless_stopped(job: dict, rank: int, pipes: PipesContext) -> Stopped | None:
+    """:func:`_run`; its :class:`Stopped`, if it was stopped, returned rather than raised."""
+    try:
+        _run(job, rank, pipes)
+    except Stopped as stop:
+        return stop
+    return None
 
 
 def _run(job: dict, rank: int, pipes: PipesContext | None) -> None:
@@ -53,9 +64,11 @@ def _run(job: dict, rank: int, pipes: PipesContext | None) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # torchrun's stop must not cut the report short
         errors = scratch / "errors"
         errors.mkdir(parents=True, exist_ok=True)
-        kind = "stopped" if isinstance(error, Stopped) else "txt"  # stopped: ended because another rank failed
-        _write_atomically(errors / f"rank-{rank}.{kind}", traceback.format_exc().encode())
-        if pipes is not None:
+        stopped = isinstance(error, Stopped)  # ended because another rank failed, or the run was stopped: not to blame
+        _write_atomically(errors / f"rank-{rank}.{'stopped' if stopped else 'txt'}", traceback.format_exc().encode())
+        if pipes is not None and stopped:
+            pipes.log.warning(f"rank {rank} stopped: {error}")
+        elif pipes is not None:
             pipes.log.error(f"rank {rank} failed:\n{traceback.format_exc()}")
         raise
 

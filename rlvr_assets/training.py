@@ -4,11 +4,12 @@ GRPO is on-policy: each step's rollouts come from the policy being trained, so t
 are produced by one step (a multi-asset) while the graph still reads rollouts -> rewards -> checkpoint.
 """
 
+import functools
 import json
 from dataclasses import asdict
 from typing import Iterator, Optional
 
-from dagster import AssetExecutionContext, AssetSpec, Config, Failure, MaterializeResult, MetadataValue, multi_asset
+from dagster import AssetExecutionContext, AssetSpec, Config, DagsterInstance, Failure, MaterializeResult, MetadataValue, multi_asset
 from pydantic import Field
 
 from resources import (
@@ -143,8 +144,8 @@ def grpo_training(
     tags |= {"rlvr.profile": config.profile, "rlvr.nproc": str(nproc), "rlvr.environment": env_spec["name"], **{f"rlvr.{k}": v for k, v in lineage.items()}}
     work_dir, device = f"grpo-runs/{run_id}", str(compute.torch_device()) if nproc == 1 else None  # work_dir: resume points, rows, export
     job = TrainingJob(run_id, start.path, rows, grpo_config, config.rewards, model_store.work_dir(work_dir), device, env_spec)
-    for ended in mlflow.end_abandoned_runs(TRAINING_RUN_TAG, run_id):  # an earlier attempt killed before it could end its run
-        context.log.warning(f"MLflow run {ended} of an earlier attempt of this run was left RUNNING: marked KILLED")
+    for ended in mlflow.end_abandoned_runs(TRAINING_RUN_TAG, run_id, functools.partial(run_ended, context.instance)):  # killed before it could
+        context.log.warning(f"MLflow run {ended} of an earlier attempt of this run, whose Dagster run has ended, was left RUNNING: marked KILLED")
     with mlflow.start_run(run_name("grpo", None, context.run.run_id), tags) as run:  # named by its policy version once stored
         run.log_params(flat_params({"grpo": asdict(grpo_config), "rewards": config.rewards, "nproc": nproc, "environment": env_spec}))
         try:  # each step's metrics reach MLflow as it ends; a resumed run's curve starts with the earlier attempts' steps
@@ -243,6 +244,12 @@ def tool_use_metadata(summary: dict, completions: int, table: str) -> dict:
         "tool call errors (%)": percent(summary["tool_errors"] / calls) if calls else 0.0,
         "tool_calls_table": table,
     }
+
+
+def run_ended(instance: DagsterInstance, dagster_run_id: str) -> bool:
+    """The Dagster run has ended (succeeded, failed, cancelled): nothing of it still logs to its MLflow runs."""
+    run = instance.get_run_by_id(dagster_run_id)
+    return run is not None and run.is_finished
 
 
 def start_policy(init_from: str, base: StoredModel, model_store: ModelStore, mlflow: MLflowResource) -> StoredModel:

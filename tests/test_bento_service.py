@@ -35,6 +35,7 @@ from hypothesis import HealthCheck, settings
 from openapi_spec_validator import validate as validate_openapi
 from schemathesis.config import SchemathesisConfig
 from schemathesis.specs.openapi.checks import positive_data_acceptance
+from starlette.routing import Route
 
 from bentos.admission import MAX_CONCURRENCY
 from bentos.build import MODEL_VERSION_LABEL, bentoml_cli, bentoml_env, build_bento, store_policy
@@ -625,6 +626,9 @@ def test_openapi_document_is_valid_and_lists_only_the_public_api(server):
         "/v1/chat/completions",
         "/v1/completions",
         "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
     }
     schemas = document["components"]["schemas"]
     for model, name in (("GenerateResponse", "best_reward"), ("GenerateResponse", "answer"), ("Rollout", "reward")):
@@ -639,6 +643,34 @@ def test_openapi_document_is_valid_and_lists_only_the_public_api(server):
     assert chat["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/OpenAIErrorResponse"}
 
 
+DOCUMENTATION_ROUTES = {"/", "/docs.json", "/schema.json", "/static_content"}  # the document, BentoML's schema and UI
+
+
+def served_routes(app, prefix: str = "") -> dict[str, set[str]]:
+    """Each path an ASGI app answers (a mount without routes: its prefix) -> its methods, HEAD aside."""
+    routes = {}
+    for route in getattr(app, "routes", []):
+        path = prefix + getattr(route, "path", "")
+        if isinstance(route, Route):
+            routes[path] = {m.lower() for m in route.methods} - {"head"}
+        elif getattr(route.app, "routes", None) is not None:
+            routes.update(served_routes(route.app, path))
+        else:
+            routes[path] = set()
+    return routes
+
+
+def test_the_document_lists_every_route_the_service_answers():
+    """The routes of the app ``bentoml serve`` runs (BentoML's probes and APIs, the mounted OpenAI and
+    tokenizer routes), each with its methods: the document's paths, the documentation's own routes aside."""
+    from bentos.service import RlvrPolicy
+
+    served = served_routes(RlvrPolicy.to_asgi())
+    assert DOCUMENTATION_ROUTES <= set(served) and {"/tokenize", "/detokenize", "/tokenizer_info"} <= set(served)
+    documented = {path: set(operations) for path, operations in DOCUMENT["paths"].items()}
+    assert {path: methods for path, methods in served.items() if path not in DOCUMENTATION_ROUTES} == documented
+
+
 @schemathesis.openapi.from_dict(DOCUMENT, config=FUZZ_CONFIG).parametrize()
 @settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_schema_driven_fuzzing_finds_nothing(server, case):
@@ -647,7 +679,7 @@ def test_schema_driven_fuzzing_finds_nothing(server, case):
     limits across fields and on the loaded model are beyond JSON Schema.)"""
     body = case.body if isinstance(case.body, dict) else {}
     if case.meta is not None and not case.meta.generation.mode.is_negative:
-        if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        if case.path.startswith("/v1/") and "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
             body["max_tokens"] = 8  # instead of the default 256
         for name in ("max_new_tokens", "max_tokens", "max_completion_tokens"):
             tokens = body.get(name)

@@ -1,27 +1,30 @@
 """Training survives kills: a step killed at each of its boundaries loses no rows and no curve point,
-a re-execution stops what an earlier attempt left running, and killing the run worker (SIGKILL) takes
-its whole training along, after which the re-executed run completes with every row and step once."""
+a re-execution stops what a dead earlier attempt left running, and killing the run worker (SIGKILL) takes
+its whole training along; its MLflow run ends once Dagster marks the run failed, and the re-executed run
+completes with every row and step once."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from dagster import DagsterInstance, ReexecutionOptions, execute_job
+from dagster import DagsterInstance, ReexecutionOptions, build_sensor_context, execute_job
 
-from resources.launcher import LOCK_FILE, TrainingJob, TrainingLauncher, attempt_lock, clear_attempt, step_history
+from resources.launcher import LOCK_FILE, SCRATCH_ENV, TrainingJob, TrainingLauncher, attempt_lock, clear_attempt, step_history, stop_abandoned_training
 from resources.tracking import TRAINING_RUN_TAG
 from rlvr import gsm8k
 from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig
 from rlvr.training_run import die_with_parent
 from rlvr_assets import grpo_worker
+from sensors import failed_run_mlflow_sensor
 from test_pipeline import resources_for
 from test_training_launcher import paced_length, resumable_at, rows, training_job, two_process_config
 
@@ -88,28 +91,39 @@ def test_a_step_killed_at_each_boundary_loses_no_rows_and_no_curve_point(tmp_pat
 
 def test_a_reexecution_stops_what_an_earlier_attempt_left_running(tmp_path):
     """A run worker killed where no parent-death signal reaches (another host, a container restart): its
-    torchrun goes on. The next attempt finds its process group in the lock and stops it first."""
+    torchrun goes on. The next attempt, once it holds the lock, finds its process group there and stops it;
+    a group that is not this scratch folder's training (a recycled id, another run's) is left alone."""
     scratch = tmp_path / "scratch"
     (scratch / "export.tmp").mkdir(parents=True)  # a stale export of the killed attempt
     orphan = subprocess.Popen(  # launched as the launcher launches torchrun
-        [sys.executable, "-c", "import time; time.sleep(600)", "torch.distributed.run"], start_new_session=True, preexec_fn=die_with_parent
+        [sys.executable, "-c", "import time; time.sleep(600)", "torch.distributed.run"],
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+        env={**os.environ, SCRATCH_ENV: str(scratch.resolve())},
     )
-    (scratch / LOCK_FILE).write_text(json.dumps({"pid": 1, "pgid": orphan.pid}))
+    (scratch / LOCK_FILE).write_text(json.dumps({"dagster_run_id": "killed", "pid": 1, "pgid": orphan.pid}))
     warnings: list[str] = []
-    with attempt_lock(scratch, warnings.append, grace_s=5) as record:
-        assert orphan.poll() == -signal.SIGTERM  # stopped (and reaped) before the lock was taken
+    with attempt_lock(scratch, "next") as attempt:
+        stop_abandoned_training(attempt.earlier, scratch, 5, warnings.append)
+        assert orphan.poll() == -signal.SIGTERM  # stopped (and reaped) before the attempt goes on
         clear_attempt(scratch, restart=False)
-        record(4242)
+        attempt.record(4242)
     assert f"process group {orphan.pid}" in warnings[0] and not (scratch / "export.tmp").exists()
-    assert json.loads((scratch / LOCK_FILE).read_text()) == {"pid": os.getpid(), "pgid": 4242}
+    assert json.loads((scratch / LOCK_FILE).read_text()) == {"dagster_run_id": "next", "pid": os.getpid(), "host": socket.gethostname(), "pgid": 4242}
+    other_run = subprocess.Popen(  # another scratch folder's training, and a process that is no training
+        [sys.executable, "-c", "import time; time.sleep(600)", "torch.distributed.run"], start_new_session=True, env={**os.environ, SCRATCH_ENV: "/elsewhere"}
+    )
     unrelated = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
-    try:  # a recycled process group id that is no training is left alone
-        (scratch / LOCK_FILE).write_text(json.dumps({"pid": 1, "pgid": unrelated.pid}))
-        with attempt_lock(scratch, warnings.append):
-            assert unrelated.poll() is None and len(warnings) == 1
+    try:
+        for process in (other_run, unrelated):
+            (scratch / LOCK_FILE).write_text(json.dumps({"pid": 1, "pgid": process.pid}))
+            with attempt_lock(scratch, "next") as attempt:
+                stop_abandoned_training(attempt.earlier, scratch, 5, warnings.append)
+                assert process.poll() is None and len(warnings) == 1
     finally:
-        unrelated.kill()
-        unrelated.wait()
+        for process in (other_run, unrelated):
+            process.kill()
+            process.wait()
 
 
 RUN_WORKER = """
@@ -159,9 +173,23 @@ def test_killing_the_run_worker_takes_its_training_along_and_the_reexecution_com
         wait_for(lambda: not marked_processes(f"RLVR_TEST_HOME={home}".encode()), 30, "every training process to die with the run worker")
     finally:
         worker.kill()
+    client = resources_for(home)["mlflow"].client()
+    experiment = client.get_experiment_by_name("rlvr-ops").experiment_id
     with DagsterInstance.local_temp(str(tmp_path / "dagster")) as instance:
         (killed,) = instance.get_runs()
+
+        def statuses() -> list[str]:
+            return sorted(r.info.status for r in client.search_runs([experiment], f"tags.`{TRAINING_RUN_TAG}` = '{killed.run_id}'"))
+
+        def sensor_tick(cursor: str | None) -> str | None:  # one tick of the daemon's failed-run sensor
+            context = build_sensor_context(instance=instance, cursor=cursor, resources={"mlflow": resources_for(home)["mlflow"]})
+            return failed_run_mlflow_sensor.evaluate_tick(context).cursor
+
+        cursor = sensor_tick(None)  # its first tick: runs failing from now on
+        assert statuses() == ["RUNNING"]  # the killed run worker could not end its MLflow run
         instance.report_run_failed(killed)  # what the run monitor does for a run whose worker died
+        sensor_tick(cursor)
+        assert statuses() == ["KILLED"]  # ended when Dagster marked the run failed, not at the next re-execution
         resumed = execute_job(
             training_job(home), instance=instance, run_config=config, reexecution_options=ReexecutionOptions.from_failure(killed.run_id, instance)
         )
@@ -171,10 +199,8 @@ def test_killing_the_run_worker_takes_its_training_along_and_the_reexecution_com
     assert len(keys) == STEPS * ROWS_PER_STEP and all(k[3] == 1 for k in keys)  # every row once
     assert len(checkpoint["reward_curve"].value.split(" → ")) == STEPS  # the curve of every step, resumed ones included
     assert resources_for(home)["model_store"].latest("grpo_checkpoint").manifest["final_metrics"]["step"] == STEPS
-    client = resources_for(home)["mlflow"].client()
-    attempts = client.search_runs([client.get_experiment_by_name("rlvr-ops").experiment_id], f"tags.`{TRAINING_RUN_TAG}` = '{killed.run_id}'")
-    assert sorted(r.info.status for r in attempts) == ["FINISHED", "KILLED"]  # the killed attempt's run does not stay RUNNING
-    (finished,) = [r for r in attempts if r.info.status == "FINISHED"]
+    assert statuses() == ["FINISHED", "KILLED"]
+    (finished,) = client.search_runs([experiment], f"tags.`{TRAINING_RUN_TAG}` = '{killed.run_id}' AND attributes.status = 'FINISHED'")
     assert [m.step for m in client.get_metric_history(finished.info.run_id, "reward_mean")] == list(range(1, STEPS + 1))
 
 

@@ -9,8 +9,10 @@ ending in a newline is ``#### 2^{3}`` then the end token), served once more for 
 
 from __future__ import annotations
 
+import codecs
 import importlib.util
 import json
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -148,7 +150,8 @@ def test_n_choices_and_seeded_sampling_reproduce_batched_or_not(client):
 
 def test_logprob_bytes_are_each_tokens_own_and_rebuild_the_text(client, server, tokenizer):
     """Sampled gibberish of the byte-level vocabulary splits multi-byte characters: each token's bytes are
-    its part of one (not U+FFFD's), and the joined bytes are the completion's UTF-8 (the end token's text aside)."""
+    its part of one (not U+FFFD's), its text those bytes written out, and the joined bytes are the
+    completion's UTF-8 (the end token's text aside; a character its last token left incomplete is in neither)."""
     vocabulary = Vocabulary(tokenizer)
     text = "你好😀 ok<|im_end|>"
     ids = tokenizer(text, add_special_tokens=False).input_ids
@@ -160,9 +163,12 @@ def test_logprob_bytes_are_each_tokens_own_and_rebuild_the_text(client, server, 
         parts = [bytes(t.bytes) for t in choice.logprobs.content]
         if choice.finish_reason == "stop":
             assert parts.pop() == tokenizer.eos_token.encode()
-        assert b"".join(parts).decode("utf-8", errors="replace") == choice.message.content
+        assert _complete_characters(b"".join(parts)) == choice.message.content
         assert b"\xef\xbf\xbd" not in b"".join(parts)
-        split |= any(p and not _is_utf8(p) for p in parts)
+        for entry in choice.logprobs.content:
+            if not _is_utf8(bytes(entry.bytes)):
+                split = True
+                assert entry.token == "bytes:" + "".join(f"\\x{b:02x}" for b in entry.bytes)
     assert split  # some sampled token did split a character
 
 
@@ -172,6 +178,11 @@ def _is_utf8(data: bytes) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+def _complete_characters(data: bytes) -> str:
+    """UTF-8 as a streaming decoder shows it: an incomplete character at the end left out."""
+    return codecs.getincrementaldecoder("utf-8")("replace").decode(data)
 
 
 @pytest.mark.parametrize("temperature", [1e-38, 5e-324])
@@ -476,3 +487,194 @@ def test_echo_scores_the_prompt_and_logprobs_k_gives_the_top_tokens(client, toke
         assert top[token] == lp and 2 <= len(top) <= 3
     generated = list(zip(logprobs.token_logprobs[len(prompt) :], logprobs.top_logprobs[len(prompt) :]))
     assert len(generated) == 3 and all(lp == max(top.values()) for lp, top in generated)  # greedy: each is the top one
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-probs of split characters, cut texts, the tokenizer's chat form
+# ---------------------------------------------------------------------------------------------
+
+SPLIT_PROMPT = "你好😀，世界！🎉"  # each character split across two or three byte-level tokens
+
+
+@pytest.fixture(scope="module")
+def vocabulary(tokenizer):
+    return Vocabulary(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def local_model(built):
+    """The served checkpoint, loaded here to recompute what the server answers."""
+    from transformers import AutoModelForCausalLM
+
+    _, model_tag, home = built
+    return AutoModelForCausalLM.from_pretrained(str(home / "models" / Path(*model_tag.split(":")))).eval()
+
+
+@pytest.fixture(scope="module")
+def token_ids_by_text(tokenizer, vocabulary):
+    texts = vocabulary.token_texts(list(range(len(tokenizer))))
+    return {text: token_id for token_id, text in enumerate(texts)}
+
+
+def test_every_token_has_a_logprob_text_of_its_own(tokenizer, vocabulary, token_ids_by_text):
+    """Decoded alone, the tokens holding parts of characters share U+FFFD texts; written out, none is shared."""
+    decoded = tokenizer.batch_decode([[t] for t in range(len(tokenizer))])
+    assert len(set(decoded)) < len(decoded)
+    assert len(token_ids_by_text) == len(tokenizer)
+    ids = tokenizer(SPLIT_PROMPT, add_special_tokens=False).input_ids
+    assert vocabulary.token_texts(ids[:2]) == ["bytes:\\xe4\\xbd", "bytes:\\xa0"]  # 你 = e4 bd a0
+
+
+def _greedy_scores(model, ids: list[int]) -> torch.Tensor:
+    """The model's log-probs after each prefix of ``ids`` (temperature 1, as greedy log-probs are scored)."""
+    with torch.no_grad():
+        return torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1].float(), -1)
+
+
+@pytest.fixture(scope="module")
+def likeliest_next(local_model) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, ids) of the 6 likeliest tokens after each token of the vocabulary: the scripted model is a
+    bigram model (``save_scripted_tiny_llama``), so they are those after any prompt that ends in it."""
+    values, indices, vocab = [], [], local_model.config.vocab_size
+    with torch.no_grad():
+        for start in range(0, vocab, 1024):
+            top = local_model(input_ids=torch.arange(start, min(start + 1024, vocab))[:, None]).logits[:, -1].float().topk(6)
+            values.append(top.values)
+            indices.append(top.indices)
+    return torch.cat(values), torch.cat(indices)
+
+
+def test_top_logprobs_keep_every_alternative_and_offsets_index_the_text(server, tokenizer, vocabulary, local_model, token_ids_by_text, likeliest_next):
+    """``logprobs: 5`` with ``echo``, greedy, on a prompt whose characters the byte-level vocabulary splits, and
+    that ends in two tokens holding parts of characters, the second after a token whose 5 likeliest successors
+    hold a third (all three decode alone to U+FFFD): each position lists the 5 likeliest tokens (recomputed
+    here) and the token itself, none lost, and each token's offset is where it starts in the text, in characters."""
+    k, decoded = 5, tokenizer.batch_decode([[t] for t in range(len(tokenizer))])
+    values, indices = likeliest_next
+    second = token_ids_by_text["bytes:\\xa0"]
+    first = next(
+        t
+        for t in range(len(tokenizer))
+        if values[t, k - 1] - values[t, k] > 0.01  # a clear 5th
+        and any(decoded[a] == decoded[second] != decoded[t] and a != second for a in indices[t, :k].tolist())
+    )
+    prompt_ids = [*tokenizer(SPLIT_PROMPT, add_special_tokens=False).input_ids, first, second]
+    out = server.post_ok("/v1/completions", {"prompt": prompt_ids, "logprobs": k, "echo": True, "max_tokens": 12, "temperature": 0})
+    (choice,) = out["choices"]
+    logprobs, text = choice["logprobs"], choice["text"]
+    ids = [token_ids_by_text[t] for t in logprobs["tokens"]]
+    assert ids[: len(prompt_ids)] == prompt_ids and len(ids) == len(prompt_ids) + out["usage"]["completion_tokens"]
+    scores, shared = _greedy_scores(local_model, ids), 0
+    for position, (token_id, top) in enumerate(zip(ids[1:], logprobs["top_logprobs"][1:])):
+        listed = {token_ids_by_text[t]: lp for t, lp in top.items()}
+        alternatives = listed if len(listed) == k else {t: lp for t, lp in listed.items() if t != token_id}
+        assert len(alternatives) == k and token_id in listed, (position, top)
+        assert list(listed.values()) == pytest.approx(scores[position, list(listed)].tolist(), abs=1e-3)
+        others = scores[position].clone()
+        others[list(alternatives)] = -math.inf
+        assert others.max() < min(alternatives.values()) + 1e-3  # no likelier token left out
+        shared += len({decoded[t] for t in listed}) < len(listed)
+    assert shared  # keyed by their decoded text, an alternative would have been lost
+    offsets, token_bytes, echoed = logprobs["text_offset"], vocabulary.token_bytes(ids), tokenizer.decode(prompt_ids)
+    assert text.startswith(SPLIT_PROMPT) and text.startswith(echoed) and offsets == sorted(offsets) and offsets[-1] <= len(text)
+    for i, (token, offset) in enumerate(zip(logprobs["tokens"], offsets)):
+        completion = i >= len(prompt_ids)  # the echoed prompt and the completion are each decoded alone
+        before = b"".join(token_bytes[len(prompt_ids) if completion else 0 : i])
+        assert offset == (len(echoed) if completion else 0) + len(_complete_characters(before)), i
+        assert token.startswith("bytes:") or token == tokenizer.eos_token or text.startswith(token, offset), (i, token)
+
+
+def _ends_inside_a_character(data: bytes) -> bool:
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    decoder.decode(data)
+    return bool(decoder.getstate()[0])
+
+
+def test_a_completion_cut_inside_a_character_leaves_it_out_of_text_and_logprobs(client, tokenizer, vocabulary, likeliest_next):
+    """``max_tokens`` ending a completion inside a character: the text leaves that character out (vLLM's
+    detokenizer never emits it; the stream holds it back) and the log-probs list the tokens that start
+    inside the text: none after a token that is only the character's first bytes, one ending in them."""
+    values, indices = likeliest_next
+    successors = [s if gap > 0.01 else None for s, gap in zip(indices[:, 0].tolist(), (values[:, 0] - values[:, 1]).tolist())]
+    wanted = {
+        "only part of a character": lambda data: _ends_inside_a_character(data) and not _complete_characters(data),
+        "a character and part of one": lambda data: _ends_inside_a_character(data) and _complete_characters(data),
+    }
+    prefix = tokenizer("Q: 2+2", add_special_tokens=False).input_ids
+    for name, wanted_bytes in wanted.items():
+        last = next(t for t, s in enumerate(successors) if s is not None and wanted_bytes(vocabulary.token_bytes([s])[0]))
+        successor, whole = successors[last], tokenizer.decode([successors[last]])
+        out = client.completions.create(model=MODEL, prompt=[*prefix, last], max_tokens=1, temperature=0, logprobs=0)
+        (choice,) = out.choices
+        assert out.usage.completion_tokens == 1 and choice.finish_reason == "length" and whole.endswith("\ufffd")
+        assert choice.text == _complete_characters(vocabulary.token_bytes([successor])[0]) == whole[:-1], name
+        assert choice.logprobs.tokens == ([] if not choice.text else vocabulary.token_texts([successor])), name
+        assert len(choice.logprobs.token_logprobs) == len(choice.logprobs.text_offset) == len(choice.logprobs.tokens)
+        streamed = client.completions.create(model=MODEL, prompt=[*prefix, last], max_tokens=1, temperature=0, stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == choice.text
+
+
+def test_a_chat_reply_cut_inside_a_character_agrees_with_its_logprobs(server):
+    """A sampled reply whose one token ends inside a character: the content leaves the character out, as its
+    listed tokens' bytes decode (the incomplete character left out), and as the stream sends it."""
+    body = {"messages": [{"role": "user", "content": SPLIT_PROMPT}], "n": 16, "max_tokens": 1, "temperature": 1.0, "logprobs": True}
+
+    def cut(choice: dict) -> bool:  # its one token ended inside a character: listed, or left out with it
+        listed = choice["logprobs"]["content"]
+        return choice["finish_reason"] == "length" and (not listed or _ends_inside_a_character(bytes(listed[-1]["bytes"])))
+
+    for seed in range(100):  # about 1 token in 200 ends inside a character
+        out = server.post_ok("/v1/chat/completions", {**body, "seed": seed})
+        if any(map(cut, out["choices"])):
+            break
+    else:
+        raise AssertionError("no sampled token ended inside a character")
+    for choice in out["choices"]:
+        joined = b"".join(bytes(t["bytes"]) for t in choice["logprobs"]["content"])
+        if choice["finish_reason"] == "stop":
+            joined = joined.removesuffix(b"<|im_end|>")
+        assert choice["message"]["content"] == _complete_characters(joined) and not choice["message"]["content"].endswith("\ufffd")
+    status, text = server.request("/v1/chat/completions", {**body, "seed": seed, "logprobs": False, "stream": True})
+    streamed = [""] * body["n"]
+    for event in text.split("\n\n"):
+        if event.startswith("data: {"):
+            for choice in json.loads(event.removeprefix("data: "))["choices"]:
+                streamed[choice["index"]] += choice["delta"].get("content") or ""
+    assert status == 200 and streamed == [c["message"]["content"] for c in out["choices"]]
+
+
+def test_logprobs_cover_the_text_cut_at_a_stop_string(server, tokenizer, vocabulary):
+    """A stop string cuts the log-probs with the text: they list the tokens that start inside it (the last
+    runs on into the stop string when one token holds both), in chat and completions alike."""
+    pieces = vocabulary.token_texts(tokenizer(GREEDY_COMPLETION, add_special_tokens=False).input_ids)
+    assert pieces[3] == "^{"  # one token holding the end of "#### 2^" and the start of the stop string "{3"
+    for stop, text, tokens in (("^", "#### 2", pieces[:3]), ("{3", "#### 2^", pieces[:4]), ("#", "", [])):
+        chat = server.post_ok("/v1/chat/completions", {"messages": MESSAGES, "temperature": 0, "max_tokens": 16, "stop": stop, "logprobs": True})
+        (choice,) = chat["choices"]
+        assert (choice["message"]["content"], [t["token"] for t in choice["logprobs"]["content"]]) == (text, tokens), stop
+        out = server.post_ok("/v1/completions", {"prompt": _newline_prompt(tokenizer), "temperature": 0, "max_tokens": 16, "stop": stop, "logprobs": 2})
+        (choice,) = out["choices"]
+        logprobs = choice["logprobs"]
+        assert (choice["text"], logprobs["tokens"], choice["finish_reason"]) == (text, tokens, "stop"), stop
+        assert len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == len(tokens)
+        assert logprobs["text_offset"] == [len("".join(tokens[:i])) for i in range(len(tokens))] and all(o < len(text) for o in logprobs["text_offset"])
+
+
+def test_tokenize_takes_chat_messages_as_the_chat_endpoint_renders_them(client, server, tokenizer):
+    """vLLM's chat form of ``/tokenize``: the messages in the chat template, the assistant's turn opened unless
+    ``add_generation_prompt`` is false: the ids the chat endpoint feeds the model. One form per body."""
+    status, text = server.request("/tokenize", {"messages": MESSAGES, "return_token_strs": True})
+    out = json.loads(text)
+    ids = tokenizer(tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True), add_special_tokens=False).input_ids
+    assert status == 200 and out["tokens"] == ids and out["count"] == len(ids) and out["token_strs"] == tokenizer.convert_ids_to_tokens(ids)
+    assert client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1).usage.prompt_tokens == len(ids)
+    status, text = server.request("/tokenize", {"messages": MESSAGES, "add_generation_prompt": False})
+    closed = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=False)
+    assert status == 200 and json.loads(text)["tokens"] == tokenizer(closed, add_special_tokens=False).input_ids
+    assert len(json.loads(text)["tokens"]) < len(ids)
+    for body, param in (({"prompt": "x", "messages": MESSAGES}, "messages"), ({"add_generation_prompt": True}, "prompt")):
+        status, text = server.request("/tokenize", body)
+        error = json.loads(text)["error"]
+        assert status == 400 and error["param"] == param and "give prompt (text) or messages (a chat)" in error["message"], text
+    status, text = server.request("/tokenize", {"messages": [{"role": "user", "content": "2+2?<|im_end|>"}]})
+    assert status == 400 and json.loads(text)["error"]["param"] == "messages[0].content", text

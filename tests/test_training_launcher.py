@@ -152,6 +152,10 @@ def test_a_killed_rank_fails_the_run_and_the_reexecution_resumes(home, gsm8k_dir
         failure = next(e for e in failed.all_events if e.event_type_value == "STEP_FAILURE")
         assert "GRPO training failed" in failure.event_specific_data.error.message
         assert "rank(s) [1] died without leaving an error" in failure.event_specific_data.error.message  # SIGKILL
+        report, failed_logs = failure.event_specific_data.error.message, [e.message for e in instance.all_logs(failed.run_id) if e.message]
+        assert "rank(s) [0] stopped" in report and "--- rank 0" not in report  # rank 0 was stopped by torchrun: not blamed
+        assert any(m.startswith("rank 0 stopped: stopped by signal 15") for m in failed_logs)
+        assert not any("rank 0 failed" in m or "closed with exception" in m for m in failed_logs)
         done = rows(home, "SELECT DISTINCT step FROM rollouts ORDER BY 1")
         assert [s for (s,) in done][:1] == [1]  # the finished step's rows were kept
 
