@@ -9,6 +9,7 @@ written into the row as the engine runs it and its calls come back in ``RolloutR
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from concurrent.futures import Future
@@ -154,11 +155,16 @@ class ContinuousScheduler:
         return self.engine.estimated_seconds(prompt_tokens, rows, max_new_tokens)
 
     def warm_up(self, job: RolloutJob) -> RolloutResult:
-        self.submit(job)
-        while not job.result.done():
-            self.engine._take_inbox(block=False)
-            self.engine.step()
-        return job.result.result()
+        """Run ``job`` twice on this thread: the first compiles and packs, the second measures the step time
+        the admission estimates start from."""
+        for attempt in (job, dataclasses.replace(job, result=Future(), cancelled=threading.Event(), progress=None)):
+            if attempt is not job:
+                self.engine.step_seconds = 0.0
+            self.submit(attempt)
+            while not attempt.result.done():
+                self.engine._take_inbox(block=False)
+                self.engine.step()
+        return attempt.result.result()
 
     def start_wait_s(self) -> float:
         wait = self.engine.start_wait_s()

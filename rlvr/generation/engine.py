@@ -170,7 +170,7 @@ class Engine:
         self.running: set[EngineRequest] = set()  # some rows running
         self._inbox: deque[EngineRequest | Callable[[], None]] = deque()
         self._wakeup = threading.Condition()
-        self.step_seconds = 0.05  # a moving average, for the start-wait estimate
+        self.step_seconds = 0.0  # a moving average of steps with rows (0: none measured yet), for the time estimates
 
     @property
     def rows(self) -> list[Row]:
@@ -283,7 +283,8 @@ class Engine:
             self._forward(max(self.step_tokens - len(self.rows), self.step_tokens // 8))
             self._admit_rows()
         if self.rows:
-            self.step_seconds = 0.9 * self.step_seconds + 0.1 * (time.monotonic() - started)
+            elapsed = time.monotonic() - started
+            self.step_seconds = elapsed if not self.step_seconds else 0.9 * self.step_seconds + 0.1 * elapsed
 
     def _drop_cancelled(self) -> None:
         for request in [q for q in self.waiting if q.cancelled.is_set()]:
