@@ -8,11 +8,9 @@ The model is built from the checkpoint's config with random weights (timings dep
   matrix products, output layer included), as ``nn.Linear`` runs them against oneDNN on weights
   packed once (``rlvr.fastpaths.packed_linear``), float32 and bf16; the packing, paid once per rollout, is
   printed above the table, with the fused decoder's (its fused weights packed);
-* decode step: the model's forward on a ``DynamicCache`` (which concatenates every layer's cache
-  each step) against the rollout engine's (preallocated cache, ``rlvr.fastpaths.fused_decode``), float32
-  and bf16; then, on the engine's cache, the engine's path for models the fused decoder does not
-  take (the model's forward on packed linears) against the fused decoder; and, on that path in
-  bf16, transformers' ``"sdpa"`` attention against ``"rlvr_sdpa"``;
+* decode step: the model's forward on a ``DynamicCache`` against the fused decoder
+  (``rlvr.fastpaths.fused_decode``), float32 and bf16; the model's forward on packed linears against
+  the fused decoder; and, on that path in bf16, transformers' ``"sdpa"`` attention against ``"rlvr_sdpa"``;
 * decode attention: one decode step's attention in every layer (``rows`` queries over caches of
   ``prompt`` .. ``prompt + completion`` keys, masked per row), SDPA's ``enable_gqa`` against the
   queries packed by KV head (``rlvr.fastpaths.fused_decode.gqa_attention``), float32; then the latter
@@ -52,7 +50,6 @@ from rlvr.fastpaths.slot_attention import slot_attention
 from rlvr.grpo.head import head_logprobs
 from rlvr.grpo.loss import token_logprobs_and_entropy
 from rlvr.grpo.scoring import CompletionScorer, PackedRows
-from rlvr.rollout import last_position_logits, preallocate
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -67,10 +64,9 @@ def median_ms(fn: Callable[[], object], repeats: int) -> float:
 
 def decode_step(model, rows: int, prompt: int, steps: int, mode: str) -> Callable[[], float]:
     """Seconds per decode step over ``steps`` steps after a ``prompt``-token prefill (not timed).
-    ``mode``: "default" (the model's own forward on a ``DynamicCache``), "packed" (the engine's
-    preallocated cache, the model's forward on packed linears: the engine for models the fused
-    decoder does not take) or "fused" (preallocated cache, ``rlvr.fastpaths.fused_decode``: the engine for
-    Llama-family models)."""
+    ``mode``: "default" (the model's own forward on a ``DynamicCache``), "packed" (the model's forward
+    on packed linears, last position's logits only) or "fused" (``rlvr.fastpaths.fused_decode``), each on
+    a ``DynamicCache``."""
     ids = torch.randint(0, model.config.vocab_size, (rows, prompt))
 
     def timed() -> float:
@@ -79,8 +75,6 @@ def decode_step(model, rows: int, prompt: int, steps: int, mode: str) -> Callabl
             fused = fused_decoder(model, rows) if mode == "fused" else None
             cache = DynamicCache(config=model.config)
             model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            if mode != "default":
-                preallocate(cache, extra=steps)
             token, mask = ids[:, -1:], torch.ones(rows, prompt, dtype=torch.long)
             started = time.perf_counter()
             for t in range(steps):
@@ -90,7 +84,7 @@ def decode_step(model, rows: int, prompt: int, steps: int, mode: str) -> Callabl
                     fused(token[:, 0], positions[:, 0], mask, cache)
                     continue
                 inputs = dict(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache)
-                last_position_logits(model, **inputs) if mode == "packed" else model(**inputs, use_cache=True)
+                model(**inputs, use_cache=True, logits_to_keep=1) if mode == "packed" else model(**inputs, use_cache=True)
             return (time.perf_counter() - started) / steps
 
     return timed

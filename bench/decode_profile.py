@@ -19,8 +19,8 @@ from decode_step import bench_model  # bench/ is on sys.path when run as a scrip
 from grpo_vs_trl import QUESTIONS
 
 from rlvr.fastpaths import FastPaths
+from rlvr.generation import SamplingConfig, generate_rollouts
 from rlvr.prompts import render_prompt
-from rlvr.rollout import SamplingConfig, generate_rollouts
 
 
 def rollout(model, tokenizer, prompts: list[str], samples: int, tokens: int, cuda: bool) -> float:

@@ -3,7 +3,7 @@
     python bench/decode_step.py <checkpoint> --rows 8 128 --tokens 128 [--dtype bfloat16] [--from-config]
 
 For each row count the engine generates ``--tokens`` tokens per row twice: with its fast paths
-(on CUDA: fixed-shape steps replayed as CUDA graphs, ``rlvr.fastpaths.static_decode``; on CPU: the
+(on CUDA: decode-only steps replayed from CUDA graphs per row bucket, ``rlvr.generation.cuda_graphs``; on CPU: the
 fused decoder) and with them all off (the model's own forward on a growing cache, which is what
 the engine ran on CUDA before). A decode step's time is the difference between a run of
 ``--tokens`` tokens and a run of one token (so the prefill cancels), divided by ``--tokens - 1``:
@@ -28,9 +28,9 @@ from grpo_vs_trl import QUESTIONS  # bench/ is on sys.path when run as a script
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlvr.fastpaths import FastPaths
+from rlvr.generation import SamplingConfig, generate_rollouts
 from rlvr.policy import load_policy, load_tokenizer
 from rlvr.prompts import render_prompt
-from rlvr.rollout import SamplingConfig, generate_rollouts
 
 DATASHEET_BANDWIDTH_GBS = {"H200": 4800.0, "H100 NVL": 3900.0, "H100 PCIe": 2000.0, "H100": 3350.0, "A100-SXM4-80GB": 2039.0, "A100": 1555.0}
 PLAIN = FastPaths(fused_decode=False, packed_linears=False, cuda_graphs=False)

@@ -58,7 +58,7 @@ def run_ours(checkpoint: str, data: dict, mixes: list[tuple[int, int]], step_tok
     sys.path.insert(0, str(REPO))
     import torch
 
-    from rlvr.engine import Engine, EngineRequest
+    from rlvr.generation import Engine, EngineRequest
     from rlvr.policy import load_policy
 
     model, tokenizer = load_policy(checkpoint)

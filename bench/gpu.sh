@@ -60,7 +60,7 @@ model=.device/embedded
 
 case "$stage" in
   shapes)  # what depends on shapes only: random weights from the config, every row runs to its budget
-    python3 -m pytest -q tests/test_static_decode.py tests/test_precision.py \
+    python3 -m pytest -q tests/test_cuda_graphs.py tests/test_precision.py tests/test_generation_families.py \
       tests/test_tool_rollouts.py::test_appending_an_injection_to_the_cache_equals_prefilling_it 2>&1 | tee "$out/cuda_tests.txt" || true
     for dtype in float32 bfloat16; do
       python3 bench/decode_step.py .device/config --from-config --dtype "$dtype" --rows 8 128 --tokens 128 --repeats 2 | tee -a "$out/decode_step.jsonl" || true

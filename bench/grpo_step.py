@@ -20,10 +20,10 @@ from grpo_vs_trl import QUESTIONS, correct  # bench/ is on sys.path when run as 
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlvr.fastpaths import FastPaths
+from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig, GRPOTrainer
 from rlvr.policy import load_policy, load_tokenizer
 from rlvr.prompts import render_prompt
-from rlvr.rollout import SamplingConfig
 
 
 def correctness(completions: list[str], problems: list[dict]) -> tuple[list[float], dict[str, list[float]]]:

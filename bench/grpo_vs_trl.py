@@ -32,10 +32,10 @@ import time
 import torch
 
 from rlvr.answers import answers_match, extract_final_answer
+from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig, GRPOTrainer
 from rlvr.policy import load_policy
 from rlvr.prompts import build_messages, render_prompt
-from rlvr.rollout import SamplingConfig
 
 QUESTIONS = [  # the first GSM8k train problems
     (

@@ -145,15 +145,14 @@ class ServedProcess:
 class ServedBento(ServedProcess):
     """``bentoml serve`` of a Bento."""
 
-    def __init__(self, tag: str, home: Path, traffic_dir: Path, batching: bool, threads: int, log_path: Path, env: dict[str, str] | None = None):
+    def __init__(self, tag: str, home: Path, traffic_dir: Path, batching: bool, threads: int | None, log_path: Path, env: dict[str, str] | None = None):
         super().__init__()
-        env = {
-            **bentoml_env(home),
-            "RLVR_TRAFFIC_DIR": str(traffic_dir),
-            "RLVR_BATCHING": "1" if batching else "0",
-            "OMP_NUM_THREADS": str(threads),
-            **(env or {}),
-        }
+        env = {**bentoml_env(home), "RLVR_TRAFFIC_DIR": str(traffic_dir), "RLVR_BATCHING": "1" if batching else "0", **(env or {})}
+        if threads is None:  # the engine picks its own
+            env.pop("OMP_NUM_THREADS", None)
+            env.pop("RLVR_THREADS", None)
+        else:
+            env["OMP_NUM_THREADS"] = str(threads)
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(
             [bentoml_cli(), "serve", tag, "--port", str(self.port), "--host", "127.0.0.1"],

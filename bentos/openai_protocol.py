@@ -3,7 +3,7 @@ tokenizer endpoints (``/tokenize``, ``/detokenize``, ``/tokenizer_info``), as a 
 validated and priced before any work (400 naming the field, in OpenAI's error shape), one rollout job
 per prompt scheduled with all others, stopped when the client hangs up or its time runs out, logged
 in the traffic log. ``bentos.openai_api`` speaks the wire format; ``echo`` and ``logprobs: k`` score
-prompt and completion in one forward pass on the model thread (``rlvr.rollout.score_tokens``).
+prompt and completion in one forward pass on the model thread (``rlvr.generation.score_tokens``).
 """
 
 from __future__ import annotations
@@ -48,8 +48,8 @@ from bentos.schemas import (
 )
 from bentos.traffic_log import generation_fields
 from rlvr.evaluation import majority_vote
+from rlvr.generation import TokenScores, score_tokens
 from rlvr.prompts import ControlTokensError, render_messages, with_instructions
-from rlvr.rollout import TokenScores, score_tokens
 
 logger = logging.getLogger("bentoml.rlvr_policy")
 

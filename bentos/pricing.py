@@ -1,14 +1,18 @@
 """A request's cost on the loaded model, priced before it is queued: a 400 naming the field when a
-prompt is over ``MAX_PROMPT_TOKENS``, its new tokens over the model's context, a token id outside the
-vocabulary, or the KV cache of all its rows over the budget (``$RLVR_KV_CACHE_BUDGET_MIB``)."""
+prompt is over ``MAX_PROMPT_TOKENS``, its new tokens over the model's context or sliding window, a token
+id outside the vocabulary, the KV cache of all its rows over the budget (``$RLVR_KV_CACHE_BUDGET_MIB``),
+or its work more than the engine's measured speed finishes within the request timeout
+(``$RLVR_REFUSE_PAST_TIMEOUT=0`` admits it to run into the timeout instead)."""
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 from pydantic import ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from bentos.admission import request_timeout_s
 from bentos.scheduler import RolloutJob
 from bentos.schemas import MAX_PROMPT_TOKENS
 from rlvr.prompts import render_prompt, system_prompt_for
@@ -35,6 +39,21 @@ class Pricing:
     ``vocab_size``, ``kv_bytes_per_token``, ``kv_cache_budget_bytes``, ``prompt_tokenizer`` and ``environment``).
     A request's ``max_new_tokens`` bounds its rows' tokens, the environment's injected ones included."""
 
+    def _within_timeout(self, names: CostFields, prompt_tokens: int, rows: int, max_new_tokens: int) -> None:
+        """A 400 naming the new-tokens field when the engine's measured speed cannot finish the request in time."""
+        if os.environ.get("RLVR_REFUSE_PAST_TIMEOUT", "1").strip().lower() in ("0", "false", "no", "off"):
+            return
+        timeout_s, estimated_s = request_timeout_s(), self.scheduler.estimated_s(prompt_tokens, rows, max_new_tokens)
+        if estimated_s > timeout_s:
+            step_ms = 1000 * self.scheduler.engine.step_seconds
+            raise invalid_request(
+                names.title,
+                names.new_tokens,
+                f"{names.rows} x {names.new_tokens} = {rows} x {max_new_tokens} tokens after a {prompt_tokens}-token prompt: "
+                f"at least {estimated_s:.0f} s at the engine's measured {step_ms:.0f} ms per step, over the request "
+                f"timeout of {timeout_s:.0f} s",
+            )
+
     def _rendered(self, title: str, text_field: str, question: str) -> list[int]:
         """The question in the training prompt (the policy's environment's instructions included), as
         token ids; a 400 naming the field when the prompt builder refuses it (control tokens)."""
@@ -60,6 +79,13 @@ class Pricing:
                     f"{names.prompt} ({tokens} tokens{where}) + {names.new_tokens} "
                     f"({max_new_tokens}) is over the model's context of {self.context_tokens} tokens",
                 )
+            window = self.scheduler.engine.window
+            if window is not None and tokens + max_new_tokens > window:
+                raise invalid_request(
+                    title,
+                    names.new_tokens,
+                    f"{names.prompt} ({tokens} tokens{where}) + {names.new_tokens} ({max_new_tokens}) is over the model's sliding window of {window} tokens",
+                )
             if max(ids) >= self.vocab_size:
                 raise invalid_request(title, names.prompt, f"{names.prompt} holds token id {max(ids)}, outside the model's vocabulary of {self.vocab_size}")
         kv_bytes = [rows * (len(ids) + max_new_tokens) * self.kv_bytes_per_token for ids in prompts]
@@ -72,6 +98,7 @@ class Pricing:
                 f"{max_new_tokens}) tokens: a KV cache of {sum(kv_bytes) / 2**20:.1f} MiB, over the "
                 f"budget of {self.kv_cache_budget_bytes / 2**20:.0f} MiB",
             )
+        self._within_timeout(names, max(len(ids) for ids in prompts), rows * len(prompts), max_new_tokens)
         return [
             RolloutJob(prompt_ids=tuple(ids), num_samples=rows, max_new_tokens=max_new_tokens, kv_cache_bytes=kv, **sampling)
             for ids, kv in zip(prompts, kv_bytes)

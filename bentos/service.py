@@ -16,7 +16,7 @@
 This module composes the service from one module per concern: the way in (``bentos.admission``:
 API keys, body bounds, slots, hang-ups; ``bentos.header_timeout``: stalled headers), pricing on the loaded model
 (``bentos.pricing``: a 400 naming the field), the scheduler that owns the model thread
-(``bentos.scheduler``: iteration-level scheduling by ``rlvr.engine``, or whole passes), the protocols
+(``bentos.scheduler``: continuous batching by ``rlvr.generation``), the protocols
 (its own API here, OpenAI's in ``bentos.openai_protocol``) and the traffic log (``bentos.traffic_log``).
 A request whose client hangs up, or whose time (BentoML's traffic ``timeout``, 504) runs out, has its
 rows stopped at the next decode step.
@@ -56,7 +56,7 @@ from bentos.api_keys import ACCESS, access_from_env
 from bentos.metrics import REWARD, VOTE_SHARE
 from bentos.openai_protocol import ROUTES, OpenAIProtocol
 from bentos.pricing import CostFields, Pricing
-from bentos.scheduler import ContinuousScheduler, ModelCall, PassScheduler, RolloutJob, RolloutResult, make_scheduler
+from bentos.scheduler import ContinuousScheduler, ModelCall, RolloutJob, RolloutResult, make_scheduler
 from bentos.schemas import (
     DEFAULT_KV_CACHE_BUDGET_MIB,
     EXTRACTION_MODE,
@@ -69,11 +69,11 @@ from bentos.schemas import (
     ToolCall,
     openapi_document,
 )
-from bentos.traffic_log import TrafficRecording, generation_fields
+from bentos.traffic_log import TrafficRecording, generation_fields, note_job
 from bentos.vocabulary import Vocabulary
 from rlvr.answers import extract_final_answer
-from rlvr.engine import kv_cache_bytes_per_token
 from rlvr.evaluation import majority_vote
+from rlvr.generation import kv_cache_bytes_per_token
 from rlvr.policy import load_policy, load_tokenizer, policy_environment
 from rlvr.rewards import RewardPool
 from rlvr.settings import Settings
@@ -146,7 +146,7 @@ class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
         self.model = self.tokenizer = self.prompt_tokenizer = self.vocabulary = self.environment = None
         self.context_tokens: int | None = None
         self.kv_bytes_per_token = self.vocab_size = 0
-        self.scheduler: ContinuousScheduler | PassScheduler | None = None
+        self.scheduler: ContinuousScheduler | None = None
         self._load_error: BaseException | None = None
         die_with_parent()
         threading.Thread(target=self._serve_model, args=(stored.path,), name="rlvr-policy", daemon=True).start()
@@ -285,6 +285,7 @@ class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
     async def _rollouts(self, job: RolloutJob) -> RolloutResult:
         """Queue the job for the model thread and wait for it; a caller that gives up (its client hung
         up, its time ran out) stops the job's rows at the next decode step."""
+        note_job(job)
         self.scheduler.submit(job)
         try:
             return await asyncio.wrap_future(job.result)

@@ -6,14 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from datetime import datetime, timezone
 
 from bentos.admission import caller_key_id, cancelled_status
-from bentos.scheduler import RolloutResult
+from bentos.scheduler import RolloutJob, RolloutResult
 
 logger = logging.getLogger("bentoml.rlvr_policy")
+_JOBS: contextvars.ContextVar[list[RolloutJob] | None] = contextvars.ContextVar("rlvr_traffic_jobs", default=None)
+
+
+def note_job(job: RolloutJob) -> None:
+    """Tell the enclosing traffic record about a job it waits for (a record that is not 200 keeps their progress)."""
+    jobs = _JOBS.get()
+    if jobs is not None:
+        jobs.append(job)
 
 
 class TrafficRecording:
@@ -22,8 +31,10 @@ class TrafficRecording:
     @contextlib.asynccontextmanager
     async def _traffic_record(self, request_id: str, started: float, record: dict):
         """Append the request's traffic record on exit: the status its client got (200; 499 when it hung
-        up; 504 when its time ran out; the error's) and, when not 200, why."""
+        up; 504 when its time ran out; the error's) and, when not 200, why and each sample's tokens so far."""
         received_at, status, why = datetime.now(timezone.utc), 200, None
+        jobs: list[RolloutJob] = []
+        _JOBS.set(jobs)  # the request's own task; not reset: a stream's record may close in another context
         try:
             yield record
         except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: a stream closed by its response
@@ -48,6 +59,8 @@ class TrafficRecording:
             }
             if why is not None:
                 entry["error"] = why
+                if jobs:
+                    entry["completion_tokens_so_far"] = [n for job in jobs for n in job.tokens_so_far()]
             self._append_traffic(entry)
 
     def _append_traffic(self, entry: dict) -> None:

@@ -1,7 +1,7 @@
 """The policy as an MLflow pyfunc model (models from code: MLflow runs this file when it loads the model).
 
 A GSM8k question in, its answer out: the core's prompt builder (``rlvr.prompts.render_prompt``),
-greedy decoding (``rlvr.rollout.generate_rollouts``) and answer extractor
+greedy decoding (``rlvr.generation.generate_rollouts``) and answer extractor
 (``rlvr.answers.extract_final_answer``, strict, as the service's ``/solve``): one implementation
 everywhere, in the environment the checkpoint records (``rlvr.policy.policy_environment``). The
 checkpoint is the model's ``checkpoint`` artifact (an HF folder).
@@ -28,8 +28,8 @@ class GSM8kPolicy(PythonModel):
 
     def predict(self, context, model_input: pd.DataFrame, params: dict | None = None) -> pd.DataFrame:  # a DataFrame hint: the logged signature governs
         from rlvr.answers import extract_final_answer
+        from rlvr.generation import SamplingConfig, generate_rollouts
         from rlvr.prompts import render_prompt, system_prompt_for
-        from rlvr.rollout import SamplingConfig, generate_rollouts
 
         questions = list(pd.DataFrame(model_input)["question"].astype(str))
         max_new_tokens = int((params or {}).get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS))

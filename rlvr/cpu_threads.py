@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,3 +240,16 @@ class ThreadPolicy:
         torch.set_num_threads(threads)
         self.threads = threads
         return threads
+
+
+_POLICIES = threading.local()
+
+
+def tune_threads() -> int | None:
+    """Keep the calling thread's torch threads at :func:`pick_threads`: the first call on a thread
+    measures and applies, later ones re-pick at most every ``REFRESH_S`` (the engine calls this each step)."""
+    policy = getattr(_POLICIES, "policy", None)
+    if policy is None:
+        policy = _POLICIES.policy = ThreadPolicy()
+        return policy.apply()
+    return policy.maybe_refresh()

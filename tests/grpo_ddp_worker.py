@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
+from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig, GRPOTrainer
-from rlvr.rollout import SamplingConfig
 from tiny_policy import COPY_DIGIT_CHARS, COPY_DIGIT_PROBLEMS, char_tokenizer, copy_digit_reward, tiny_llama
 
 

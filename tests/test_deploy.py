@@ -838,7 +838,7 @@ def test_no_deploy_file_holds_a_password():
 def test_secret_check_flags_literal_passwords_in_manifests(helm_values):
     def env_problems(entry: dict) -> list[str]:
         deployment = copy.deepcopy(_by_kind("Deployment"))
-        deployment["spec"]["template"]["spec"]["containers"][0]["env"].append(entry)
+        deployment["spec"]["template"]["spec"]["containers"][0].setdefault("env", []).append(entry)
         return _literal_secret_problems(deployment, "deployment")
 
     assert env_problems({"name": "POSTGRES_PASSWORD", "value": "rlvr"})

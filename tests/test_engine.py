@@ -7,8 +7,7 @@ from typing import Callable
 import pytest
 import torch
 
-from rlvr.engine import Engine, EngineRequest
-from rlvr.rollout import SamplingConfig, generate_rollouts
+from rlvr.generation import Engine, EngineRequest, SamplingConfig, generate_rollouts
 from tiny_policy import char_tokenizer, tiny_llama
 
 PROMPTS = ["what is 12+30?", "7", "count: a b c d e f", "x" * 40]
@@ -48,13 +47,13 @@ def _run(engine: Engine, arrivals: dict[int, list[EngineRequest]], max_steps: in
 
 def watch_forwards(engine: Engine, seen: Callable[[torch.Tensor], None]) -> None:
     """Show ``seen`` the tokens of each of the engine's forwards (before it runs)."""
-    forward = engine.decoder.forward
+    forward = engine.runner.forward
 
     def watched(tokens, positions, attend, logits_at=None):
         seen(tokens)
         return forward(tokens, positions, attend, logits_at)
 
-    engine.decoder = type("Watched", (), {"forward": staticmethod(watched)})()
+    engine.runner = type("Watched", (), {"forward": staticmethod(watched)})()
 
 
 def test_greedy_completions_equal_the_rollout_engines_whoever_joins_and_leaves(model, tokenizer):
@@ -110,7 +109,7 @@ def test_a_short_request_is_served_while_a_long_one_prefills_and_decodes(model, 
     a few steps (chunked prefill, a fair share of the rows) in the short lane (its slot not padded to
     the long rows'), and ends long before the long one."""
     engine = Engine(model, tokenizer, max_rows=4, step_tokens=32, kv_budget_bytes=2**24)
-    engine.stop_ids = set()  # no end token: the long one runs to its budget
+    engine.stops.stop_ids = set()  # no end token: the long one runs to its budget
     long = _request(tokenizer, "y" * 300, samples=4, new_tokens=250, temperatures=(1.0,), stop_at_final_answer=False)
     short = _request(tokenizer, PROMPTS[0], new_tokens=8, stop_at_final_answer=False)
     lanes = []
@@ -125,7 +124,7 @@ def test_a_short_request_is_served_while_a_long_one_prefills_and_decodes(model, 
 def test_a_request_holds_at_most_half_the_kv_budget_the_others_leave(model, tokenizer):
     per_token = 2 * 2 * 2 * 16 * 4  # layers x (K, V) x KV heads x head dim x float32
     engine = Engine(model, tokenizer, max_rows=8, step_tokens=64, kv_budget_bytes=8 * 128 * per_token)
-    engine.stop_ids = set()
+    engine.stops.stop_ids = set()
     big = _request(tokenizer, "y" * 20, samples=8, new_tokens=100, temperatures=(1.0,), stop_at_final_answer=False)
     small = _request(tokenizer, "7", new_tokens=4, stop_at_final_answer=False)
     other = _request(tokenizer, "y" * 20, samples=8, new_tokens=100, temperatures=(1.0,), stop_at_final_answer=False)
@@ -137,7 +136,7 @@ def test_a_request_holds_at_most_half_the_kv_budget_the_others_leave(model, toke
 
 def test_cancelled_requests_leave_at_the_next_step(model, tokenizer):
     engine = Engine(model, tokenizer, max_rows=4, step_tokens=64, kv_budget_bytes=2**24)
-    engine.stop_ids = set()
+    engine.stops.stop_ids = set()
     doomed = _request(tokenizer, PROMPTS[2], samples=2, new_tokens=100, temperatures=(1.0,), stop_at_final_answer=False)
     other = _request(tokenizer, PROMPTS[0], samples=1, new_tokens=30, stop_at_final_answer=False)
     doomed.on_tokens = lambda pairs: len(doomed.token_ids[0]) == 5 and doomed.cancelled.set()
@@ -163,3 +162,13 @@ def test_released_kv_buffers_are_freed_at_once_not_by_the_cyclic_collector(model
         gc.garbage.clear()
         gc.enable()
     assert not cyclic, f"{len(cyclic)} tensors ({sum(t.nbytes for t in cyclic)} bytes) were freed only by the cyclic collector"
+
+
+def test_a_requests_time_is_estimated_from_the_measured_step_time(model, tokenizer):
+    """Prompt chunks, then the new tokens in waves of at most ``max_rows`` rows, at the measured step time."""
+    engine = Engine(model, tokenizer, max_rows=4, step_tokens=16, kv_budget_bytes=2**24)
+    _run(engine, {0: [_request(tokenizer, p, samples=2) for p in PROMPTS]})
+    step = engine.step_seconds
+    assert 0 < step < 1
+    assert engine.estimated_seconds(10, 4, 100) == pytest.approx((1 + 100) * step)
+    assert engine.estimated_seconds(40, 9, 100) == pytest.approx((3 + 3 * 100) * step)  # 3 chunks, 3 waves of 4 rows

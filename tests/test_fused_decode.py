@@ -1,4 +1,5 @@
-"""Fused decode steps: the same logits as the model's own forward, in rollouts too; other models fall back."""
+"""Fused decode steps: the same logits as the model's own forward for Llama, Qwen2, Qwen3 and Mistral, in
+rollouts too; other models run through their own forward."""
 
 from dataclasses import replace
 
@@ -7,16 +8,20 @@ import torch
 from torch import nn
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
-import rlvr.rollout as rollout
+import rlvr.generation.model_runner as model_runner
 from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.fused_decode import FusedDecoder, fused_decoder
-from rlvr.rollout import SamplingConfig, generate_rollouts, last_position_logits, preallocate
-from tiny_policy import char_tokenizer, tiny_llama, tiny_qwen2
+from rlvr.generation import Engine, EngineRequest, SamplingConfig, generate_rollouts
+from tiny_policy import char_tokenizer, tiny_causal_lm, tiny_llama, tiny_qwen2
+
+
+def last_position_logits(model, **inputs) -> torch.Tensor:
+    return model(**inputs, use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
 def decode_both_ways(model, steps: int = 6) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Prefill three left-padded prompts, then decode the same tokens with the model's forward and
-    with the fused decoder, each on its own preallocated cache; the middle row leaves after two steps."""
+    with the fused decoder, each on its own cache; the middle row leaves after two steps."""
     vocab = model.config.vocab_size
     torch.manual_seed(1)
     ids = torch.randint(3, vocab, (3, 7))
@@ -32,7 +37,6 @@ def decode_both_ways(model, steps: int = 6) -> tuple[list[torch.Tensor], list[to
         for fused in (False, True):
             cache = DynamicCache(config=model.config)
             last_position_logits(model, input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
-            preallocate(cache, extra=steps)
             attention_mask, position, rows, out = mask, positions[:, -1] + 1, torch.arange(3), []
             for t in range(steps):
                 if t == 2:
@@ -57,9 +61,9 @@ def decode_both_ways(model, steps: int = 6) -> tuple[list[torch.Tensor], list[to
     return results[0], results[1]
 
 
-@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
-def test_float32_logits_equal_the_models_forward(build):
-    model = build(60, seed=3)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_float32_logits_equal_the_models_forward(family):
+    model = tiny_causal_lm(family, 60, seed=3)
     expected, got = decode_both_ways(model)
     for a, b in zip(expected, got):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
@@ -79,7 +83,7 @@ def test_rollouts_use_it_and_match_the_models_forward(monkeypatch):
     prompts = ["12+3=", "7*8 = ?", "a"]
     config = SamplingConfig(max_new_tokens=12, temperatures=[0.0, 1.0], stop_at_final_answer=False, seed=4)
     built = []
-    monkeypatch.setattr(rollout, "fused_decoder", lambda *args: built.append(fused_decoder(*args)) or built[-1])
+    monkeypatch.setattr(model_runner, "fused_decoder", lambda *args: built.append(fused_decoder(*args)) or built[-1])
     fused = generate_rollouts(model, tokenizer, prompts, 2, config)
     assert len(built) == 1 and isinstance(built[0], FusedDecoder)
     plain = generate_rollouts(model, tokenizer, prompts, 2, replace(config, fast_paths=FastPaths(fused_decode=False)))
@@ -91,8 +95,6 @@ def test_rollouts_use_it_and_match_the_models_forward(monkeypatch):
 def test_models_it_does_not_cover_decode_through_their_own_forward():
     with torch.inference_mode():
         assert fused_decoder(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)), 4) is None
-        sliding = tiny_qwen2(50, use_sliding_window=True, sliding_window=4, max_window_layers=0)
-        assert fused_decoder(sliding, 4) is None
         gelu = tiny_qwen2(50, hidden_act="gelu")
         assert fused_decoder(gelu, 4) is None
 
@@ -127,3 +129,13 @@ def test_a_frozen_model_keeps_its_decoder_until_a_weight_changes():
         generate_rollouts(model, tokenizer, ["12+3="], 2, config)
         generate_rollouts(model, tokenizer, ["12+3="], 2, config)
         assert len(built) == 5
+
+
+def test_the_engine_refuses_a_request_longer_than_the_models_sliding_window():
+    """Attention over whole sequences equals a sliding window's only within the window: longer is refused."""
+    tokenizer = char_tokenizer()
+    sliding = tiny_qwen2(len(tokenizer), use_sliding_window=True, sliding_window=16, max_window_layers=0)
+    engine = Engine(sliding, tokenizer, max_rows=2, kv_budget_bytes=2**24)
+    engine.submit(EngineRequest([5] * 8, 1, (0.0,), 8))
+    with pytest.raises(ValueError, match="sliding attention window"):
+        engine.submit(EngineRequest([5] * 8, 1, (0.0,), 9))

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import rlvr.grpo.checkpoint as checkpoint_module
+from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig, GRPOTrainer, LoRAConfig, WorldSizeChanged, export_merged, latest_checkpoint
 from rlvr.grpo.trainer import decay_param_groups
 from rlvr.policy import load_policy
-from rlvr.rollout import SamplingConfig
 from tiny_policy import COPY_DIGIT_CHARS, char_tokenizer, tiny_llama
 from tiny_policy import COPY_DIGIT_PROBLEMS as PROBLEMS
 from tiny_policy import copy_digit_reward as reward

@@ -141,8 +141,8 @@ def test_registry_and_config_validation():
 def test_training_logprobs_match_sampling_logprobs_with_and_without_prompt_sharing():
     """The update's log-probs equal the engine's (ratio 1 on-policy), whether each prompt is run
     once for its group (KV cache reused, gradient attached) or once per row; gradients agree too."""
+    from rlvr.generation import SamplingConfig, generate_rollouts
     from rlvr.grpo.scoring import completion_logprobs, pack_rows
-    from rlvr.rollout import SamplingConfig, generate_rollouts
     from tiny_policy import char_tokenizer, tiny_llama
 
     tokenizer = char_tokenizer()
@@ -214,7 +214,7 @@ def test_completion_logprobs_through_the_head_equal_the_models_logits():
     import rlvr.grpo.scoring as scoring
     from rlvr.fastpaths import FastPaths
     from rlvr.fastpaths.eligibility import output_head
-    from rlvr.rollout import SamplingConfig, generate_rollouts
+    from rlvr.generation import SamplingConfig, generate_rollouts
     from tiny_policy import char_tokenizer, tiny_llama
 
     tokenizer = char_tokenizer()

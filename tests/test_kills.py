@@ -20,8 +20,8 @@ from dagster import DagsterInstance, ReexecutionOptions, build_sensor_context, e
 from resources.launcher import LOCK_FILE, SCRATCH_ENV, TrainingJob, TrainingLauncher, attempt_lock, clear_attempt, step_history, stop_abandoned_training
 from resources.tracking import TRAINING_RUN_TAG
 from rlvr import gsm8k
+from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig
-from rlvr.rollout import SamplingConfig
 from rlvr.training_run import die_with_parent
 from rlvr_assets import grpo_worker
 from sensors import failed_run_mlflow_sensor

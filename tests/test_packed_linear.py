@@ -9,7 +9,7 @@ from torch import nn
 import rlvr.fastpaths.packed_linear as packed_linear
 from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.packed_linear import packed_linears, packing_dtypes
-from rlvr.rollout import SamplingConfig, generate_rollouts
+from rlvr.generation import SamplingConfig, generate_rollouts
 from tiny_policy import char_tokenizer, tiny_llama
 
 pytestmark = pytest.mark.skipif(not packing_dtypes(), reason="PyTorch built without oneDNN")

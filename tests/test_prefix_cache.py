@@ -1,4 +1,4 @@
-"""Prompt-prefix caching (rlvr.prefix_cache in rlvr.engine): a prompt that shares its start with an
+"""Prompt-prefix caching (rlvr.generation.prefix_cache in rlvr.engine): a prompt that shares its start with an
 earlier one prefills only what is new and completes exactly as alone; the blocks stay within their
 limit and the KV budget, give way to requests, and a cached chain never loses its start first."""
 
@@ -6,9 +6,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from rlvr.engine import Engine, EngineRequest, kv_cache_bytes_per_token
-from rlvr.prefix_cache import PrefixCache
-from rlvr.rollout import SamplingConfig, generate_rollouts
+from rlvr.generation import Engine, EngineRequest, SamplingConfig, generate_rollouts, kv_cache_bytes_per_token
+from rlvr.generation.prefix_cache import PrefixCache
 from test_engine import _run, watch_forwards
 from tiny_policy import char_tokenizer, tiny_llama
 

@@ -8,9 +8,9 @@ import time
 
 import torch
 
+from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig, GRPOTrainer
 from rlvr.rewards import DEFAULT_GSM8K_REWARD, RewardPool, register_reward
-from rlvr.rollout import SamplingConfig
 from test_rewards import GSM8K, unique_name
 from tiny_policy import COPY_DIGIT_CHARS, COPY_DIGIT_PROBLEMS, char_tokenizer, tiny_llama
 

@@ -1,23 +1,13 @@
-"""Rollout engine: shapes, padding, seeds, temperatures, finish reasons, row dropping, HF parity."""
-
-from types import SimpleNamespace
+"""Rollouts through the engine: shapes, padding, seeds, temperatures, finish reasons, row dropping, HF parity."""
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig
 
 from rlvr import policy
+from rlvr.generation import Rollouts, SamplingConfig, generate_rollouts, sample_tokens, score_tokens, stream_rollouts
+from rlvr.generation.sampler import GREEDY_BELOW_TEMPERATURE, _top_p_filter
+from rlvr.generation.stops import StopChecker
 from rlvr.prompts import ControlTokensError, render_messages, render_prompt
-from rlvr.rollout import (
-    GREEDY_BELOW_TEMPERATURE,
-    Rollouts,
-    SamplingConfig,
-    _top_p_filter,
-    generate_rollouts,
-    sample_tokens,
-    score_tokens,
-    stream_rollouts,
-)
 from tiny_policy import char_tokenizer, tiny_llama
 
 PROMPTS = ["what is 12+30?", "7", "count: a b c d e f"]
@@ -163,145 +153,38 @@ def test_scored_tokens_are_the_sampled_log_probs_and_the_top_alternatives(model,
 def test_micro_batches_stream_the_same_rollouts(model, tokenizer):
     config = SamplingConfig(max_new_tokens=8, temperatures=[0.0], stop_at_final_answer=False)
     whole = generate_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=config)
-    rows_per_forward = []
-    count_rows = lambda module, args, kwargs: rows_per_forward.append(kwargs["input_ids"].shape[0])  # noqa: E731
-    hook = model.get_decoder().register_forward_pre_hook(count_rows, with_kwargs=True)  # every path runs it
-    try:
-        config.max_batch_rows = 4
-        chunks = list(stream_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=config))
-    finally:
-        hook.remove()
-    assert [len(c) for c in chunks] == [4, 2] and max(rows_per_forward) <= 4
+    config.max_batch_rows = 4
+    chunks = list(stream_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=config))
+    assert [len(c) for c in chunks] == [4, 2]
     assert torch.cat([c.group_index for c in chunks]).tolist() == whole.group_index.tolist()
     joined = generate_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=config)
     assert torch.equal(joined.completion_ids, whole.completion_ids)
 
 
-class ScriptedLM(torch.nn.Module):
-    """A fake causal LM that writes ``scripts[c]`` after a prompt ending in character ``c``.
+def test_finish_reasons_follow_the_stop_rules(tokenizer):
+    """The stop checker, token by token: an end token, a completed answer line, the budget; the end token
+    is part of the completion, and a row ends at the first token that completes its reason."""
+    checker = StopChecker(tiny_llama(len(tokenizer)), tokenizer)
+    eos = tokenizer.eos_token_id
 
-    Its per-row state (which script, how far along) rides in the KV cache, so it survives the
-    engine's row dropping only if cache rows are selected correctly. ``rows_per_forward`` records
-    the batch size of every forward call.
-    """
+    def run(text: str, budget: int = 30, at_answer: bool = True, end: bool = True) -> tuple[str | None, int]:
+        ids = tokenizer(text).input_ids + ([eos] if end else [])
+        for n in range(1, len(ids) + 1):
+            if (reason := checker.finish_reason(ids[:n], budget, at_answer, ())) is not None:
+                return reason, n
+        return None, len(ids)
 
-    def __init__(self, tokenizer, scripts: dict[str, str]):
-        super().__init__()
-        vocab = len(tokenizer)
-        self.config = LlamaConfig(vocab_size=vocab, num_hidden_layers=1, hidden_size=8, num_attention_heads=1)
-        self.lm_head = torch.nn.Linear(1, vocab, bias=False)
-        width = max(len(tokenizer(s).input_ids) for s in scripts.values()) + 1
-        self.scripts = torch.full((vocab, width), tokenizer.eos_token_id)
-        for last_char, text in scripts.items():
-            ids = tokenizer(text).input_ids
-            self.scripts[tokenizer.convert_tokens_to_ids(last_char), : len(ids)] = torch.tensor(ids)
-        self.rows_per_forward: list[int] = []
-
-    def get_output_embeddings(self):
-        return self.lm_head
-
-    def forward(self, input_ids, past_key_values: DynamicCache, **kwargs):
-        rows, length = input_ids.shape
-        self.rows_per_forward.append(rows)
-        if past_key_values.get_seq_length() == 0:
-            script, step = input_ids[:, -1], torch.zeros(rows, dtype=torch.long)
-        else:
-            state = past_key_values.layers[0].keys[:, 0, -1].long()
-            script, step = state[:, 0], state[:, 1] + 1
-        state = torch.stack([script, step], dim=1).float()[:, None, None, :].expand(rows, 1, length, 2)
-        past_key_values.update(state, state, layer_idx=0)
-        logits = torch.full((rows, 1, self.scripts.shape[0]), -1e4)
-        logits[torch.arange(rows), 0, self.scripts[script, step.clamp(max=self.scripts.shape[1] - 1)]] = 0.0
-        return SimpleNamespace(logits=logits, past_key_values=past_key_values)
-
-
-def test_finish_reasons_and_row_dropping(tokenizer):
-    scripts = {
-        "a": "hello",  # then eos
-        "b": "so 6*7\n#### 42\nand more text",  # stops after the answer line
-        "c": "no newline ever " * 3,  # runs out of budget
-        "d": "#### 7",  # eos right after the answer
-    }
-    fake = ScriptedLM(tokenizer, scripts)
-    config = SamplingConfig(max_new_tokens=30, temperatures=[1.0, 0.0])
-    r = generate_rollouts(fake, tokenizer, ["xa", "xb", "xc", "xd"], num_samples=2, config=config)
-    assert r.finish_reasons == ["eos", "eos", "answer", "answer", "length", "length", "answer", "answer"]
-    assert r.texts[::2] == ["hello", "so 6*7\n#### 42\n", scripts["c"][:30], "#### 7"]
-    assert r.completion_lengths[::2].tolist() == [6, 15, 30, 7]  # the end token is part of the completion
-    # one prefill of 4 prompts, then 8 rows; rows leave as they finish and stop costing forwards
-    rows = fake.rows_per_forward
-    assert rows[:2] == [4, 8] and rows[-1] == 2 and len(rows) == 30
-    assert sum(rows[1:]) == sum(n - 1 for n in r.completion_lengths.tolist())
-
-    config = SamplingConfig(max_new_tokens=30, stop_at_final_answer=False)
-    no_stop = generate_rollouts(fake, tokenizer, ["xb"], 1, config)
-    assert no_stop.finish_reasons == ["eos"] and no_stop.texts[0] == scripts["b"]
-
-
-def test_preallocated_cache_layer_behaves_like_concatenation():
-    """Writes past the reserved room grow the buffer; row selection and repetition keep every position."""
-    from transformers.cache_utils import DynamicLayer
-
-    from rlvr.rollout import PreallocatedLayer
-
-    torch.manual_seed(0)
-    plain = DynamicLayer()
-    plain.update(torch.randn(2, 3, 4, 5), torch.randn(2, 3, 4, 5))
-    fast = PreallocatedLayer(plain, extra=1)
-    plain.batch_repeat_interleave(2)
-    fast.batch_repeat_interleave(2)
-    for step in range(4):  # the third write no longer fits the room reserved
-        if step == 2:
-            keep = torch.tensor([0, 2, 3])
-            plain.batch_select_indices(keep)
-            fast.batch_select_indices(keep)
-        rows = plain.keys.shape[0]
-        key, value = torch.randn(rows, 3, 1, 5), torch.randn(rows, 3, 1, 5)
-        expected, got = plain.update(key, value), fast.update(key, value)
-        for a, b in zip(expected, got):
-            torch.testing.assert_close(b, a, rtol=0, atol=0)
-    assert fast.get_seq_length() == 8
+    assert run("hello") == ("eos", 6)
+    assert run("so 6*7\n#### 42\nand more text") == ("answer", 15)  # right after the answer line
+    assert run("no newline ever " * 3, end=False) == ("length", 30)
+    assert run("#### 7") == ("answer", 7)  # an end token closing an answer line
+    assert run("so 6*7\n#### 42\nand more text", at_answer=False) == ("eos", 29)
 
 
 def greedy(**overrides) -> SamplingConfig:
-    # No end token can stop a row early: only the budget, should_stop or a stop string does.
+    # No end token can stop a row early: only the budget or a stop string does.
     settings = {"max_new_tokens": 40, "temperatures": [0.0], "stop_at_final_answer": False, "stop_token_ids": [-1]}
     return SamplingConfig(**{**settings, **overrides})
-
-
-# --- cancellation (SamplingConfig.should_stop) ------------------------------------------------
-
-
-def test_cancelled_prompt_stops_at_the_next_step_and_the_others_run_on(model, tokenizer):
-    plain = generate_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=greedy())
-    steps: dict[int, int] = {}
-
-    def should_stop(prompt: int) -> bool:
-        steps[prompt] = steps.get(prompt, 0) + 1
-        return prompt == 1 and steps[prompt] >= 5  # prompt 1 is cancelled during its 5th step
-
-    r = generate_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=greedy(should_stop=should_stop))
-    assert r.finish_reasons == ["length", "length", "cancelled", "cancelled", "length", "length"]
-    assert r.completion_lengths.tolist() == [40, 40, 5, 5, 40, 40]
-    assert steps[1] == 5 and steps[0] == steps[2] == 40  # asked once per step, never again once stopped
-    assert r.texts[:2] == plain.texts[:2] and r.texts[4:] == plain.texts[4:]  # the others are unchanged
-    assert r.completion_ids[2, :5].tolist() == plain.completion_ids[2, :5].tolist()
-
-
-def test_prompt_indices_count_across_chunks(model, tokenizer):
-    """With chunks of 2 rows (one prompt each), ``should_stop`` still sees the call's prompt indices."""
-    config = greedy(should_stop=lambda prompt: prompt == 2, max_batch_rows=2)
-    r = generate_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=config)
-    assert r.finish_reasons == ["length"] * 4 + ["cancelled"] * 2
-    assert r.completion_lengths.tolist() == [40, 40, 40, 40, 1, 1]
-
-
-def test_every_prompt_cancelled_ends_the_call_at_once(model, tokenizer):
-    r = generate_rollouts(model, tokenizer, PROMPTS, num_samples=3, config=greedy(max_new_tokens=10_000, should_stop=lambda prompt: True))
-    assert set(r.finish_reasons) == {"cancelled"} and r.completion_lengths.max() == 1
-
-
-# --- stop strings, per-token hook, token-id prompts, the chat renderer --------------------------
 
 
 def test_a_row_stops_at_the_step_its_text_first_holds_a_stop_string(model, tokenizer):
@@ -315,19 +198,6 @@ def test_a_row_stops_at_the_step_its_text_first_holds_a_stop_string(model, token
         else:  # one character per token: the row ends on the stop string's last character, text not cut
             assert (stopped.texts[i], stopped.finish_reasons[i]) == (text[: at + len(stop)], "stop")
     assert stopped.finish_reasons[:2] == ["stop", "stop"]
-
-
-def test_on_tokens_sees_every_sampled_token_with_its_row_across_chunks(model, tokenizer):
-    seen: dict[int, list[int]] = {}
-
-    def on_tokens(rows: list[int], tokens: list[int]) -> None:
-        for row, token in zip(rows, tokens):
-            seen.setdefault(row, []).append(token)
-
-    r = generate_rollouts(
-        model, tokenizer, PROMPTS, num_samples=2, config=greedy(temperatures=[1.0], max_batch_rows=2, on_tokens=on_tokens, stop_strings=["e"])
-    )
-    assert sorted(seen) == list(range(6)) and [seen[row] for row in range(6)] == r.completion_token_lists()
 
 
 def test_prompts_as_token_ids_are_the_same_prompts(model, tokenizer):

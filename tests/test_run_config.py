@@ -11,9 +11,9 @@ from resources import EvalProtocol, config_from
 from resources.evaluations import eval_id
 from rlvr.drift import DriftThresholds
 from rlvr.evaluation.runner import EvalConfig
+from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig
 from rlvr.grpo.profiles import build_config
-from rlvr.rollout import SamplingConfig
 from rlvr_assets.monitoring import DriftConfig
 from rlvr_assets.training import GRPORunConfig
 
@@ -34,7 +34,7 @@ def test_nested_dataclasses_tuples_and_callbacks():
     assert built.betas == (0.8, 0.9) and built.sampling == SamplingConfig(max_new_tokens=5)
     sampling = config_from(SamplingConfig).model_fields
     assert "should_stop" not in sampling  # a callback is not run config: the core default stays
-    assert sampling["max_batch_rows"].description.startswith("rows per forward")
+    assert sampling["max_batch_rows"].description.startswith("most rows running at once")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The served engine shares the model fairly and says when it cannot: a short request is answered within
-seconds while maximum-cost ones run, and ``/readyz`` is 503 while a new request would wait past its
-bound to start, 200 again once it would not. ``test_bento_service``'s scripted Bento, served once more
-with a 0.5 s start-wait bound."""
+seconds while maximum-cost ones run, ``/readyz`` is 503 while a new request would wait past its bound to
+start, 200 again once it would not, and a request the engine's measured speed cannot finish within the
+request timeout is refused up front. ``test_bento_service``'s scripted Bento, served once more with a
+0.5 s start-wait bound (and once with a 1 s request timeout)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from test_bento_service import KV_CACHE_BUDGET_MIB, LONG, QUESTION, _metric, scripted_bento, serving
+from test_bento_service import KV_CACHE_BUDGET_MIB, LONG, QUESTION, SHORT_TIMEOUT_S, _metric, _records, scripted_bento, serving
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning"),
@@ -69,3 +70,16 @@ def test_readyz_is_503_while_a_new_request_would_wait_past_its_bound_and_200_aft
         assert time.monotonic() < deadline, "not ready again after the backlog left"
         time.sleep(0.1)
     server.assert_ready()
+
+
+def test_a_request_its_measured_speed_cannot_finish_in_time_is_refused_up_front(tmp_path_factory):
+    """With a 1 s request timeout, k=8 x 1,024 new tokens (seconds of decoding) is a 400 naming
+    ``max_new_tokens`` and the timeout, before any work; a small request still runs."""
+    built = scripted_bento(tmp_path_factory)
+    env = {"BENTOML_CONFIG_OPTIONS": f"services.rlvr_policy.traffic.timeout={SHORT_TIMEOUT_S}"}
+    with serving(built, tmp_path_factory.mktemp("timeout") / "server", batching=True, env=env) as server:
+        status, text = server.request("/solve", {"question": f"{QUESTION} [too long]", **LONG})
+        assert status == 400, text
+        assert "max_new_tokens" in text and "request timeout" in text and "measured" in text
+        assert not _records(server, "[too long]")  # refused before generation: no traffic record
+        assert server.post_ok("/solve", {"question": QUESTION, "k": 1, "max_new_tokens": 8})["k"] == 1

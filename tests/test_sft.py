@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from rlvr.answers import extract_final_answer, is_well_formed
+from rlvr.generation import SamplingConfig, generate_rollouts
 from rlvr.grpo import checkpoint as ckpt
-from rlvr.rollout import SamplingConfig, generate_rollouts
 from rlvr.sft import SFTConfig, SFTTrainer, sft_examples, sft_target
 from tiny_policy import COPY_DIGIT_CHARS, char_tokenizer, tiny_llama
 

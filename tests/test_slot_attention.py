@@ -5,10 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import rlvr.engine as engine_module
-from rlvr.engine import Engine, EngineRequest
+import rlvr.generation.engine as engine_module
 from rlvr.fastpaths.slot_attention import slot_attention
-from rlvr.rollout import SamplingConfig, generate_rollouts
+from rlvr.generation import Engine, EngineRequest, SamplingConfig, generate_rollouts
 from tiny_policy import char_tokenizer, tiny_llama
 
 

@@ -92,9 +92,9 @@ def query(home: Path, sql: str, params: list | None = None) -> list[tuple]:
 
 def test_the_script_calls_the_calculator(tmp_path):
     """The scripted policy does what the other tests rely on, through the real engine."""
+    from rlvr.generation import SamplingConfig, generate_rollouts
     from rlvr.policy import load_policy
     from rlvr.prompts import render_prompt, system_prompt_for
-    from rlvr.rollout import SamplingConfig, generate_rollouts
 
     model, tokenizer = load_policy(save_calculator_llama(tmp_path / "calc"))
     prompt = render_prompt(tokenizer, "What is 6 times 7?", system_prompt_for(Calculator()))

@@ -10,10 +10,10 @@ import rlvr.grpo.trainer as trainer_module
 from rlvr.environments.base import ToolCall
 from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.eligibility import use_unpadded_update
+from rlvr.generation import SamplingConfig, generate_rollouts
 from rlvr.grpo import GRPOConfig, GRPOTrainer
 from rlvr.grpo.loss import POLICY_LOSSES, aggregate_loss, group_advantages, kl_k3
 from rlvr.grpo.scoring import completion_logprobs, pack_rows
-from rlvr.rollout import SamplingConfig, generate_rollouts
 from tiny_policy import char_tokenizer, tiny_llama
 
 PROMPTS = ["a longer prompt: 12+30=", "7*3=", "x"]

@@ -1,4 +1,4 @@
-"""Tool-calling rollouts (rlvr.environments.driver in rlvr.rollout and rlvr.engine): an injection's tokens
+"""Tool-calling rollouts (rlvr.environments.driver in rlvr.generation.engine): an injection's tokens
 are written into the row's KV cache (what re-prefilling would give), marked as the environment's, and
 never end the row; without an environment nothing changes."""
 
@@ -11,10 +11,10 @@ from dataclasses import dataclass, field, replace
 import pytest
 import torch
 
-from rlvr import rollout
-from rlvr.engine import Engine, EngineRequest
+import rlvr.generation.engine as engine_module
 from rlvr.environments.base import Injection, SingleTurn, ToolCall
-from rlvr.rollout import SamplingConfig, generate_rollouts
+from rlvr.generation import Engine, EngineRequest, SamplingConfig, generate_rollouts
+from rlvr.generation.model_runner import ModelForward
 from tiny_policy import CHARS, char_tokenizer, tiny_llama
 
 PROMPTS = ["what is 12+30?", "7", "count: a b c d e f"]
@@ -160,9 +160,9 @@ def test_without_tools_rollouts_are_bit_identical(model, tokenizer, monkeypatch)
     decoder still steps them (the model's own forward is never called for a decode step)."""
 
     def plain_step(*args, **kwargs):
-        raise AssertionError("the plain decode step ran")
+        raise AssertionError("the model's own forward ran")
 
-    monkeypatch.setattr(rollout, "_model_decode_step", plain_step)
+    monkeypatch.setattr(ModelForward, "forward", plain_step)
     config = _config(temperatures=[1.0, 0.0, 0.7], top_p=0.9, stop_token_ids=None, stop_at_final_answer=True, seed=3)
     runs = [generate_rollouts(model, tokenizer, PROMPTS, 3, _config(**{**vars(config), "environment": env})) for env in (None, SingleTurn(), NoOp())]
     for other in runs[1:]:
@@ -173,9 +173,9 @@ def test_without_tools_rollouts_are_bit_identical(model, tokenizer, monkeypatch)
 
 
 def test_chunks_concatenate_environment_masks_and_calls(model, tokenizer):
-    config = _config(environment=InjectAfter(after=(2, 5)), max_batch_rows=2)
+    config = _config(environment=InjectAfter(after=(4,)), max_batch_rows=2)
     out = generate_rollouts(model, tokenizer, PROMPTS, 2, config)
-    whole = generate_rollouts(model, tokenizer, PROMPTS, 2, _config(environment=InjectAfter(after=(2, 5))))
+    whole = generate_rollouts(model, tokenizer, PROMPTS, 2, _config(environment=InjectAfter(after=(4,))))
     assert torch.equal(out.environment_mask, whole.environment_mask) and torch.equal(out.completion_ids, whole.completion_ids)
     assert [len(calls) for calls in out.tool_calls] == [1] * 6
 
@@ -188,7 +188,7 @@ def test_the_serving_engine_gives_the_rollout_engines_completions(model, tokeniz
     stops = [first] if environment.on_turn_end else []
     expected = generate_rollouts(model, tokenizer, PROMPTS, 2, _config(stop_token_ids=stops, environment=environment))
     engine = Engine(model, tokenizer, max_rows=4, step_tokens=6, kv_budget_bytes=2**24)
-    engine.stop_ids = set(stops)
+    engine.stops.stop_ids = set(stops)
     # a fresh environment per request: its samples' episodes are made in order, as the rollout engine's are
     requests = [EngineRequest(_ids(tokenizer, p), 2, (0.0,), 16, stop_at_final_answer=False, environment=replace(environment)) for p in PROMPTS]
     for step in range(2000):
@@ -214,7 +214,7 @@ def test_the_calculator_answers_an_annotation(model, tokenizer, monkeypatch):
     """A scripted policy writes '<<48/2='; the calculator writes '24>>' into the row, then the model decodes on."""
     calculator = pytest.importorskip("rlvr.environments.calculator")
     script = _ids(tokenizer, "<<48/2=")
-    sample = rollout.sample_tokens
+    sample = engine_module.sample_tokens
     steps = iter(range(10**6))
 
     def scripted(logits, *args, **kwargs):
@@ -224,7 +224,7 @@ def test_the_calculator_answers_an_annotation(model, tokenizer, monkeypatch):
             tokens[:] = script[step]
         return tokens, logprobs
 
-    monkeypatch.setattr(rollout, "sample_tokens", scripted)
+    monkeypatch.setattr(engine_module, "sample_tokens", scripted)
     out = generate_rollouts(model, tokenizer, PROMPTS[:1], 1, _config(environment=calculator.Calculator()))
     ids = out.completion_token_lists()[0]
     assert tokenizer.decode(ids).startswith("<<48/2=24>>")
@@ -242,7 +242,7 @@ def test_a_program_turn_gets_a_tool_turn_and_the_row_goes_on(monkeypatch):
     model, tokenizer = tiny_llama_with_embedded_tokenizer()
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     script = _ids(tokenizer, "```python\nprint(6*7)\n```") + [im_end]
-    sample, steps = rollout.sample_tokens, iter(range(10**6))
+    sample, steps = engine_module.sample_tokens, iter(range(10**6))
 
     def scripted(logits, *args, **kwargs):
         tokens, logprobs = sample(logits, *args, **kwargs)
@@ -250,7 +250,7 @@ def test_a_program_turn_gets_a_tool_turn_and_the_row_goes_on(monkeypatch):
             tokens[:] = script[step]
         return tokens, logprobs
 
-    monkeypatch.setattr(rollout, "sample_tokens", scripted)
+    monkeypatch.setattr(engine_module, "sample_tokens", scripted)
     config = SamplingConfig(max_new_tokens=len(script) + 30, temperatures=[0.0], environment=code.CodeTool.for_tokenizer(tokenizer))
     out = generate_rollouts(model.requires_grad_(False), tokenizer, [_ids(tokenizer, "Question: 6*7?")], 1, config)
     ids, turn = out.completion_token_lists()[0], _ids(tokenizer, "\n<|im_start|>tool\n42\n<|im_end|>\n<|im_start|>assistant\n")

@@ -44,7 +44,7 @@ mkdir -p "$traffic_dir"
 chown 1034:1034 "$traffic_dir"
 exec podman run --detach --replace --name "$name" \
   --publish "127.0.0.1:$port:3000" \
-  --env RLVR_HOME=/data/rlvr --env RLVR_TRAFFIC_DIR=/data/rlvr/traffic --env OMP_NUM_THREADS=1 \
+  --env RLVR_HOME=/data/rlvr --env RLVR_TRAFFIC_DIR=/data/rlvr/traffic \
   "${env_opts[@]}" \
   --volume "$(realpath "$traffic_dir"):/data/rlvr/traffic" \
   "$@" "$image"

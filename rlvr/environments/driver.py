@@ -1,4 +1,4 @@
-"""How an engine drives a row's episode: the one mechanism ``rlvr.rollout`` and ``rlvr.engine`` share.
+"""How an engine drives a row's episode (``rlvr.generation.engine`` for training, evaluation and serving).
 
 The engine shows each policy token to the row's :class:`EpisodeDriver`; when the episode answers with
 an :class:`~rlvr.environments.base.Injection`, the driver tokenizes its text into a queue of forced

@@ -19,9 +19,9 @@ from rlvr.answers import answers_match, extract_final_answer, format_number, is_
 from rlvr.evaluation.estimators import maj_at_k, majority_vote, pass_at_k_per_problem
 from rlvr.evaluation.intervals import accuracy_by_group, bootstrap_ci
 from rlvr.evaluation.significance import mcnemar_test, paired_bootstrap
+from rlvr.generation import SamplingConfig, stream_rollouts
 from rlvr.prompts import render_prompt, system_prompt_for
 from rlvr.rewards import DEFAULT_GSM8K_REWARD, RewardPool
-from rlvr.rollout import SamplingConfig, stream_rollouts
 
 
 @dataclass

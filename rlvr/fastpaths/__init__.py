@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 class FastPaths:
     """One field per speed-up, all on by default (each still applies only where eligible)."""
 
-    fused_decode: bool = True  # CPU decode steps of Llama-family models with fused, packed weights (fused_decode)
+    fused_decode: bool = True  # engine steps of Llama, Qwen2, Qwen3, Mistral with fused, packed weights (fused_decode)
     packed_linears: bool = True  # other models' CPU decode on oneDNN-packed weights (packed_linear)
     slot_attention: bool = True  # the continuous engine's float32 CPU decode attention, each row to its length (slot_attention)
     layer_kernels: bool = True  # float32 CPU fused decode steps' RMSNorm and rotary embedding, compiled (layer_kernels)
@@ -22,7 +22,7 @@ class FastPaths:
     unpadded_update: bool = True  # the update's per-token work skips completion padding (rlvr.grpo.unpadded)
     chunked_head: bool = True  # the output layer on real tokens only, in chunks (rlvr.grpo.head)
     keep_freed_memory: bool = True  # CPU training keeps freed memory in glibc's heap (heap)
-    cuda_graphs: bool = True  # CUDA decode steps of fixed shapes, replayed as CUDA graphs (static_decode)
+    cuda_graphs: bool = True  # the engine's CUDA decode steps replayed as CUDA graphs per row bucket (rlvr.generation.cuda_graphs)
 
     @classmethod
     def coerce(cls, value: "FastPaths | dict | None") -> "FastPaths":

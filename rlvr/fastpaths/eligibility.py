@@ -40,9 +40,16 @@ def llama_family(model: Any) -> bool:
     return all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ())
 
 
+FUSED_DECODE_MODELS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}
+
+
 def use_fused_decode(model: Any, fast: FastPaths) -> bool:
-    """Decode steps through ``rlvr.fastpaths.fused_decode``: Llama-family models on CPU (written and measured there)."""
-    return fast.fused_decode and llama_family(model) and _device(model).type == "cpu"
+    """The engine's steps through ``rlvr.fastpaths.fused_decode``: Llama, Qwen2, Qwen3 and Mistral causal
+    LMs with SiLU MLPs, on any device."""
+    config = getattr(model, "config", None)
+    if not fast.fused_decode or FUSED_DECODE_MODELS.get(type(model).__name__) != getattr(config, "model_type", None):
+        return False
+    return getattr(config, "hidden_act", None) in ("silu", "swish")
 
 
 SLOT_ATTENTION_MAX_THREADS = 2  # measured faster than SDPA at 1 and 2 threads; SDPA runs rows and heads in parallel beyond
@@ -68,15 +75,12 @@ def _float32_cpu_kernels(model: Any) -> bool:
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inverse frequencies fixed at load time
 
 
-def use_static_decode(model: Any, fast: FastPaths) -> bool:
-    """Decode steps through ``rlvr.fastpaths.static_decode`` as CUDA graphs: Llama-family models on CUDA
-    whose linear layers are plain ``nn.Linear`` (no adapters, no quantized layers) and whose rotary
-    frequencies do not change with the sequence length."""
-    if not (fast.cuda_graphs and llama_family(model) and _device(model).type == "cuda"):
+def use_cuda_graphs(model: Any, fast: FastPaths) -> bool:
+    """The engine's decode-only steps replayed from CUDA graphs (``rlvr.generation.cuda_graphs``): models
+    the fused decoder takes, on CUDA, whose rotary frequencies do not change with the sequence length."""
+    if not (fast.cuda_graphs and _device(model).type == "cuda" and use_fused_decode(model, fast)):
         return False
-    if getattr(model.model.rotary_emb, "rope_type", "default") not in STATIC_ROPE_TYPES:
-        return False
-    return all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+    return getattr(model.model.rotary_emb, "rope_type", "default") in STATIC_ROPE_TYPES
 
 
 def use_packed_linears(model: Any, fast: FastPaths) -> bool:

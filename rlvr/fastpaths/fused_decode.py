@@ -10,9 +10,10 @@ rollout (``rlvr.fastpaths.packed_linear``), the rotary embedding applied to quer
 key mask per step for all layers. Attention runs in float32 (upcast from bf16 / fp16, as
 ``rlvr.fastpaths.attention`` does). ``bench/cpu_kernels.py`` times it against the model's own forward.
 
-Models of type ``llama`` and ``qwen2`` (biases included) on CPU, with plain linear layers and full
-attention in every layer, qualify; :func:`fused_decoder` returns None for any other model (adapters,
-quantized layers, sliding windows, other architectures), which then decodes through its own forward.
+Models of type ``llama``, ``qwen2``, ``qwen3`` (per-head query and key RMSNorm) and ``mistral``, with
+plain linear layers, qualify (``eligibility.use_fused_decode``); :func:`fused_decoder` returns None for
+any other model (adapters, quantized layers, other architectures), which the engine runs through its
+own forward (``rlvr.generation.model_runner``).
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def _build(model: Any, rows: int, kernels: bool) -> FusedDecoder | None:
     decoder = model.model
     linears = [model.lm_head]
     for layer in decoder.layers:
+        if getattr(layer.self_attn, "q_norm", None) is not None and not _plain_rms_norms(layer.self_attn):
+            return None
         attention, mlp = layer.self_attn, layer.mlp
         linears += [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj]
         linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
@@ -93,6 +96,8 @@ class FusedDecoder:
             attention, mlp = layer.self_attn, layer.mlp
             self.layers.append(
                 (
+                    getattr(attention, "q_norm", None),  # Qwen3: each head's query and key RMS-normed before rotary
+                    getattr(attention, "k_norm", None),
                     layer.input_layernorm,
                     fused_linear([attention.q_proj, attention.k_proj, attention.v_proj], rows),
                     fused_linear([attention.o_proj], rows),
@@ -121,8 +126,12 @@ class FusedDecoder:
         cos, sin = self.rotary(hidden, positions.unsqueeze(1))  # [rows, 1, head_dim], broadcast over heads
         half, qk_width = head_dim // 2, (heads + kv_heads) * head_dim
         norm = _compiled_rms_norm if self.kernels else _rms_norm
-        for index, (norm1, qkv_proj, o_proj, scaling, norm2, gate_up_proj, down_proj) in enumerate(self.layers):
+        for index, (q_norm, k_norm, norm1, qkv_proj, o_proj, scaling, norm2, gate_up_proj, down_proj) in enumerate(self.layers):
             qkv = qkv_proj(norm(hidden, norm1))
+            if q_norm is not None:
+                qk = qkv[:, :qk_width].reshape(rows, heads + kv_heads, head_dim)
+                qk = torch.cat([_rms_norm(qk[:, :heads], q_norm), _rms_norm(qk[:, heads:], k_norm)], dim=1)
+                qkv = torch.cat([qk.view(rows, qk_width), qkv[:, qk_width:]], dim=1)
             if self.kernels:
                 qk = layer_kernels.rotary(qkv, cos.view(rows, head_dim), sin.view(rows, head_dim), heads + kv_heads)
             else:
@@ -172,6 +181,10 @@ def gqa_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         attended = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=scaling)
         return attended.reshape(batch, heads, 1, head_dim).to(dtype)
     return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True).to(dtype)
+
+
+def _plain_rms_norms(attention: nn.Module) -> bool:
+    return all(hasattr(norm, "variance_epsilon") and hasattr(norm, "weight") for norm in (attention.q_norm, attention.k_norm))
 
 
 def _compiled_rms_norm(hidden: torch.Tensor, norm: nn.Module) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from rlvr.fastpaths import FastPaths
-from rlvr.rollout import SamplingConfig, is_greedy
+from rlvr.generation import SamplingConfig, is_greedy
 
 from .loss import AGGREGATIONS, POLICY_LOSSES
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from rlvr.rollout import logprob_temperatures
+from rlvr.generation import logprob_temperatures
 
 _CHUNK_ELEMENTS = 1 << 20  # float32 logits per chunk (4 MB)
 

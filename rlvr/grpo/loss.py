@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from rlvr.rollout import logprob_temperatures
+from rlvr.generation import logprob_temperatures
 
 PolicyLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, dict]]
 POLICY_LOSSES: dict[str, PolicyLoss] = {}

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.eligibility import output_head, use_unpadded_update
-from rlvr.rollout import Rollouts
+from rlvr.generation import Rollouts
 
 from .head import head_logprobs
 from .loss import token_logprobs_and_entropy

@@ -44,7 +44,7 @@ import torch
 from rlvr.fastpaths.attention import use_fast_attention
 from rlvr.fastpaths.eligibility import use_float32_attention, use_keep_freed_memory
 from rlvr.fastpaths.heap import keep_freed_memory
-from rlvr.rollout import Rollouts, concat_rollouts, generate_rollouts
+from rlvr.generation import Rollouts, concat_rollouts, generate_rollouts
 
 from . import checkpoint as ckpt
 from .config import GRPOConfig, LoRAConfig

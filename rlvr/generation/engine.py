@@ -1,92 +1,42 @@
-"""Iteration-level scheduling (continuous batching, as Orca, vLLM and TGI do) over one model.
+"""The engine: continuous batching (iteration-level scheduling, as Orca and vLLM do) over one model.
 
-Requests join and leave the running batch at every decode step. Each :meth:`Engine.step`:
-
-1. drops the rows of cancelled requests;
-2. admits rows of prefilled requests into free row slots, shortest request first, each request held
-   to a fair share of the slots (``max_rows`` / requests waiting or running) and to ``max_share`` of
-   the KV budget the other requests leave (so a new request always finds room for its first row);
-   a row's first token is sampled from its prompt's last logits;
-3. picks prompt chunks of the waiting requests (shortest remaining first, older first among equals)
-   under the step's token budget (``step_tokens`` minus the running rows: a long prompt is spread
-   over several steps, interleaved with everyone's decoding);
-4. runs **one forward** of the model over the step's tokens: every running row's next token (both
-   lanes, below) and the prompt chunks, flattened into one batch as vLLM's chunked prefill does, so
-   every linear layer reads its weights once per step (on a CPU a small batch's step costs about
-   what reading the weights costs, so two lanes and a prefill as three forwards cost nearly three
-   times one); attention runs per sequence (``rlvr.fastpaths.fused_decode.FusedDecoder.forward``),
-   and the output head only on the rows that sample;
-5. samples each row's next token (``rlvr.rollout.sample_tokens``: per-row temperature and top-p;
-   each row draws from its own generator, seeded by its request's seed and its sample index, so a
-   seeded request samples the same tokens alone or beside any others), retires the rows that
-   finished, and admits the rows of prompts the step completed.
-
-With an ``environment`` (tool calling), each row's episode sees its policy tokens
-(``rlvr.environments.driver``, as in ``rlvr.rollout``): an injection's tokens replace the row's next
-sampled tokens, one per step (marked in ``environment_masks``, log-prob 0, never ending the row). A
-policy token that ends a turn is observed off the engine thread (a tool pool: a program may run for
-seconds) and its row is parked meanwhile: it rides along in the decode call without advancing (its
-write at its next position is redone when it resumes) and draws nothing, so other requests go on.
-Other observations (a calculator's, microseconds) run inline.
-
-Prompt prefixes (``rlvr.prefix_cache``): a prompt's keys and values are kept in 16-token blocks once
-it is prefilled, and a later prompt that starts with the same blocks (the chat template and system
-prompt every request of a policy shares) prefills only the rest; the blocks count in the KV budget
-(at most ``prefix_cache_bytes``, an eighth of it by default) and give way to requests.
-
-KV cache: a :class:`SlotCache` holds one slot per running row, every slot as long as the longest
-row of its :class:`Lane` needs (prompt + new tokens), in buffers of [slots, KV heads, length, head
-dim] per layer; rows of at most ``SHORT_LANE_TOKENS`` have a lane (and a decode call) of their own, so
-a long request does not pad every short row to its length. A finished row's slot is refilled by the
-last row's (one row copied, no compaction). The engine holds the buffers within ``kv_budget_bytes``
-(the padded footprint: slots x slot length), reserving a slot when a row joins and releasing it when
-it leaves; a prompt's prefill cache counts too until its last row has joined. Finish reasons and stop
-rules are the rollout engine's (``rlvr.rollout``).
-
-The core of the service's generation (``bentos``); training keeps ``rlvr.rollout``'s static batches
-(every prompt known at once: see docs/benchmarks.md, "Serving").
+Every caller submits :class:`EngineRequest`s: training rollouts and evaluation (``rlvr.generation.rollouts``,
+stepping until every row is done) and the service (stepping on its model thread). Each :meth:`Engine.step`
+drops cancelled rows, admits rows of prefilled prompts within a fair share of the rows and the KV
+budget, runs one forward over every running row's next token and the prompt chunks that fit the
+step's token budget (``rlvr.generation.model_runner``), samples (``rlvr.generation.sampler``), applies the
+stop rules (``rlvr.generation.stops``) and the rows' tool episodes, and retires finished rows.
+docs/architecture.md ("The generation engine") tells the whole mechanism.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers import DynamicCache
 
-from rlvr.answers import is_well_formed
+from rlvr.cpu_threads import tune_threads
 from rlvr.environments.base import Environment, Injection, ToolCall
 from rlvr.environments.driver import EpisodeDriver, TokenTexts, drives_episodes
 from rlvr.fastpaths import FastPaths
-from rlvr.fastpaths.eligibility import use_slot_attention
-from rlvr.fastpaths.fused_decode import Attend, cached_attention, fused_decoder, gqa_attention
+from rlvr.fastpaths.eligibility import use_cuda_graphs, use_slot_attention
+from rlvr.fastpaths.fused_decode import Attend, cached_attention, gqa_attention
 from rlvr.fastpaths.slot_attention import slot_attention
-from rlvr.prefix_cache import PrefixCache
-from rlvr.rollout import _TAIL_TOKENS, SamplingConfig, _newline_counts, _stop_token_ids, is_greedy, sample_tokens
+from rlvr.generation.cuda_graphs import GraphedDecode
+from rlvr.generation.kv_cache import SlotCache, kv_cache_bytes_per_token, quantized
+from rlvr.generation.model_runner import attention_window, model_runner
+from rlvr.generation.prefix_cache import PrefixCache
+from rlvr.generation.sampler import draw_uniforms, row_generator, sample_tokens
+from rlvr.generation.stops import StopChecker
 
-SLOT_LENGTH_QUANTUM = 128  # slot lengths grow and shrink in these steps (fewer buffer reallocations)
 SHORT_LANE_TOKENS = 512  # rows of at most this many tokens (prompt + new) decode in a lane of their own
 TOOL_WORKERS = 4  # threads observing turn ends (tools that may run for seconds) off the engine's thread
-
-
-def kv_cache_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
-    """Keys and values one token of one row holds in the cache: layers x 2 x KV heads x head dim x dtype size."""
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers * 2 * kv_heads * head_dim * dtype.itemsize
-
-
-def continuous_batching_eligible(model: Any, fast: FastPaths = FastPaths()) -> bool:
-    """The engine decodes through the fused decoder (Llama-family models on CPU); other models are
-    served by whole generation passes of ``rlvr.rollout``."""
-    return fused_decoder(model, 8, fast) is not None
 
 
 @dataclass(eq=False)
@@ -102,6 +52,7 @@ class EngineRequest:
     max_new_tokens: int
     top_p: float = 1.0
     seed: int = 0
+    prompt_index: int = 0  # its prompt's index in its caller's call: with ``seed``, what seeds each row's generator
     stop_at_final_answer: bool = True
     stop_strings: tuple[str, ...] = ()
     on_tokens: Callable[[list[tuple[int, int]]], None] | None = None
@@ -149,76 +100,6 @@ class EngineRequest:
         return self.temperatures[sample % len(self.temperatures)]
 
 
-class SlotLayer:
-    """One layer's keys and values by row slot; :meth:`update` (what the decoder calls) writes each
-    row's new token at its own position and returns the keys and values up to the longest row."""
-
-    def __init__(self, cache: SlotCache):
-        # weak: a cycle with the cache would keep its buffers (up to the KV budget) until the cyclic GC ran
-        self.cache, self.keys, self.values = weakref.proxy(cache), None, None
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        rows, positions, used = self.cache.rows, self.cache.lengths[: self.cache.rows], self.cache.step_length
-        index = torch.arange(rows)
-        self.keys[index, :, positions] = key_states[:, :, 0]
-        self.values[index, :, positions] = value_states[:, :, 0]
-        return self.keys[:rows, :, :used], self.values[:rows, :, :used]
-
-
-class SlotCache:
-    """Running rows' KV cache: slot r holds row r's tokens at positions 0 .. lengths[r] - 1."""
-
-    def __init__(self, num_layers: int):
-        self.layers = [SlotLayer(self) for _ in range(num_layers)]
-        self.rows = 0
-        self.capacity_rows = self.capacity_length = 0
-        self.lengths = torch.zeros(0, dtype=torch.long)
-        self.step_length = 0
-
-    def bytes(self, bytes_per_token: int, rows: int | None = None, length: int | None = None) -> int:
-        rows = self.capacity_rows if rows is None else rows
-        return rows * (self.capacity_length if length is None else length) * bytes_per_token
-
-    def resize(self, rows: int, length: int, like: torch.Tensor) -> None:
-        """Buffers for ``rows`` slots of ``length`` positions, the running rows' contents kept."""
-        kept = min(self.capacity_length, length)
-        for layer in self.layers:
-            shape = (rows, like.shape[1], length, like.shape[3])
-            for name in ("keys", "values"):
-                new = like.new_zeros(shape)
-                old = getattr(layer, name)
-                if old is not None and self.rows:
-                    new[: self.rows, :, :kept] = old[: self.rows, :, :kept]
-                setattr(layer, name, new)
-        lengths = torch.zeros(rows, dtype=torch.long)
-        lengths[: self.rows] = self.lengths[: self.rows]
-        self.lengths, self.capacity_rows, self.capacity_length = lengths, rows, length
-
-    def add_rows(self, prompt_cache: DynamicCache, count: int) -> range:
-        """``count`` new rows holding the prompt's keys and values (capacity already there)."""
-        start = self.rows
-        for layer, source in zip(self.layers, prompt_cache.layers):
-            length = source.keys.shape[-2]
-            layer.keys[start : start + count, :, :length] = source.keys[0]
-            layer.values[start : start + count, :, :length] = source.values[0]
-        self.lengths[start : start + count] = prompt_cache.layers[0].keys.shape[-2]
-        self.rows += count
-        return range(start, start + count)
-
-    def remove_row(self, row: int) -> int | None:
-        """Free ``row``: the last row moves into it; returns the row that moved (None if it was the last)."""
-        last = self.rows - 1
-        self.rows = last
-        if row == last:
-            return None
-        used = int(self.lengths[last])
-        for layer in self.layers:
-            layer.keys[row, :, :used] = layer.keys[last, :, :used]
-            layer.values[row, :, :used] = layer.values[last, :, :used]
-        self.lengths[row] = self.lengths[last]
-        return last
-
-
 @dataclass
 class Row:
     request: EngineRequest
@@ -245,7 +126,7 @@ class Lane:
 
     def slot_length(self, request: EngineRequest) -> int:
         """The lane's slot length once ``request``'s rows join."""
-        return max(self.cache.capacity_length if self.rows else 0, _quantized(request.slot_length))
+        return max(self.cache.capacity_length if self.rows else 0, quantized(request.slot_length))
 
     def clear(self) -> None:
         self.cache, self.rows, self.next_tokens = SlotCache(self.num_layers), [], torch.zeros(0, dtype=torch.long)
@@ -267,18 +148,20 @@ class Engine:
         short_lane_tokens: int | None = SHORT_LANE_TOKENS,
         prefix_cache_bytes: int | None = None,
         fast_paths: FastPaths = FastPaths(),
+        stop_token_ids: list[int] | None = None,
+        max_requests: int | None = None,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.max_rows, self.step_tokens, self.kv_budget_bytes, self.max_share = max_rows, step_tokens, kv_budget_bytes, max_share
-        self.decoder = fused_decoder(model, max_rows, fast_paths)
-        if self.decoder is None:
-            raise ValueError("continuous batching needs the fused decoder (rlvr.engine.continuous_batching_eligible)")
+        self.max_requests = max_requests  # None: any number run at once; else the oldest that many
+        self.runner = model_runner(model, max_rows, fast_paths)
+        self.window = attention_window(model.config)
         self.device = next(model.parameters()).device
+        self.graphed = GraphedDecode(self.runner, self.device, graphs=True) if use_cuda_graphs(model, fast_paths) else None
         self.slot_kernel = use_slot_attention(model, fast_paths)  # decode attention to each row's own length
         self.bytes_per_token = kv_cache_bytes_per_token(model.config, model.dtype)
         self.prefixes = PrefixCache(self.bytes_per_token, kv_budget_bytes // 8 if prefix_cache_bytes is None else prefix_cache_bytes)
-        self.stop_ids = _stop_token_ids(model, tokenizer, SamplingConfig())
-        self.newlines = _newline_counts(tokenizer, model)
+        self.stops = StopChecker(model, tokenizer, stop_token_ids)
         self.token_texts = TokenTexts(tokenizer)
         self._tool_pool: ThreadPoolExecutor | None = None
         layers = model.config.num_hidden_layers
@@ -287,7 +170,7 @@ class Engine:
         self.running: set[EngineRequest] = set()  # some rows running
         self._inbox: deque[EngineRequest | Callable[[], None]] = deque()
         self._wakeup = threading.Condition()
-        self.step_seconds = 0.05  # a moving average, for the start-wait estimate
+        self.step_seconds = 0.0  # a moving average of steps with rows (0: none measured yet), for the time estimates
 
     @property
     def rows(self) -> list[Row]:
@@ -306,6 +189,12 @@ class Engine:
     # ---- from any thread ----------------------------------------------------------------------
 
     def submit(self, request: EngineRequest) -> None:
+        """Queue ``request``; raises ValueError for one the model cannot attend over whole."""
+        if self.window is not None and request.slot_length > self.window:
+            raise ValueError(
+                f"prompt + max_new_tokens = {request.slot_length} tokens exceed the model's sliding attention window "
+                f"({self.window}); the engine attends over whole sequences"
+            )
         request.submitted_s = time.monotonic()
         self._post(request)
 
@@ -317,6 +206,12 @@ class Engine:
         with self._wakeup:
             self._inbox.append(item)
             self._wakeup.notify()
+
+    def estimated_seconds(self, prompt_tokens: int, rows: int, max_new_tokens: int) -> float:
+        """A new request's time at the measured step time, at best: its prompt's chunks, then its new
+        tokens in waves of at most ``max_rows`` rows (queueing and slower steps only add to it)."""
+        waves = -(-rows // self.max_rows)
+        return (-(-prompt_tokens // self.step_tokens) + max_new_tokens * waves) * self.step_seconds
 
     def start_wait_s(self) -> float:
         """How long a new short request would wait to start: the oldest waiting request's wait so far,
@@ -343,6 +238,21 @@ class Engine:
             except Exception as err:  # noqa: BLE001 - each request in the engine gets it
                 self._fail_all(err)
 
+    def run_requests(self, requests: list[EngineRequest]) -> Iterator[EngineRequest]:
+        """Submit ``requests`` and step on this thread until each is done, yielding each as it finishes
+        (a failing step raises)."""
+        done: deque[EngineRequest] = deque()
+        for request in requests:
+            request.on_done = done.append
+            self.submit(request)
+        left = len(requests)
+        while left:
+            self._take_inbox(block=not (self.waiting or any(row.parked is None for row in self.rows)))
+            self.step()
+            while done:
+                left -= 1
+                yield done.popleft()
+
     def _fail_all(self, err: Exception) -> None:
         requests = {*self.waiting, *(r.request for r in self.rows)}
         self.waiting, self.running = [], set()
@@ -365,6 +275,7 @@ class Engine:
                 item()
 
     def step(self) -> None:
+        tune_threads()  # the CPUs this process may use, less those others keep busy
         started = time.monotonic()
         with torch.inference_mode():
             self._drop_cancelled()
@@ -372,7 +283,8 @@ class Engine:
             self._forward(max(self.step_tokens - len(self.rows), self.step_tokens // 8))
             self._admit_rows()
         if self.rows:
-            self.step_seconds = 0.9 * self.step_seconds + 0.1 * (time.monotonic() - started)
+            elapsed = time.monotonic() - started
+            self.step_seconds = elapsed if not self.step_seconds else 0.9 * self.step_seconds + 0.1 * elapsed
 
     def _drop_cancelled(self) -> None:
         for request in [q for q in self.waiting if q.cancelled.is_set()]:
@@ -391,8 +303,15 @@ class Engine:
     def _lane(self, request: EngineRequest) -> Lane:
         return next(lane for lane in self.lanes if lane.takes(request))
 
+    def _active(self, requests: list[EngineRequest]) -> list[EngineRequest]:
+        """``requests`` less those beyond ``max_requests`` (the oldest requests in the engine run first)."""
+        if self.max_requests is None:
+            return requests
+        oldest = sorted({*self.running, *self.waiting}, key=lambda q: q.submitted_s)[: self.max_requests]
+        return [q for q in requests if q in oldest]
+
     def _admit_rows(self) -> None:
-        ready = [q for q in self.waiting if q.prefilled and q.pending_rows]
+        ready = self._active([q for q in self.waiting if q.prefilled and q.pending_rows])
         if not ready:
             return
         ready.sort(key=lambda q: (q.pending_rows * q.max_new_tokens, q.submitted_s))  # short requests first
@@ -444,8 +363,7 @@ class Engine:
         self.running.add(request)
         new_rows = []
         for sample in samples:
-            temperature = request.temperature(sample)
-            generator = None if is_greedy(temperature) else torch.Generator().manual_seed((request.seed * 1_000_003 + sample) % 2**63)
+            generator = row_generator(request.seed, request.prompt_index, sample, request.temperature(sample))
             driver = EpisodeDriver(request.environment, self.tokenizer, self.token_texts) if drives_episodes(request.environment) else None
             if driver is not None:
                 request.tool_calls[sample] = driver.calls
@@ -471,10 +389,14 @@ class Engine:
         and the prompt chunks :meth:`_prefill_chunks` picks, so the weights are read once per step
         however many lanes and prompts take part; then each lane's rows sample and record their
         tokens, and each prompt that is now whole keeps its last logits for its rows' first tokens."""
+        for lane in self.lanes:
+            self._resume_parked(lane)
+        chunks = self._prefill_chunks(prefill_budget)
+        if self.graphed is not None and not chunks and self._graphed_step():
+            return
         tokens, positions, segments, logits_at = [], [], [], []
         decoding: list[tuple[Lane, list[int]]] = []
         for lane in self.lanes:
-            self._resume_parked(lane)
             live = [i for i, row in enumerate(lane.rows) if row.parked is None]
             if not live:
                 continue
@@ -487,7 +409,6 @@ class Engine:
             segments.append((start, start + rows, _slot_attention(cache, lane_positions, self.device, self.slot_kernel)))
             logits_at += [start + i for i in live]  # parked rows ride along; their outputs are dropped
             decoding.append((lane, live))
-        chunks = self._prefill_chunks(prefill_budget)
         for request, begin, end in chunks:
             start = sum(map(len, tokens))
             tokens.append(torch.tensor(request.prompt_ids[begin:end]))
@@ -496,13 +417,11 @@ class Engine:
             logits_at.append(start + end - begin - 1)
         if not segments:
             return
-        logits = self.decoder.forward(
+        logits = self.runner.forward(
             torch.cat(tokens).to(self.device), torch.cat(positions).to(self.device), _segmented(segments), torch.tensor(logits_at, device=self.device)
         )
         if decoding:
-            neighbours = len(self.running)
-            for request in self.running:
-                request.max_neighbours = max(request.max_neighbours, neighbours)
+            self._note_neighbours()
         offset = 0
         for lane, live in decoding:
             rows = len(lane.rows)
@@ -518,12 +437,32 @@ class Engine:
             if request.prefilled:
                 self.prefixes.store(request.prompt_ids, request._cache, self.kv_budget_bytes - self._reserved_bytes())
 
+    def _graphed_step(self) -> bool:
+        """A decode-only step of the one lane with rows, none parked, from a CUDA graph; False where it does not fit."""
+        lanes = [lane for lane in self.lanes if lane.rows]
+        if len(lanes) != 1 or any(row.parked is not None for row in lanes[0].rows):
+            return False
+        lane = lanes[0]
+        rows = len(lane.rows)
+        if not self.graphed.fits(lane.cache, rows):
+            return False
+        logits = self.graphed.step(lane.cache, lane.next_tokens.to(self.device), lane.cache.lengths[:rows].to(self.device))
+        self._note_neighbours()
+        lane.cache.lengths[:rows] += 1
+        self._sampled(lane, list(range(rows)), logits)
+        return True
+
+    def _note_neighbours(self) -> None:
+        neighbours = len(self.running)
+        for request in self.running:
+            request.max_neighbours = max(request.max_neighbours, neighbours)
+
     def _prefill_chunks(self, budget: int) -> list[tuple[EngineRequest, int, int]]:
         """Prompt chunks (request, first, end) of the waiting requests, shortest remaining first, within
         ``budget`` tokens; a prompt starts only when its whole cache fits the KV budget (the prefix
         cache giving way), after the blocks of it the prefix cache holds."""
         now = time.monotonic()
-        todo = [q for q in self.waiting if not q.prefilled and not q.cancelled.is_set()]
+        todo = self._active([q for q in self.waiting if not q.prefilled and not q.cancelled.is_set()])
         todo.sort(key=lambda q: ((len(q.prompt_ids) - q._prefilled) / (1 + now - q.submitted_s), q.submitted_s))
         chunks = []
         for request in todo:
@@ -580,7 +519,7 @@ class Engine:
     def _sample(self, logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
         temperatures = torch.tensor([r.request.temperature(r.sample) for r in rows], dtype=torch.float32)
         top_p = torch.tensor([r.request.top_p for r in rows], dtype=torch.float32)
-        uniforms = torch.tensor([0.0 if r.generator is None else float(torch.rand((), generator=r.generator)) for r in rows])
+        uniforms = draw_uniforms([r.generator for r in rows])
         tokens, logprobs = sample_tokens(logits, temperatures.to(logits.device), top_p.to(logits.device), None, uniforms=uniforms.to(logits.device))
         return tokens.cpu(), logprobs.cpu()
 
@@ -619,33 +558,13 @@ class Engine:
         reason = self._finish_reason(request, sample, token)
         if not budget_left:  # no room for an answer: not observed
             return reason
-        if token in self.stop_ids:
+        if token in self.stops.stop_ids:
             self._park(row, token, reason)
             return None
         return None if row.driver.observe(token, False) else reason
 
     def _finish_reason(self, request: EngineRequest, sample: int, token: int) -> str | None:
-        """The rollout engine's rules (``rlvr.rollout``), for one row: an end token (``eos``, or
-        ``answer`` when it closes a ``#### <number>`` line), a just-completed answer line, a stop string,
-        the token budget."""
-        ids = request.token_ids[sample]
-        if token in self.stop_ids:
-            if request.stop_at_final_answer:
-                tail = self.tokenizer.decode(ids[-_TAIL_TOKENS:-1])
-                return "answer" if is_well_formed(tail.rsplit("\n", 1)[-1]) else "eos"
-            return "eos"
-        if request.stop_at_final_answer and (count := int(self.newlines[token])) > 0:
-            lines = self.tokenizer.decode(ids[-_TAIL_TOKENS:]).split("\n")
-            if any(is_well_formed(line) for line in lines[-1 - count : -1]):
-                return "answer"
-        if request.stop_strings:
-            window = max(len(s.encode()) for s in request.stop_strings) + 1
-            tail = self.tokenizer.decode(ids[-window:], skip_special_tokens=True)
-            if any(s in tail for s in request.stop_strings):
-                return "stop"
-        if len(ids) >= request.max_new_tokens:
-            return "length"
-        return None
+        return self.stops.finish_reason(request.token_ids[sample], request.max_new_tokens, request.stop_at_final_answer, request.stop_strings)
 
     def _retire(self, lane: Lane, slot: int, reason: str) -> None:
         row = lane.rows[slot]
@@ -664,7 +583,7 @@ class Engine:
                 self._finish(request)
         if not lane.rows:
             lane.clear()  # every slot free: the buffers go
-        elif (needed := _quantized(max(r.request.slot_length for r in lane.rows))) * 2 <= lane.cache.capacity_length:
+        elif (needed := quantized(max(r.request.slot_length for r in lane.rows))) * 2 <= lane.cache.capacity_length:
             lane.cache.resize(lane.cache.capacity_rows, needed, lane.cache.layers[0].keys)
 
     def _finish(self, request: EngineRequest) -> None:
@@ -675,10 +594,6 @@ class Engine:
 
 def _wake() -> None:
     """Posted when a parked row's observation is back: wakes an engine waiting for work."""
-
-
-def _quantized(length: int) -> int:
-    return -(-length // SLOT_LENGTH_QUANTUM) * SLOT_LENGTH_QUANTUM
 
 
 def _slot_attention(cache: SlotCache, positions: torch.Tensor, device: torch.device, kernel: bool) -> Attend:

@@ -1,0 +1,28 @@
+"""One generation engine for training rollouts, evaluation and serving.
+
+Parts, as vLLM's v1 engine separates them: the scheduler and its requests (``engine``), the KV cache
+(``kv_cache``, ``prefix_cache``), the model runner (``model_runner``), the sampler (``sampler``), the
+stop checker (``stops``), and the rollout call training and evaluation make (``rollouts``).
+"""
+
+from rlvr.generation.engine import Engine, EngineRequest
+from rlvr.generation.kv_cache import kv_cache_bytes_per_token
+from rlvr.generation.rollouts import Rollouts, SamplingConfig, concat_rollouts, generate_rollouts, stream_rollouts
+from rlvr.generation.sampler import is_greedy, logprob_temperatures, sample_tokens
+from rlvr.generation.scoring import TokenScores, score_tokens
+
+__all__ = [
+    "Engine",
+    "EngineRequest",
+    "Rollouts",
+    "SamplingConfig",
+    "TokenScores",
+    "concat_rollouts",
+    "generate_rollouts",
+    "is_greedy",
+    "kv_cache_bytes_per_token",
+    "logprob_temperatures",
+    "sample_tokens",
+    "score_tokens",
+    "stream_rollouts",
+]

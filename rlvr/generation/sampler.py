@@ -1,0 +1,85 @@
+"""The sampler: one token per row from its logits, each row drawing from its own generator.
+
+A row's generator is seeded by its request's seed, the prompt's index in its call and the row's sample
+index (:func:`row_generator`), so a seeded row samples the same tokens alone, beside other requests,
+in training and in serving.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+GREEDY_BELOW_TEMPERATURE = 1e-5  # a lower temperature is greedy: logits / T would overflow float32 (NaN probabilities)
+
+
+def derive_seed(*parts: int) -> int:
+    """A 63-bit seed mixing ``parts`` (e.g. run seed, step, rank) through numpy's SeedSequence."""
+    return int(np.random.SeedSequence([int(p) % 2**64 for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+def row_generator(seed: int, prompt: int, sample: int, temperature: float) -> torch.Generator | None:
+    """The generator of sample ``sample`` of prompt ``prompt`` (its index in the call) under ``seed``; None when greedy."""
+    if is_greedy(temperature):
+        return None
+    return torch.Generator().manual_seed(derive_seed(seed, prompt, sample))
+
+
+def is_greedy(temperature: float) -> bool:
+    """Whether a row at ``temperature`` decodes greedily (see :func:`sample_tokens`)."""
+    return temperature < GREEDY_BELOW_TEMPERATURE
+
+
+def logprob_temperatures(temperatures: torch.Tensor) -> torch.Tensor:
+    """The temperature each row's log-probs are taken at: its own, 1 for a greedy row (below
+    ``GREEDY_BELOW_TEMPERATURE``). The sampler and every recomputation of its log-probs use this."""
+    return torch.where(temperatures < GREEDY_BELOW_TEMPERATURE, 1.0, temperatures)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_p: float | torch.Tensor,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its log-prob. Row r samples from softmax(logits_r / T_r) truncated to its
+    top-p nucleus (``top_p``: one for all rows or one per row) by inverse CDF at ``uniforms[r]`` (else a
+    draw from ``generator``), or takes the argmax when greedy; its log-prob is taken before truncation
+    (T_r = 1 for greedy rows), as training recomputes it."""
+    greedy = temperatures < GREEDY_BELOW_TEMPERATURE
+    scaled = logits.float() / logprob_temperatures(temperatures).unsqueeze(1)
+    probs = torch.softmax(scaled, dim=-1)
+    if greedy.all():
+        tokens = probs.argmax(dim=-1)
+    else:
+        truncated = bool((torch.as_tensor(top_p) < 1.0).any())
+        sampling_probs = _top_p_filter(probs, top_p) if truncated else probs
+        tokens = _inverse_cdf_sample(sampling_probs, generator, uniforms)
+        if greedy.any():
+            tokens = torch.where(greedy, probs.argmax(dim=-1), tokens)
+    return tokens, probs.gather(1, tokens.unsqueeze(1)).squeeze(1).log()
+
+
+def draw_uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One draw in [0, 1) per row from its own generator (0 for greedy rows, which draw nothing)."""
+    return torch.tensor([0.0 if g is None else float(torch.rand((), generator=g)) for g in generators])
+
+
+def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None, uniforms: torch.Tensor | None) -> torch.Tensor:
+    """One draw per row from unnormalized ``probs`` (many times faster than ``torch.multinomial`` on CPU);
+    zero-probability tokens are never drawn, so the sampled token's log-prob is finite."""
+    cdf = probs.cumsum(dim=-1)
+    if uniforms is None:
+        uniforms = torch.rand((probs.shape[0],), generator=generator, device=probs.device)
+    u = uniforms.unsqueeze(1) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
+    """Zero the tail of each row outside the smallest set of tokens whose mass reaches ``top_p`` (its own, per row)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    threshold = top_p.unsqueeze(1) if isinstance(top_p, torch.Tensor) else top_p
+    outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= threshold  # mass before this token already enough
+    sorted_probs[outside] = 0.0
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
