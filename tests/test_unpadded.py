@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from rlvr.fastpaths import FastPaths
-from rlvr.fastpaths.eligibility import llama_family
+from rlvr.fastpaths.eligibility import use_unpadded_update
 from rlvr.grpo.scoring import PackedRows, completion_logprobs
-from tiny_policy import tiny_llama, tiny_qwen2
+from tiny_policy import tiny_causal_lm, tiny_llama
 
 
 def uneven_batch(vocab: int, width: int = 9) -> PackedRows:
@@ -26,10 +26,10 @@ def uneven_batch(vocab: int, width: int = 9) -> PackedRows:
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
-@pytest.mark.parametrize("build", [tiny_llama, tiny_qwen2], ids=["llama", "qwen2"])
-def test_values_and_gradients_equal_the_padded_forward(build, autocast):
-    model = build(60, seed=2).train()
-    assert llama_family(model)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_values_and_gradients_equal_the_padded_forward(family, autocast):
+    model = tiny_causal_lm(family, 60, seed=2).train()
+    assert use_unpadded_update(model, FastPaths(), sharded=False)
     batch = uneven_batch(60)
     weights = torch.linspace(-1, 1, batch.targets.numel()).view_as(batch.targets)
     results = []
@@ -56,7 +56,7 @@ def test_padding_never_reaches_the_projections():
         completion_logprobs(model, batch, fast=FastPaths(unpadded_update=unpadded))
     inputs = int(batch.mask.sum()) - len(batch.targets)  # each row's last token predicts nothing
     prompt_pass = (2, 6, 64)
-    assert seen == [prompt_pass, (inputs, 64), prompt_pass, (5, batch.width - 1, 64)]
+    assert seen == [prompt_pass, (1, inputs, 64), prompt_pass, (5, batch.width - 1, 64)]  # real tokens as one flat sequence
 
 
 def test_one_token_completions():

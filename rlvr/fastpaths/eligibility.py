@@ -27,17 +27,12 @@ def plain_output_head(model: Any) -> Any:
     return head if type(head) is torch.nn.Linear and head.bias is None else None
 
 
-def llama_family(model: Any) -> bool:
-    """A transformers Llama or Qwen2 causal LM with SiLU MLPs and full attention in every layer: the
-    models the fused decoder decodes and the unpadded update trains."""
-    config = getattr(model, "config", None)
-    if type(model).__name__ not in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
-        return False
-    if getattr(config, "model_type", None) not in ("llama", "qwen2"):
-        return False
-    if getattr(config, "hidden_act", None) not in ("silu", "swish"):
-        return False
-    return all(kind == "full_attention" for kind in getattr(config, "layer_types", None) or ())
+def attention_window(config: Any) -> int | None:
+    """The model's sliding attention window, or None when every layer attends over the whole sequence."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return getattr(config, "sliding_window", None) if any(kind != "full_attention" for kind in layer_types) else None
+    return getattr(config, "sliding_window", None)
 
 
 FUSED_DECODE_MODELS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}
@@ -105,9 +100,9 @@ def output_head(model: Any, fast: FastPaths) -> Any:
 
 
 def use_unpadded_update(model: Any, fast: FastPaths, sharded: bool) -> bool:
-    """Completions' per-token work without padding: Llama-family models with a plain head, unsharded
-    (FSDP gathers weights per decoder-layer call, which this path does not make)."""
-    return fast.unpadded_update and not sharded and llama_family(model) and output_head(model, fast) is not None
+    """Completions' per-token work without padding (``rlvr.grpo.unpadded``: the model's own modules over
+    real tokens): models with a plain head whose every layer attends over the whole sequence, unsharded."""
+    return fast.unpadded_update and not sharded and output_head(model, fast) is not None and attention_window(model.config) is None
 
 
 def _device(model: Any) -> torch.device:

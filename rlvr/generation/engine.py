@@ -25,12 +25,12 @@ from rlvr.cpu_threads import tune_threads
 from rlvr.environments.base import Environment, Injection, ToolCall
 from rlvr.environments.driver import EpisodeDriver, TokenTexts, drives_episodes
 from rlvr.fastpaths import FastPaths
-from rlvr.fastpaths.eligibility import use_cuda_graphs, use_slot_attention
+from rlvr.fastpaths.eligibility import attention_window, use_cuda_graphs, use_slot_attention
 from rlvr.fastpaths.fused_decode import Attend, cached_attention, gqa_attention
 from rlvr.fastpaths.slot_attention import slot_attention
 from rlvr.generation.cuda_graphs import GraphedDecode
 from rlvr.generation.kv_cache import SlotCache, kv_cache_bytes_per_token, quantized
-from rlvr.generation.model_runner import attention_window, model_runner
+from rlvr.generation.model_runner import model_runner
 from rlvr.generation.prefix_cache import PrefixCache
 from rlvr.generation.sampler import draw_uniforms, row_generator, sample_tokens
 from rlvr.generation.stops import StopChecker

@@ -1,15 +1,14 @@
-"""The update's forward over completion tokens without padding, for Llama-family models.
+"""The update's forward over completion tokens without padding, through the model's own modules.
 
 A micro-batch's completions are right-padded to the longest; with the model's own forward every
 padding position goes through every layer's matrix products, and with answer stops many rows end
-early. Here the per-token work (norms, projections, MLP) runs on the real tokens only, packed
-[tokens, hidden]; only attention,
-which must see each row's positions in order, scatters queries, keys and values into the padded
-layout and gathers its output back (as verl's remove-padding does with variable-length flash
-attention, which CPUs lack). Each distinct prompt still goes through the model once (the caller's
-prompt pass), its keys and values (gradient attached) shared by its completions. The modules and
-formulas are the model's own (its norms, projections, rotary embedding, ``rlvr.fastpaths.attention``'s
-SDPA), so values and gradients equal the padded forward's up to rounding; a test checks both.
+early. Here the real completion tokens go through the decoder as one flat sequence (``position_ids``
+per token), the engine's way of running a model (``rlvr.generation.model_runner.ModelForward``): the
+model's own norms, projections, rotary embedding and MLP, adapters included, on real tokens only.
+Only attention, which must see each row's positions in order, scatters queries, keys and values into
+the padded layout, prepends the row's prompt keys and values (the caller's prompt pass, gradient
+attached) and gathers its output back (as verl's remove-padding does with variable-length flash
+attention). Values and gradients equal the padded forward's up to rounding; a test checks both.
 """
 
 from __future__ import annotations
@@ -18,9 +17,9 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from rlvr.fastpaths.attention import upcast_sdpa_forward
+from rlvr.generation.model_runner import routed_attention
 
 
 def unpadded_completion_features(model: Any, batch: Any, prompt_states: torch.Tensor, prompt_cache: DynamicCache) -> torch.Tensor:
@@ -40,9 +39,6 @@ def unpadded_completion_features(model: Any, batch: Any, prompt_states: torch.Te
     index = is_input.flatten().nonzero().squeeze(1)  # real inputs in the padded [rows * span] layout
     prompt_lengths = batch.prompt_mask.sum(dim=1)[batch.prompt_index]
     positions = (prompt_lengths.unsqueeze(1) + torch.arange(span, device=index.device)).flatten()[index]
-    hidden = decoder.embed_tokens(batch.targets[:, :-1].flatten()[index])
-    cos, sin = decoder.rotary_emb(hidden, positions.unsqueeze(0))
-    cos, sin = cos[0], sin[0]  # [tokens, head_dim]
     prompt_width = batch.prompt_ids.shape[1]
     keys_visible = torch.cat([batch.prompt_mask[batch.prompt_index].bool(), is_input], dim=1)
     causal = torch.ones(span, prompt_width + span, dtype=torch.bool, device=index.device).tril(prompt_width)
@@ -52,30 +48,15 @@ def unpadded_completion_features(model: Any, batch: Any, prompt_states: torch.Te
         out = states.new_zeros(rows * span, *states.shape[1:]).index_copy(0, index, states)
         return out.view(rows, span, *states.shape[1:]).transpose(1, 2)
 
-    for layer_index, layer in enumerate(decoder.layers):
-        attention = layer.self_attn
-        head_dim = attention.head_dim
-        normed = layer.input_layernorm(hidden)
-        queries = attention.q_proj(normed).view(len(index), -1, head_dim)
-        keys = attention.k_proj(normed).view(len(index), -1, head_dim)
-        values = attention.v_proj(normed).view(len(index), -1, head_dim)
-        queries, keys = apply_rotary_pos_emb(queries, keys, cos, sin, unsqueeze_dim=1)
-        prompt_keys, prompt_values = prompt_cache.layers[layer_index].keys, prompt_cache.layers[layer_index].values
-        keys = torch.cat([prompt_keys[batch.prompt_index], padded(keys).to(prompt_keys.dtype)], dim=2)
-        values = torch.cat([prompt_values[batch.prompt_index], padded(values).to(prompt_values.dtype)], dim=2)
-        attended, _ = upcast_sdpa_forward(
-            attention,
-            padded(queries),
-            keys,
-            values,
-            attention_mask,
-            dropout=attention.attention_dropout if attention.training else 0.0,
-            scaling=attention.scaling,
-        )  # [rows, span, heads, head_dim]
-        attended = attended.reshape(rows * span, -1)[index]
-        hidden = hidden + attention.o_proj(attended)
-        hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-    hidden = decoder.norm(hidden)
+    def attend(module: Any, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        layer = prompt_cache.layers[module.layer_idx]
+        keys = torch.cat([layer.keys[batch.prompt_index], padded(keys).to(layer.keys.dtype)], dim=2)
+        values = torch.cat([layer.values[batch.prompt_index], padded(values).to(layer.values.dtype)], dim=2)
+        attended, _ = upcast_sdpa_forward(module, padded(queries), keys, values, attention_mask, **kwargs)  # [rows, span, heads, d]
+        return attended.reshape(rows * span, *attended.shape[2:])[index]
+
+    with routed_attention(decoder.config, attend):
+        hidden = decoder(input_ids=batch.targets[:, :-1].flatten()[index][None], position_ids=positions[None], use_cache=False).last_hidden_state[0]
     states = hidden.new_zeros(rows * span, hidden.shape[-1]).index_copy(0, index, hidden).view(rows, span, -1)
     states = torch.cat([first.unsqueeze(1).to(states.dtype), states], dim=1)  # [rows, width, hidden]
     return states[batch.mask.bool()]
