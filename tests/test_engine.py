@@ -1,4 +1,4 @@
-"""Iteration-level scheduling (rlvr.engine): the same completions as the rollout engine, whoever joins
+"""Iteration-level scheduling (rlvr.generation.engine): the same completions as generate_rollouts, whoever joins
 and leaves around them; chunked prefill interleaved with decoding; fair shares; the KV budget held."""
 
 import gc

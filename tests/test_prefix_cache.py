@@ -1,4 +1,4 @@
-"""Prompt-prefix caching (rlvr.generation.prefix_cache in rlvr.engine): a prompt that shares its start with an
+"""Prompt-prefix caching (rlvr.generation.prefix_cache in the engine): a prompt that shares its start with an
 earlier one prefills only what is new and completes exactly as alone; the blocks stay within their
 limit and the KV budget, give way to requests, and a cached chain never loses its start first."""
 

@@ -536,7 +536,7 @@ class Engine:
             request.environment_masks[sample].append(int(forced is not None and forced[k]))
             by_request.setdefault(request, []).append((sample, token))
             if row.driver is None:
-                reason = self._finish_reason(request, sample, token)
+                reason = self._finish_reason(request, sample)
             else:
                 reason = self._environment_turn(row, token, forced is not None and forced[k])
             if reason is not None:
@@ -555,7 +555,7 @@ class Engine:
         budget_left = len(request.token_ids[sample]) < request.max_new_tokens
         if forced:
             return None if budget_left else "length"
-        reason = self._finish_reason(request, sample, token)
+        reason = self._finish_reason(request, sample)
         if not budget_left:  # no room for an answer: not observed
             return reason
         if token in self.stops.stop_ids:
@@ -563,7 +563,7 @@ class Engine:
             return None
         return None if row.driver.observe(token, False) else reason
 
-    def _finish_reason(self, request: EngineRequest, sample: int, token: int) -> str | None:
+    def _finish_reason(self, request: EngineRequest, sample: int) -> str | None:
         return self.stops.finish_reason(request.token_ids[sample], request.max_new_tokens, request.stop_at_final_answer, request.stop_strings)
 
     def _retire(self, lane: Lane, slot: int, reason: str) -> None:

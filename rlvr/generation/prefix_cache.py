@@ -1,4 +1,4 @@
-"""Prompt-prefix caching for ``rlvr.engine`` (vLLM's automatic prefix caching, in blocks).
+"""Prompt-prefix caching for ``rlvr.generation.engine`` (vLLM's automatic prefix caching, in blocks).
 
 Requests to one policy share the start of their prompts: the chat template and its system prompt (the
 project's own carries a worked example, about a hundred tokens), a few-shot preamble, a tool

@@ -140,7 +140,6 @@ def stream_rollouts(
         )
         for i, ids in enumerate(encoded)
     ]
-    index = {id(request): i for i, request in enumerate(requests)}
     finished: set[int] = set()
     next_prompt = 0
     packing = contextlib.nullcontext()
@@ -150,7 +149,7 @@ def stream_rollouts(
         for request in engine.run_requests(requests):
             if request.error is not None:
                 raise request.error
-            finished.add(index[id(request)])
+            finished.add(request.prompt_index)
             ready = next_prompt
             while ready in finished:
                 ready += 1

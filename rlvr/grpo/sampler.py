@@ -8,15 +8,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
-import numpy as np
 import torch
 
+from rlvr.generation.sampler import derive_seed
 from rlvr.prompts import SYSTEM_PROMPT, render_prompt
-
-
-def derive_seed(*parts: int) -> int:
-    """A 63-bit seed mixing ``parts`` (e.g. run seed, step, rank) through numpy's SeedSequence."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
 def step_problems(problems: Sequence[Any], step: int, prompts_per_step: int, seed: int) -> list[Any]:

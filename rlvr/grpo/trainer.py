@@ -45,6 +45,7 @@ from rlvr.fastpaths.attention import use_fast_attention
 from rlvr.fastpaths.eligibility import use_float32_attention, use_keep_freed_memory
 from rlvr.fastpaths.heap import keep_freed_memory
 from rlvr.generation import Rollouts, concat_rollouts, generate_rollouts
+from rlvr.generation.sampler import derive_seed
 
 from . import checkpoint as ckpt
 from .config import GRPOConfig, LoRAConfig
@@ -67,7 +68,7 @@ from .loss import (
     truncated_importance_weights,
     zero_variance_groups,
 )
-from .sampler import derive_seed, step_problems
+from .sampler import step_problems
 from .scoring import CompletionScorer, completion_logprobs, pack_rows
 
 logger = logging.getLogger("rlvr.grpo")
