@@ -7,7 +7,7 @@ export DAGSTER_HOME ?= $(RLVR_HOME)/dagster
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: setup test-tools run test ui mlflow sql clean
+.PHONY: setup test-tools run test test-fast ui mlflow sql clean
 
 # Dagster's dg CLI on this project (pyproject.toml's [tool.dg]), run in the project's environment.
 DG := VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/dg
@@ -51,7 +51,13 @@ test: setup test-tools $(DAGSTER_HOME)/dagster.yaml
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(DG) check defs
+	$(BIN)/python tools/check_doc_limits.py
 	$(BIN)/python -m pytest -q tests
+
+# The inner loop: the unit tests of the core and the resources, every test not marked slow (no served
+# Bento, Dagster materialization, training, container, browser or embedded model); a few minutes.
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow" tests
 
 ui: setup $(DAGSTER_HOME)/dagster.yaml
 	$(DG) dev -w workspace.yaml
@@ -92,6 +98,12 @@ container: setup
 # every committed write): it never holds the pipeline up; each statement reads the latest snapshot.
 sql: setup
 	$(BIN)/python -m resources.warehouse $(RLVR_HOME)/rlvr.duckdb
+
+# The README's pictures (docs/*.png) of the run in $(RLVR_HOME), after `make run`: tools/screenshots.py
+# starts the Dagster UI (no daemon) and the MLflow UI on free loopback ports and drives Debian's chromium.
+.PHONY: screenshots
+screenshots: setup
+	$(BIN)/python tools/screenshots.py --home $(RLVR_HOME) --out docs
 
 clean:
 	rm -rf $(RLVR_HOME)

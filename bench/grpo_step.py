@@ -16,7 +16,7 @@ import resource
 import time
 
 import torch
-from grpo_vs_trl import QUESTIONS, correct  # bench/ is on sys.path when run as a script
+from grpo_vs_trl import QUESTIONS, correctness_reward  # bench/ is on sys.path when run as a script
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlvr.fastpaths import FastPaths
@@ -26,8 +26,9 @@ from rlvr.policy import load_policy, load_tokenizer
 from rlvr.prompts import render_prompt
 
 
-def correctness(completions: list[str], problems: list[dict]) -> tuple[list[float], dict[str, list[float]]]:
-    scores = [correct(text, problem["answer_value"]) for text, problem in zip(completions, problems)]
+def correctness_rewards(completions: list[str], problems: list[dict]) -> tuple[list[float], dict[str, list[float]]]:
+    """Each completion's correctness reward, and the same scores as the trainer's reward breakdown."""
+    scores = [correctness_reward(text, problem["answer_value"]) for text, problem in zip(completions, problems)]
     return scores, {"correctness": scores}
 
 
@@ -70,7 +71,7 @@ def main() -> None:
         fast_paths=FastPaths(keep_freed_memory=not args.no_keep_freed_memory),
         skip_zero_variance=False,  # time the full update even when every reward is equal
     )
-    trainer = GRPOTrainer(model, tokenizer, config, correctness)
+    trainer = GRPOTrainer(model, tokenizer, config, correctness_rewards)
     for _ in range(args.steps):
         started, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         batch = [problems[(trainer.step_count * args.prompts + i) % len(problems)] for i in range(args.prompts)]

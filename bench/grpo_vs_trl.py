@@ -1,22 +1,12 @@
 """GRPO step throughput, rlvr-ops against TRL's ``GRPOTrainer``, in one run on the same machine.
 
-Same model, prompts, group size, completion budget, temperature, learning rate, loss aggregation
-(TRL's default "dapo" = token-mean) and beta = 0. Each trainer runs ``--steps`` steps; the first is
-warm-up and is not counted. Throughput = completion tokens generated per second of step time
-(generation + reward + update). Results are printed as a Markdown table and JSON. Each row runs
-in a fresh process, so that nothing one trainer sets process-wide (threads, our trainer's
-``keep_freed_memory``) reaches another.
-
-TRL's own defaults are bf16 mixed precision (``bf16`` defaults to True unless ``fp16``) with
-gradient checkpointing; TRL is also run in float32 and without checkpointing, and each of our
-configurations is compared with the fastest TRL run at its precision.
-
     python bench/grpo_vs_trl.py .rlvr/models/base_policy/<version> --prompts 2 --group 4 --tokens 128 --steps 5
 
-On a machine with CUDA both trainers run on the GPU (``--device``), and each row also reports its
-peak GPU memory. ``--configs`` runs some of the rows (by index; at least one TRL row);
-``--micro-batch`` sets our update's micro-batch and TRL's per-device batch with gradient
-accumulation over the step (the default, the whole step in one micro-batch, fits small steps only).
+Same model, prompts, group size, budget, temperature, lr, token-mean loss and beta = 0; each row in a
+fresh process, the first step a warm-up. Throughput is completion tokens per second of step time;
+TRL runs in bf16 with checkpointing (its defaults) and in float32 without, and each of our rows is
+compared with the fastest TRL row at its precision. Prints a Markdown table and JSON (with peak GPU
+memory on CUDA); ``--configs`` picks rows, ``--micro-batch`` splits the step.
 """
 
 from __future__ import annotations
@@ -54,7 +44,8 @@ QUESTIONS = [  # the first GSM8k train problems
 ]
 
 
-def correct(text: str, answer: float) -> float:
+def correctness_reward(text: str, answer: float) -> float:
+    """1.0 when the completion's final answer matches ``answer``, else 0.0."""
     found = extract_final_answer(text)
     return 1.0 if found is not None and answers_match(found.value, answer) else 0.0
 
@@ -64,7 +55,7 @@ def run_rlvr(args, stop_at_final_answer: bool, compute_dtype: str = "float32") -
     problems = [{"prompt": render_prompt(tokenizer, q), "answer_value": a, "problem_id": f"q{i}"} for i, (q, a) in enumerate(QUESTIONS)]
 
     def reward_fn(completions, batch):
-        scores = [correct(c, p["answer_value"]) for c, p in zip(completions, batch)]
+        scores = [correctness_reward(c, p["answer_value"]) for c, p in zip(completions, batch)]
         return scores, {"correct": scores}
 
     config = GRPOConfig(
@@ -106,7 +97,7 @@ def run_trl(args, gradient_checkpointing: bool, bf16: bool | None) -> list[dict]
     dataset = Dataset.from_list([rows[i % len(rows)] for i in range(args.prompts * args.steps)])
 
     def reward(completions, answer, **_):
-        return [correct(c[0]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
+        return [correctness_reward(c[0]["content"] if isinstance(c, list) else c, a) for c, a in zip(completions, answer)]
 
     steps: list[dict] = []
 

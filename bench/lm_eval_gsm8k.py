@@ -1,30 +1,12 @@
-"""lm-evaluation-harness' gsm8k against the served policy, beside our own evaluation protocol, on
-the same problems, in one invocation.
+"""lm-evaluation-harness' gsm8k against our own evaluation protocol, on the same served policy and problems.
 
     python bench/lm_eval_gsm8k.py /tmp/smol --limit 100
 
-Builds the Bento around the checkpoint in a temporary ``BENTOML_HOME`` (``bentos.build``), serves
-it on loopback, then asks it the first ``--limit`` GSM8k test problems twice:
-
-* **the harness**: lm-eval 0.4.13's own gsm8k task (``bench/lm_eval/gsm8k_local.yaml``: the
-  official task word for word, on the local jsonl files, so offline): 5-shot ``Question: ...
-  Answer:`` prompts, greedy, up to 256 tokens, cut at ``Question:``; sent as text to
-  ``/v1/completions`` (``local-completions``, the checkpoint's tokenizer for lengths and the end
-  token, ``--concurrency`` requests at a time); graded by its strict-match and flexible-extract;
-* **ours**: ``/solve`` with ``k = 1`` (the training prompt in the chat template, zero-shot, greedy,
-  256 new tokens, stopping after the ``####`` line), graded as ``rlvr.evaluation.runner`` grades
-  (``rlvr.answers``: strict and flexible).
-
-It prints the accuracies side by side, then every problem whose verdict differs, with why: the
-harness's text graded by our rules tells the two causes apart (the same verdict as the harness's:
-"different text", the prompts made the model answer otherwise; another verdict: "different
-extraction", the graders read the same text differently). It also checks ``rlvr.answers.
-lm_eval_gsm8k_answers`` (our copy of the harness's extraction) against the harness on every response.
-
-lm-eval's dependencies agree with requirements.lock (``lm-eval[api]==0.4.13`` is pinned there), so
-it runs in the project's environment. By hand, from the repository root, with a served policy:
-``lm_eval --model local-completions --model_args model=<id of /v1/models>,base_url=http://127.0.0.1:3000/v1/completions,tokenizer_backend=huggingface,tokenizer=/tmp/smol,tokenized_requests=False
---include_path bench/lm_eval --tasks gsm8k_local --limit 100``.
+Builds and serves the Bento on loopback, then asks it the first ``--limit`` GSM8k test problems twice:
+the harness's gsm8k task (5-shot, via ``/v1/completions``; ``bench/lm_eval/gsm8k_local.yaml``, offline)
+and our ``/solve`` with ``k = 1`` (zero-shot chat prompt, graded by ``rlvr.answers``). Prints both
+accuracies and every problem whose verdict differs, with why (different text or different extraction),
+and checks ``rlvr.answers.lm_eval_gsm8k_answers`` against the harness on every response.
 """
 
 from __future__ import annotations

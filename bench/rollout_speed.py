@@ -3,12 +3,9 @@
     python bench/rollout_speed.py /tmp/smol --trees /tmp/before . --prompts 8 --samples 8 --new-tokens 128
     python bench/rollout_speed.py --family qwen3 --trees /tmp/before .
 
-Each tree's ``generate_rollouts`` (``rlvr.generation``; ``rlvr.rollout`` in trees older than it) runs in a
-process of its own on the same prompts (GSM8k questions in the chat template), samples, temperature 1
-and token budget; no end token stops a row, so every row decodes the whole budget and the work is
-equal. The trees take turns for ``--rounds`` rounds (a warm-up, then one timed call each). ``--family
-qwen3`` builds a Qwen3 with the embedded model's shapes from a config (random weights, the embedded
-model's tokenizer). Prints a Markdown table of median tokens/s and each tree's ratio to the first.
+Each tree's ``generate_rollouts`` runs in its own process on the same prompts and budget (no end token,
+so equal work), the trees taking turns for ``--rounds``. ``--family qwen3`` builds a random-weight Qwen3
+of the embedded model's shapes. Prints median tokens/s and each tree's ratio to the first.
 """
 
 from __future__ import annotations

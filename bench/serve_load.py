@@ -1,28 +1,13 @@
-"""Load test of the served policy, batching on vs off, in one invocation, optionally with hostile
-clients in the mix.
+"""Load test of the served policy, batching on vs off, optionally with hostile clients in the mix.
 
     python bench/serve_load.py /tmp/smol --requests 16 --concurrency 8 --k 4 --max-new-tokens 64
     python bench/serve_load.py /tmp/smol --requests 16 --concurrency 4 --slow-clients 16 --disconnects 8
 
-Stores the checkpoint as a BentoML model and builds the Bento (``bentos.build``) in a temporary
-``BENTOML_HOME``; then, for each configuration (``RLVR_BATCHING=0`` and ``=1``), starts
-``bentoml serve`` on loopback, warms it up, sends a fixed list of ``/solve`` requests (GSM8k test
-questions) from ``--concurrency`` client threads, and stops the server. Every request has a
-timeout, and each configuration a total time cap after which no more requests are sent.
-
-Hostile clients, alongside the measured ones: ``--disconnects`` long requests, one after another
-from the start, whose clients hang up after ``--disconnect-after-s`` (before their answer), and
-``--slow-clients`` connections that send their headers and a few bytes of body, then nothing
-(each reopened when the server answers it, which should be a 408 after the service's body
-timeout) until the measured requests and the hang-ups are done.
-
-Reports per configuration: requests answered, errors (non-200, timeouts, not sent), wall time,
-requests/s (the goodput: measured requests answered 200), completion tokens/s (from the service's
-traffic log), p50/p95 latency and the mean number of requests per generation pass; with hostile
-clients, the slow clients' answers, the disconnects, and the requests lost or mislogged: a
-measured request answered 200 without its 200 record in the traffic log, a hung-up one without its
-499 record, a record no client accounts for, or a ``rlvr_requests_total`` count unlike what the
-clients saw. Exits 1 when any measured request failed or any request was lost or mislogged.
+Serves the Bento with ``RLVR_BATCHING=0`` and ``=1`` in turn and sends the same ``/solve`` requests
+from ``--concurrency`` threads, optionally beside clients that hang up (``--disconnects``) or stall
+their bodies (``--slow-clients``). Reports answered requests, errors, requests/s, completion tokens/s,
+p50/p95 latency and batch size; exits 1 when a measured request failed or a request was lost or
+mislogged in the traffic log or the metrics.
 """
 
 from __future__ import annotations

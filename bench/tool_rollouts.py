@@ -1,15 +1,10 @@
-"""What tool calling costs the engine: ``rlvr.generation.generate_rollouts`` on GSM8k prompts
-without an environment and with the calculator (``rlvr.environments.calculator``), in one invocation.
+"""What tool calling costs the engine: ``generate_rollouts`` with no environment against the calculator.
 
     OMP_NUM_THREADS=1 python bench/tool_rollouts.py /tmp/smol --prompts 4 --samples 8 --new-tokens 256
 
-Both runs get the same prompts: GSM8k test questions (the shipped files) under the calculator's
-system prompt (``rlvr.prompts.system_prompt_for``), so the tool loop is the only difference; they are
-sampled at T=1 with the usual stop rules, each timed ``--repeats`` times after a warm-up,
-alternating. The checkpoint should be a policy that calls the calculator (``sft_policy`` with
-``environment: {name: calculator}``); a policy that never writes ``<<`` measures only the per-token
-cost of watching for calls. Prints one JSON line: per run, the median seconds, policy tokens/s
-(tokens the policy sampled), total tokens/s (with the injected ones) and calls per completion.
+Both runs sample the same GSM8k prompts under the calculator's system prompt at T=1, alternating,
+``--repeats`` times after a warm-up; use a policy that calls the calculator (``sft_policy`` trained in
+it). Prints one JSON line: per run, median seconds, policy and total tokens/s and calls per completion.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def openai_shaped(path: str) -> bool:
     return path.startswith("/v1/") or path in OPENAI_ENDPOINTS or path in OPENAI_INFO_ROUTES
 
 
-class Door:
+class RequestSlots:
     """The slots of this worker's public requests: ``RequestGuard`` admits through it, the service
     opens it once the policy is loaded, and ``/readyz`` reads it (a saturated worker is not ready)."""
 
@@ -54,7 +54,7 @@ class Door:
         return self.in_flight >= self.capacity
 
 
-DOOR = Door(MAX_CONCURRENCY)
+REQUEST_SLOTS = RequestSlots(MAX_CONCURRENCY)
 
 
 @dataclass
@@ -102,8 +102,8 @@ class RequestGuard:
     response's first message, so the guard ends a stream still running ``STREAM_GRACE_S`` past it (a
     client that stops reading would hold its slot)."""
 
-    def __init__(self, app, door: Door, access: Access):
-        self.app, self.door, self.access = app, door, access
+    def __init__(self, app, slots: RequestSlots, access: Access):
+        self.app, self.slots, self.access = app, slots, access
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in PROBES:
@@ -166,17 +166,17 @@ class RequestGuard:
         if (location := lone_surrogate_field(bytes(body))) is not None:
             name = openai_api.param_name(location)
             return await _refuse(send, 400, f"{name}: holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not Unicode text", field=location)
-        if not self.door.loaded:
+        if not self.slots.loaded:
             return await _refuse(send, 503, "the policy is not loaded yet", retry_after=True)
-        if self.door.saturated:
-            return await _refuse(send, 503, f"overloaded: all {self.door.capacity} slots are taken", retry_after=True)
+        if self.slots.saturated:
+            return await _refuse(send, 503, f"overloaded: all {self.slots.capacity} slots are taken", retry_after=True)
         if (over := self.access.take_share(caller, RETRY_AFTER_S)) is not None:
             return await refuse_for(send, over, openai=openai)
-        self.door.in_flight += 1
+        self.slots.in_flight += 1
         try:
             await self._run(scope, bytes(body), receive, send, exchange)
         finally:
-            self.door.in_flight -= 1
+            self.slots.in_flight -= 1
             self.access.release(caller)
 
     async def _run(self, scope, body: bytes, receive, send, exchange: Exchange) -> None:

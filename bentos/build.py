@@ -1,15 +1,10 @@
 """Put a policy checkpoint into the BentoML model store and build the service's Bento, offline.
 
-Called by the Dagster ``bento`` asset: ``store_policy`` copies a Hugging Face checkpoint into the
-model store as ``rlvr_policy`` with its lineage as labels; ``build_bento`` builds
-``bentos/bentofile.yaml`` around that model. The build never resolves or locks packages against
-an index and never installs anything (``lock_packages: false`` in the bentofile, so BentoML does
-not fetch ``uv``), and runs with BentoML's usage tracking off.
-
-BentoML keeps models and Bentos under ``BENTOML_HOME``; here it defaults to ``$RLVR_HOME/bentoml``
-(``./.rlvr/bentoml`` when ``RLVR_HOME`` is unset), and serving must see the same variable:
+``store_policy`` copies a Hugging Face checkpoint into the store as ``rlvr_policy``, its lineage as
+labels; ``build_bento`` builds ``bentos/bentofile.yaml`` around it without resolving or installing
+packages. Both use ``BENTOML_HOME`` (default ``$RLVR_HOME/bentoml``), which serving must see too:
 ``BENTOML_HOME=<home> RLVR_HOME=<rlvr home> bentoml serve rlvr_policy:<version>``
-(``BuiltBento.serve_command``; ``RLVR_HOME`` tells the service where to write its traffic logs).
+(``BuiltBento.serve_command``).
 """
 
 from __future__ import annotations

@@ -21,26 +21,26 @@ def lone_surrogate_field(body: bytes) -> tuple[str, ...] | None:
         document = json.loads(body)
     except (ValueError, RecursionError):
         return None
-    return _find(document, ())
+    return _lone_surrogate_location(document, ())
 
 
-def _find(value, location: tuple) -> tuple | None:
+def _lone_surrogate_location(value, location: tuple) -> tuple | None:
     if isinstance(value, str):
-        return location if _lone_surrogate(value) else None
+        return location if _has_lone_surrogate(value) else None
     if isinstance(value, dict):
         for key, item in value.items():
-            if _lone_surrogate(key):
+            if _has_lone_surrogate(key):
                 return (*location, key.encode("utf-8", "backslashreplace").decode())
-            if (found := _find(item, (*location, key))) is not None:
+            if (found := _lone_surrogate_location(item, (*location, key))) is not None:
                 return found
     if isinstance(value, list):
         for index, item in enumerate(value):
-            if (found := _find(item, (*location, index))) is not None:
+            if (found := _lone_surrogate_location(item, (*location, index))) is not None:
                 return found
     return None
 
 
-def _lone_surrogate(text: str) -> bool:
+def _has_lone_surrogate(text: str) -> bool:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:

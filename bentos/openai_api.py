@@ -47,16 +47,16 @@ def param_name(loc: tuple) -> str | None:
     return name or None
 
 
-def invalid(err: ValidationError) -> tuple[str, str | None, str]:
+def error_parts(err: ValidationError) -> tuple[str, str | None, str]:
     """(message, param, code) of a 400: every error, each with its field; the param and code of the first."""
     errors = err.errors(include_url=False, include_input=False, include_context=False)
 
-    def said(error: dict) -> str:
+    def error_text(error: dict) -> str:
         if error["type"] == "extra_forbidden":
             return "not supported by this server (an unknown field)"
         return error["msg"].removeprefix("Value error, ")
 
-    message = "; ".join(f"{param_name(e['loc']) or 'body'}: {said(e)}" for e in errors)
+    message = "; ".join(f"{param_name(e['loc']) or 'body'}: {error_text(e)}" for e in errors)
     return message, param_name(errors[0]["loc"]), errors[0]["type"]
 
 
@@ -152,13 +152,14 @@ class TextStream:
             text = text.rstrip("\ufffd")  # an incomplete UTF-8 character
             held = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
             text = text[: len(text) - held]
-        return self._send(text)
+        return self._unsent_delta(text)
 
     def finish(self, final_text: str) -> str:
         """The rest of the choice's final text (the engine's, cut at its stop string)."""
-        return self._send(final_text)
+        return self._unsent_delta(final_text)
 
-    def _send(self, text: str) -> str:
+    def _unsent_delta(self, text: str) -> str:
+        """The part of ``text`` past what was sent, now counted as sent; "" when ``text`` does not extend it."""
         if not text.startswith(self.sent) or len(text) <= len(self.sent):
             return ""
         delta, self.sent = text[len(self.sent) :], text

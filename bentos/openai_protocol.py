@@ -1,6 +1,6 @@
 """The OpenAI-compatible API (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``) and vLLM's
 tokenizer endpoints (``/tokenize``, ``/detokenize``, ``/tokenizer_info``), as a mixin of ``RlvrPolicy``:
-validated and priced before any work (400 naming the field, in OpenAI's error shape), one rollout job
+validated and cost-checked before any work (400 naming the field, in OpenAI's error shape), one rollout job
 per prompt scheduled with all others, stopped when the client hangs up or its time runs out, logged
 in the traffic log. ``bentos.openai_api`` speaks the wire format; ``echo`` and ``logprobs: k`` score
 prompt and completion in one forward pass on the model thread (``rlvr.generation.score_tokens``).
@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from bentos import openai_api
 from bentos.admission import EXCHANGE, request_timeout_s
-from bentos.pricing import CostFields, invalid_request
+from bentos.request_cost import CostFields, invalid_request
 from bentos.scheduler import RolloutJob, RolloutResult
 from bentos.schemas import (
     MAX_COMPLETION_TOKENS,
@@ -73,7 +73,7 @@ class StreamTimedOut(Exception):
 
 
 class OpenAIProtocol:
-    """The ``/v1`` and tokenizer endpoints of ``RlvrPolicy`` (its model, tokenizers, pricing, jobs, traffic log)."""
+    """The ``/v1`` and tokenizer endpoints of ``RlvrPolicy`` (its model, tokenizers, request cost, jobs, traffic log)."""
 
     def openai_models(self) -> ModelList:
         return ModelList(
@@ -81,7 +81,7 @@ class OpenAIProtocol:
         )
 
     async def openai_completions(self, request: Request, chat: bool) -> Response:
-        """``POST /v1/chat/completions`` (``chat``) or ``/v1/completions``: validated and priced before any
+        """``POST /v1/chat/completions`` (``chat``) or ``/v1/completions``: validated and cost-checked before any
         work (400 naming the field, in OpenAI's error shape), one rollout job per prompt batched with all
         others, stopped when the client hangs up or its time runs out, logged in the traffic log."""
         started, endpoint = time.perf_counter(), request.url.path
@@ -108,7 +108,7 @@ class OpenAIProtocol:
                     "max_tokens",
                     f"prompts x n x max_tokens = {len(prompts)} x {body.n} x {max_tokens}; at most {MAX_COMPLETION_TOKENS} completion tokens",
                 )
-            jobs = self._priced_jobs(
+            jobs = self._jobs_within_limits(
                 CostFields(schema.__name__, "messages" if chat else "prompt", rows, "max_tokens", chat),
                 prompts,
                 body.n,
@@ -120,7 +120,7 @@ class OpenAIProtocol:
                 seed=body.seed,
             )
         except ValidationError as err:
-            return self._openai_refusal(endpoint, 400, *openai_api.invalid(err))
+            return self._openai_refusal(endpoint, 400, *openai_api.error_parts(err))
         record = {"endpoint": endpoint, "params": body.model_dump(exclude={"messages", "prompt"}, mode="json")}
         if chat:  # the traffic log's prompt: the question, as /solve logs it
             users = [m.content for m in body.messages if m.role == "user"]
@@ -147,7 +147,7 @@ class OpenAIProtocol:
         try:
             body = schema.model_validate_json(await request.body())
         except ValidationError as err:
-            return self._openai_refusal(request.url.path, 400, *openai_api.invalid(err))
+            return self._openai_refusal(request.url.path, 400, *openai_api.error_parts(err))
         if body.model is not None and body.model not in self.model_names:
             return self._openai_refusal(request.url.path, 404, f"the model `{body.model}` does not exist", "model", "model_not_found")
         if detokenize:
@@ -161,7 +161,7 @@ class OpenAIProtocol:
             try:
                 text = self._chat_prompt(body.messages, "TokenizeRequest", body.add_generation_prompt)
             except ValidationError as err:
-                return self._openai_refusal(request.url.path, 400, *openai_api.invalid(err))
+                return self._openai_refusal(request.url.path, 400, *openai_api.error_parts(err))
         ids = self.prompt_tokenizer(text, add_special_tokens=body.special_tokens()).input_ids
         strs = self.prompt_tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=self.context_tokens, tokens=ids, token_strs=strs).model_dump())

@@ -1,44 +1,21 @@
 """``RlvrPolicy``: the trained policy as a BentoML service that holds under hostile clients.
 
-* ``POST /generate``: ``num_rollouts`` rollouts of one prompt, each with its extracted answer and,
-  given ``ground_truth``, its verifiable reward; the best rollout, mean reward, majority answer.
-* ``POST /solve``: self-consistency (Wang et al. 2022): k samples, majority vote of their final
-  answers, the vote share as confidence; k = 1 is one greedy decode.
-* OpenAI's API (``/v1/chat/completions``, ``/v1/completions`` with ``echo`` and ``logprobs: k``,
-  ``/v1/models``) and vLLM's ``/tokenize``, ``/detokenize``, ``/tokenizer_info``: ``bentos.openai_protocol``.
-* ``/healthz`` (alive: loading has not failed), ``/readyz`` (loaded, warmed up, a slot free, and a new
-  request would start within ``READY_START_WAIT_S``, ``$RLVR_READY_START_WAIT_S``), ``/metrics``
-  (BentoML's ``bentoml_service_*`` plus the ``rlvr_*`` series of ``bentos.metrics``), ``/docs.json``
-  (the OpenAPI 3.1 document of ``bentos.schemas``).
-* Every route but the probes takes an API key, ``Authorization: Bearer <key>`` (``bentos.api_keys``);
-  with none configured the service is open to anyone and says so loudly at start.
-
-This module composes the service from one module per concern: the way in (``bentos.admission``:
-API keys, body bounds, slots, hang-ups; ``bentos.header_timeout``: stalled headers), pricing on the loaded model
-(``bentos.pricing``: a 400 naming the field), the scheduler that owns the model thread
-(``bentos.scheduler``: continuous batching by ``rlvr.generation``), the protocols
-(its own API here, OpenAI's in ``bentos.openai_protocol``) and the traffic log (``bentos.traffic_log``).
-A request whose client hangs up, or whose time (BentoML's traffic ``timeout``, 504) runs out, has its
-rows stopped at the next decode step.
-
-The policy comes from the BentoML model store (``model_tag`` bento argument, default
-``rlvr_policy:latest``); ``bentoml build`` packs it into the Bento. Prompts are built by
-``rlvr.prompts.render_prompt`` and answers read by ``rlvr.answers.extract_final_answer``, as in
-training and evaluation. The policy rolls out in the environment its checkpoint records
-(``rlvr.policy.policy_environment``: single-turn, a calculator, code execution), on every endpoint:
-its instructions join the prompt, its tool's text is part of each completion (and of its token
-budget), and ``/solve`` and ``/generate`` list the tool calls.
+Routes: ``/generate`` (rollouts of one prompt, with answers and rewards), ``/solve`` (self-consistency,
+Wang et al. 2022: a majority vote of k samples), OpenAI's ``/v1`` API and vLLM's tokenizer routes
+(``bentos.openai_protocol``), the probes ``/healthz`` and ``/readyz``, ``/metrics`` and ``/docs.json``.
+Every route but the probes takes an API key (``bentos.api_keys``). The policy comes from the model
+store (the ``model_tag`` Bento argument) and uses training's prompt builder and answer extractor.
+Admission (``bentos.admission``), request cost (``bentos.request_cost``), scheduling
+(``bentos.scheduler``) and the traffic log (``bentos.traffic_log``) are modules of their own.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import functools
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 import uuid
@@ -51,11 +28,11 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from bentos import MODEL_NAME, MODEL_VERSION_LABEL, SERVICE_NAME, header_timeout
-from bentos.admission import DOOR, REQUEST_TIMEOUT_S, RequestGuard
+from bentos.admission import REQUEST_SLOTS, REQUEST_TIMEOUT_S, RequestGuard
 from bentos.api_keys import ACCESS, access_from_env
 from bentos.metrics import REWARD, VOTE_SHARE
 from bentos.openai_protocol import ROUTES, OpenAIProtocol
-from bentos.pricing import CostFields, Pricing
+from bentos.request_cost import CostFields, RequestCost
 from bentos.scheduler import ContinuousScheduler, ModelCall, RolloutJob, RolloutResult, make_scheduler
 from bentos.schemas import (
     DEFAULT_KV_CACHE_BUDGET_MIB,
@@ -75,6 +52,7 @@ from rlvr.answers import extract_final_answer
 from rlvr.evaluation import majority_vote
 from rlvr.generation import kv_cache_bytes_per_token
 from rlvr.policy import load_policy, load_tokenizer, policy_environment
+from rlvr.process_lifetime import die_with_parent
 from rlvr.rewards import RewardPool
 from rlvr.settings import Settings
 from rlvr.traffic import TrafficLog
@@ -113,23 +91,12 @@ except ValueError as err:
     raise
 
 
-def die_with_parent() -> None:
-    """Have Linux send this worker SIGTERM when ``bentoml serve`` (its parent) dies, so a killed server
-    leaves no worker holding its port (BentoML starts each worker in a process group of its own)."""
-    if not sys.platform.startswith("linux"):
-        return
-    parent, pr_set_pdeathsig = os.getppid(), 1
-    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
-    if os.getppid() != parent:  # it died before the request took effect
-        os.kill(os.getpid(), signal.SIGTERM)
-
-
 @bentoml.service(
     name=SERVICE_NAME,
     workers=1,  # one copy of the policy per replica; scale with replicas (deploy/k8s/bento-hpa.yaml)
     traffic={"timeout": REQUEST_TIMEOUT_S},  # concurrency is RequestGuard's: past the body, public requests only
 )
-class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
+class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
     policy = bentoml.models.BentoModel(ARGS.model_tag)
 
     def __init__(self) -> None:
@@ -148,7 +115,7 @@ class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
         self.kv_bytes_per_token = self.vocab_size = 0
         self.scheduler: ContinuousScheduler | None = None
         self._load_error: BaseException | None = None
-        die_with_parent()
+        die_with_parent(signal.SIGTERM)  # a killed `bentoml serve` takes this worker along
         threading.Thread(target=self._serve_model, args=(stored.path,), name="rlvr-policy", daemon=True).start()
         logger.info(
             "rlvr_policy: model %s (version %s), batching %s, KV-cache budget %d MiB, traffic log %s",
@@ -161,7 +128,7 @@ class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
 
     def __is_ready__(self) -> bool:
         """Loaded, a slot free, and a new request would start within ``READY_START_WAIT_S``."""
-        return DOOR.loaded and not DOOR.saturated and self.scheduler.start_wait_s() <= ready_start_wait_s()
+        return REQUEST_SLOTS.loaded and not REQUEST_SLOTS.saturated and self.scheduler.start_wait_s() <= ready_start_wait_s()
 
     def __is_alive__(self) -> bool:
         return self._load_error is None
@@ -178,7 +145,7 @@ class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
         started, request_id = time.perf_counter(), uuid.uuid4().hex
         temperatures = request.temperatures()
         prompt = self._rendered("GenerateRequest", "prompt", request.prompt)
-        (job,) = self._priced_jobs(
+        (job,) = self._jobs_within_limits(
             CostFields("GenerateRequest", "prompt", "num_rollouts", "max_new_tokens", True),
             [prompt],
             request.num_rollouts,
@@ -242,7 +209,7 @@ class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
         """Answer a math word problem by majority vote over ``k`` samples (greedy when k = 1)."""
         started, request_id = time.perf_counter(), uuid.uuid4().hex
         question = self._rendered("SolveRequest", "question", request.question)
-        (job,) = self._priced_jobs(
+        (job,) = self._jobs_within_limits(
             CostFields("SolveRequest", "question", "k", "max_new_tokens", True),
             [question],
             request.k,
@@ -272,7 +239,7 @@ class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
             record.update(generation_fields(result), answers=answers, answer=answer, vote_share=vote_share)
         return response
 
-    # ---- the OpenAI-compatible API (/v1): the same way in, pricing, batching, cancellation and logs --
+    # ---- the OpenAI-compatible API (/v1): the same way in, request cost, batching, cancellation and logs --
 
     async def _on_model(self, fn: Callable, *args):
         """``fn(*args)`` on the model thread, between two engine steps (the model is that thread's)."""
@@ -295,7 +262,7 @@ class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
             raise
 
     def _serve_model(self, path: str) -> None:
-        """The model thread: load the policy, warm it up (one short greedy generation), open the door,
+        """The model thread: load the policy, warm it up (one short greedy generation), open the slots,
         then run the scheduler for as long as the process lives."""
         try:
             import torch
@@ -304,7 +271,7 @@ class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
             self.environment = policy_environment(path)  # its protocol, as trained: before any prompt is rendered
             self.model, self.tokenizer = load_policy(path, device, torch.bfloat16 if device == "cuda" else None)
             self.model.eval().requires_grad_(False)  # frozen: every pass reuses one packed copy of its weights
-            self.prompt_tokenizer = load_tokenizer(path)  # the event loop's own: pricing never shares the model's
+            self.prompt_tokenizer = load_tokenizer(path)  # the event loop's own: cost checks never share the model's
             self.vocabulary = Vocabulary(self.prompt_tokenizer)
             self.context_tokens = getattr(self.model.config, "max_position_embeddings", None)
             self.kv_bytes_per_token = kv_cache_bytes_per_token(self.model.config, self.model.dtype)
@@ -320,7 +287,7 @@ class RlvrPolicy(OpenAIProtocol, Pricing, TrafficRecording):
                 kv_cache_bytes=0,
             )
             self.scheduler.warm_up(warm_up)
-            DOOR.loaded = True
+            REQUEST_SLOTS.loaded = True
             logger.info(
                 "rlvr_policy: %s loaded on %s and warmed up; %s scheduling; environment %s %s",
                 self.model_tag,
@@ -363,7 +330,7 @@ async def _openapi_view(_request) -> JSONResponse:
     return JSONResponse(_openapi())
 
 
-RlvrPolicy.add_asgi_middleware(RequestGuard, door=DOOR, access=ACCESS)
+RlvrPolicy.add_asgi_middleware(RequestGuard, slots=REQUEST_SLOTS, access=ACCESS)
 # Matched before BentoML's own /docs.json, which flattens every union to its first member (OpenAPI 3.0).
 # The /v1 routes are plain Starlette ones: BentoML's API layer would answer 400s in its own shape.
 RlvrPolicy.mount_asgi_app(

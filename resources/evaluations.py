@@ -1,14 +1,11 @@
 """Evaluations of stored policies, kept in DuckDB: computed once per policy version x protocol x problem
 set (``eval_id``) and reused after that, so every number in a report can be re-derived with SQL.
 
-Once also across processes: an evaluation is computed under a lock of its ``eval_id`` (a file beside
-the DuckDB file), so a second request of it, from another run, waits for the first and reuses its
-rows. A row names its policy by its model-store name (``base_policy``, ``sft_policy``,
-``grpo_checkpoint``), a property of the policy; the part a policy plays in a report (base, trained,
-champion) is the report's.
-
-A policy is evaluated in its environment (``rlvr.environments``), the one its checkpoint records
-(``rlvr.policy.stored_environment``: how it was trained), unless the protocol names another."""
+An evaluation is computed under a file lock of its ``eval_id``, so a concurrent run waits and reuses
+its rows. A row names its policy by its model-store name; the part it plays in a report (base, trained,
+champion) is the report's. A policy is evaluated in the environment its checkpoint records, unless the
+protocol names another.
+"""
 
 from __future__ import annotations
 
@@ -97,7 +94,7 @@ class Evaluator(ConfigurableResource):
             model, tokenizer = self.compute.inference_policy(path)
             if log and spec["name"] != SINGLE_TURN["name"]:
                 log.info(f"{policy}: evaluating {policy_version} in its environment {spec}")
-            results = evaluate_policy(model, tokenizer, problems, protocol.to_core(), _progress(policy, log), environment)
+            results = evaluate_policy(model, tokenizer, problems, protocol.to_core(), _progress_logger(policy, log), environment)
             frame = pd.DataFrame(results).assign(
                 eval_id=key,
                 policy_role=policy,
@@ -123,7 +120,7 @@ class Evaluator(ConfigurableResource):
             yield
 
 
-def _progress(policy: str, log):
+def _progress_logger(policy: str, log):
     """A progress callback logging completions done at most every PROGRESS_EVERY_S seconds, and at the end."""
     started, last = time.perf_counter(), [0.0]
 

@@ -1,20 +1,12 @@
 """Launching GRPO training on Kubernetes: torchrun in GPU pods of its own, through Dagster Pipes (dagster-k8s).
 
 :class:`K8sTrainingLauncher` is :class:`~resources.launcher.TrainingLauncher` on a cluster: the same
-worker (``rlvr_assets.grpo_worker``), Pipes extras and scratch folder, which lives on the shared
-``rlvr-home`` claim (ReadWriteMany) that the run pod and every training pod mount at one path.
-
-One node is one pod that :class:`dagster_k8s.PipesK8sClient` creates and follows (``torchrun
---standalone``). N nodes are that pod, node 0, plus an indexed Job of N-1 worker pods, joined by
-torchrun's c10d rendezvous: the Pipes pod hosts its store (``is_host=1``) behind a headless Service
-of the run's name. c10d numbers nodes by their sorted ``--local-addr``; the Pipes pod's is the
-Service name, a prefix of every worker's, so it is node 0 and holds global rank 0, the one rank that
-talks to Dagster (its messages are read from that pod's log).
-
-Every pod reads the same Pipes context. PipesK8sClient writes it to a file in the scratch folder
-(:class:`dagster.PipesFileContextInjector`), so ``DAGSTER_PIPES_CONTEXT`` is a path known before
-the session opens and the worker Job carries the very value the Pipes pod gets. Worker ranks read
-the file only after the rendezvous, which waits for the Pipes pod, which starts after the file is written.
+worker (:mod:`resources.grpo_worker`), Pipes extras and scratch folder, on the shared ``rlvr-home``
+claim (ReadWriteMany) that the run pod and every training pod mount at one path. One node is one pod
+that :class:`dagster_k8s.PipesK8sClient` creates and follows; N nodes add an indexed Job of N-1
+worker pods, joined by torchrun's c10d rendezvous hosted by the Pipes pod (node 0, global rank 0)
+behind a headless Service. Every pod reads the same Pipes context, a file in the scratch folder
+(:class:`dagster.PipesFileContextInjector`).
 """
 
 from __future__ import annotations
@@ -51,6 +43,7 @@ from resources.launcher import (
     step_history,
     training_failure,
 )
+from rlvr.files import write_atomically
 
 GPU = "nvidia.com/gpu"
 RUN_LABEL = "rlvr-ops/training-run"  # every object of one run: kubectl delete pod,job,service -l rlvr-ops/training-run=<name>
@@ -235,7 +228,7 @@ class K8sTrainingLauncher(ConfigurableResource):
             plan, extras = self.manifests(name, nproc, image, namespace, job.scratch), job.extras()
             apis, created = kubernetes_apis() if plan.workers is not None else None, []
             record = {"name": name, "namespace": namespace, "objects": [o for o in (plan.workers, plan.service) if o is not None]}
-            (job.scratch / ATTEMPT_FILE).write_text(json.dumps(record))
+            write_atomically(job.scratch / ATTEMPT_FILE, json.dumps(record))
             metrics, done = StepMetrics(job.scratch, on_step), threading.Event()
 
             def follow() -> None:  # each step's metrics as it ends, while PipesK8sClient follows the pod

@@ -1,18 +1,11 @@
 """Launching GRPO training outside the orchestrator's process: torchrun through Dagster Pipes.
 
-:class:`TrainingLauncher` runs ``rlvr_assets.grpo_worker`` under ``torchrun --nproc_per_node N`` in a
-Pipes session: the worker's per-step logs reach the event log as they happen, its per-step metrics
-are streamed from the run's scratch folder as each step ends (:class:`StepMetrics`), its rows come
-back as Parquet files there (:meth:`TrainingLauncher.step_rows` reads them for the one DuckDB
-writer), its checkpoint as a folder there, and each rank's final weights digest (a run whose ranks
-disagree fails). Every run size takes this path, one process included.
-
-Training lives and dies with its run: torchrun runs in a process group of its own that the launcher
-stops when the step fails or is cancelled, and with a parent-death signal (as every rank has), so a
-killed run worker takes its training along. One attempt at a time holds the scratch folder
-(:func:`attempt_lock`, an ``flock`` naming its Dagster run, PID, host and training's process group): a
-second attempt while the first lives is refused, naming it; the holder stops what an attempt that died
-left running there (:func:`stop_abandoned_training`), and nothing else.
+:class:`TrainingLauncher` runs :mod:`resources.grpo_worker` under ``torchrun --nproc_per_node N`` in a
+Pipes session, for every run size: logs reach the event log as they happen, per-step metrics stream
+from the run's scratch folder (:class:`StepMetrics`), rows come back as Parquet files there
+(:meth:`TrainingLauncher.step_rows`), and every rank's final weights digest must agree. Training dies
+with its run (own process group, parent-death signal); one attempt at a time holds the scratch folder
+(:func:`attempt_lock`), and stops what a dead earlier attempt left running (:func:`stop_abandoned_training`).
 """
 
 from __future__ import annotations
@@ -30,6 +23,7 @@ import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from subprocess import Popen, TimeoutExpired
 from typing import IO, Any, Callable, Iterator, Mapping
@@ -38,12 +32,13 @@ import pandas as pd
 from dagster import ConfigurableResource, Failure, PipesTempFileContextInjector, PipesTempFileMessageReader, PreviewWarning, open_pipes_session
 from pydantic import Field
 
+from resources import grpo_worker
 from rlvr.grpo import GRPOConfig
 from rlvr.grpo.checkpoint import latest_checkpoint
 from rlvr.rewards import pickled_reward
-from rlvr.training_run import die_with_parent
+from rlvr.training_run import start_training_process
 
-WORKER_MODULE = "rlvr_assets.grpo_worker"
+WORKER_MODULE = grpo_worker.__name__  # what torchrun runs with -m: resources.grpo_worker
 LOCK_FILE = "attempt.lock"  # in the scratch folder: the holder's {"dagster_run_id", "pid", "host", "pgid": its training's process group}
 SCRATCH_ENV = "RLVR_TRAINING_SCRATCH"  # in every training process's environment: the scratch folder it trains in
 TRAINING_MARKERS = (b"torch.distributed.run", b"torchrun", WORKER_MODULE.encode())  # what a training process's command line holds
@@ -142,7 +137,7 @@ class TrainingLauncher(ConfigurableResource):
         path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))  # the worker imports what this process can
         with open_pipes_session(context, PipesTempFileContextInjector(), PipesTempFileMessageReader(), extras=job.extras()) as session:
             env = {**os.environ, "PYTHONPATH": path, SCRATCH_ENV: str(job.scratch.resolve()), **session.get_bootstrap_env_vars()}
-            process = Popen(self.command(nproc), env=env, start_new_session=True, preexec_fn=die_with_parent)
+            process = Popen(self.command(nproc), env=env, start_new_session=True, preexec_fn=partial(start_training_process, os.getpid()))
             try:
                 record(process.pid)  # its process group: what a later attempt stops if this one is killed
                 while process.poll() is None:  # each step's metrics as it ends

@@ -18,6 +18,8 @@ from typing import Callable
 from dagster import ConfigurableResource, Failure
 from pydantic import Field
 
+from rlvr.files import write_atomically
+
 MANIFEST = "manifest.json"
 
 
@@ -103,10 +105,7 @@ class ModelStore(ConfigurableResource):
         shutil.rmtree(Path(self.root) / ".work" / name, ignore_errors=True)
 
     def set_latest(self, name: str, version: str) -> None:
-        parent = Path(self.root) / name
-        tmp = parent / f".LATEST.{os.getpid()}"
-        tmp.write_text(version)
-        os.replace(tmp, parent / "LATEST")
+        write_atomically(Path(self.root) / name / "LATEST", version)
 
 
 def files_hash(folder: Path) -> str:

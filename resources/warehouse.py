@@ -1,16 +1,10 @@
 """The shared DuckDB file: the tables assets read, and atomic writes (one transaction per ``write``).
 
-Tables the assets write: ``gsm8k_problems`` (replaced), ``rollouts`` / ``rewards`` / ``tool_calls``
-(upserted by completion, together), ``eval_results`` (upserted by evaluation), ``serving_traffic`` and its per-file cursor
-(appended / upserted together; the days past retention deleted together), ``drift_history`` (appended). Tables with
-declared columns are created from :data:`SCHEMAS` (an older file gains later columns through :data:`MIGRATIONS`); the
-others from the first frame written to them.
-
-Readers never fail writers. DuckDB lets one process hold the file (a read-only session too), so every
-committed ``write`` also publishes a read-only copy, ``<name>.snapshot.duckdb`` (written beside it and
-renamed into place), for SQL sessions (``make sql``: :func:`main`): a session keeps the copy it
-opened while the pipeline goes on. A connection that finds the file held by another process waits for
-it (``lock_wait_s``), saying which process holds it, instead of failing at once.
+Tables with declared columns are created from :data:`SCHEMAS` (older files gain later columns through
+:data:`MIGRATIONS`); the others from the first frame written to them. Readers never fail writers:
+every committed ``write`` also publishes a read-only copy, ``<name>.snapshot.duckdb``, for SQL sessions
+(``make sql``: :func:`main`), and a connection that finds the file held by another process waits
+(``lock_wait_s``), naming the holder.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """Final-answer parsing and normalization for GSM8k-style problems.
 
-GSM8k reference solutions end with a line ``#### <answer>``; policies are asked to do the same.
-Two extraction modes, named after verl's and lm-evaluation-harness' (the rules are ours):
-
-* ``strict``: the answer is what follows the last ``####`` on its own line, and it must be one
-  number (:func:`parse_number`). Anything else there (an expression ``2+3``, ``The answer is 5``,
-  two numbers, nothing; a number on a later line) is no strict answer, never its first number;
-* ``flexible``: the strict answer, else the last ``\\boxed{...}``, else the last number in the text.
-  A ``####`` line or box that holds digits but is not one number gives no answer rather than a
-  fragment of it (``#### 2+3`` is not read as 3).
-
-:func:`lm_eval_gsm8k_answers` and :func:`lm_eval_gsm8k_match` reproduce lm-evaluation-harness'
-own gsm8k scoring, quirks included, so our numbers can be set beside published ones.
+Solutions end with a line ``#### <answer>``. ``strict`` extraction takes the one number after the last
+``####`` line, else no answer; ``flexible`` falls back to the last ``\\boxed{...}``, then the last number
+in the text. Neither returns a fragment of something that is not one number (``#### 2+3`` is not 3).
+The mode names are verl's and lm-evaluation-harness'; the rules are ours (docs/architecture.md,
+"Answers"). :func:`lm_eval_gsm8k_answers` and :func:`lm_eval_gsm8k_match` reproduce
+lm-evaluation-harness' own gsm8k scoring, quirks included, so our numbers sit beside published ones.
 """
 
 from __future__ import annotations
@@ -59,14 +53,11 @@ def with_ascii_minus(text: str) -> str:
 def parse_number(text: str) -> float | None:
     """Parse one number as written in math answers; None when ``text`` is anything else.
 
-    Accepted: a sign and ``$`` in either order (``-$5``, ``$-5``, ``−5``), thousands separators in
-    groups of three (``1,080``), decimals (``0.50``, ``.5``), a fraction (``3/4``), scientific
-    notation (``1.5e6``); then a unit (``50%``, ``18 dollars``, ``72 clips``), a scale word
-    (``2 million`` = 2000000, ``3 dozen`` = 36) and a final period; markdown emphasis and LaTeX text
-    markup are ignored (``**72**``, ``\\$18 \\text{ dollars}``). Refused: a second number
-    (``5 apples and 3``), an operator (``2+3``, ``5!``, ``2^3``), words before the number, a single
-    letter after it (``5k``, ``5x``: ambiguous), malformed separators (``1,08``), more than
-    ``MAX_NUMBER_CHARS`` digits.
+    Accepts a sign and ``$`` in either order (``-$5``, ``$-5``, ``−5``), thousands groups (``1,080``),
+    decimals (``.5``), a fraction (``3/4``), ``1.5e6``; then a unit (``50%``, ``72 clips``), a scale word
+    (``3 dozen`` = 36) and a final period; markdown and LaTeX text markup are ignored (``**72**``). Refuses a
+    second number, an operator (``2+3``, ``5!``), words before the number, one letter after it (``5k``),
+    malformed separators (``1,08``) and more than ``MAX_NUMBER_CHARS`` digits.
     """
     fraction = _parse_fraction(text)
     return None if fraction is None else float(fraction)

@@ -24,13 +24,11 @@ PSI_EPSILON = 1e-4
 def population_stability_index(reference: Sequence | np.ndarray, current: Sequence | np.ndarray, bins: int = 10, epsilon: float = PSI_EPSILON) -> float:
     """PSI = sum_i (p_cur,i - p_ref,i) · ln(p_cur,i / p_ref,i) over bins fixed on the reference.
 
-    Numeric features with more than ``bins`` distinct reference values get quantile bins of the
-    reference (open-ended outer bins, so current values out of range still count); others
-    (few values, or non-numeric) get one bin per reference value plus one for unseen values.
-    NaN/None is a bin of its own. Empty bins get proportion ``epsilon``. Usual reading
-    (Siddiqi 2006, credit scoring): < 0.1 stable, 0.1-0.25 moderate shift, > 0.25 major shift.
-    Finite samples bias PSI upward, by about (bins - 1)(1/n_ref + 1/n_cur) with no drift at all,
-    so those thresholds assume hundreds of rows on each side.
+    Numeric features with more than ``bins`` distinct values get the reference's quantile bins (open-ended
+    outer bins); others get one bin per reference value plus one for unseen values; NaN/None is a bin of
+    its own; empty bins get ``epsilon``. Usual reading (Siddiqi 2006): < 0.1 stable, 0.1-0.25 moderate,
+    > 0.25 major shift. With no drift at all PSI is about (bins - 1)(1/n_ref + 1/n_cur), so those
+    thresholds assume hundreds of rows on each side.
     """
     reference, current = pd.Series(reference).reset_index(drop=True), pd.Series(current).reset_index(drop=True)
     if reference.empty or current.empty:
@@ -73,21 +71,13 @@ def embedding_drift(
     n_permutations: int = 0,
     seed: int = 0,
 ) -> dict[str, float]:
-    """Distance between two sets of sentence embeddings.
+    """Distance between two sets of sentence embeddings: ``mean_cosine_distance`` (biased upward for small
+    sets), ``mmd2`` (the unbiased squared MMD, Gretton et al. 2012, JMLR, eq. 3, RBF kernel with the median
+    heuristic; it may be slightly negative), ``mmd`` = sqrt(max(mmd2, 0)) and, when ``n_permutations`` > 0,
+    ``mmd_p_value`` = (1 + #permutations with MMD² >= observed) / (1 + n_permutations).
 
-    * ``mean_cosine_distance``: 1 - cos(mean(reference), mean(current)); cheap and readable, but
-      biased upward for small sets (the means are noisy);
-    * ``mmd2``: the unbiased estimate of the squared maximum mean discrepancy (Gretton et al.
-      2012, JMLR, eq. 3), mean_{i≠j} k(x_i, x_j) + mean_{i≠j} k(y_i, y_j) - 2 mean k(x_i, y_j),
-      with the RBF kernel k(a, b) = exp(-|a - b|² / 2σ²), σ = median pairwise distance of the
-      pooled sample (median heuristic). Its expectation is 0 when both sets come from one
-      distribution, whatever their sizes, so it may be slightly negative;
-    * ``mmd``: sqrt(max(mmd2, 0)), on the scale of the thresholds;
-    * ``mmd_p_value`` (when ``n_permutations`` > 0): share of label permutations whose MMD² is at
-      least the observed one, (1 + #) / (1 + n_permutations).
-
-    Each set is subsampled to ``max_samples`` rows (seeded), as MMD costs O(n²); each needs at
-    least 2 rows.
+    Each set (at least 2 rows) is subsampled to ``max_samples`` rows, seeded: MMD costs O(n²).
+    docs/architecture.md ("Drift") has the formulas.
     """
     rng = np.random.default_rng(seed)
     x = _subsample(np.asarray(reference_emb, dtype=np.float64), max_samples, rng)
@@ -141,23 +131,12 @@ def output_drift(
 ) -> dict[str, float]:
     """Drift of the served policy's outputs; drops are positive when worse now.
 
-    ``current`` and ``previous`` (the window before it) hold one row per served request:
-    ``well_formed`` (share of completions ending in ``#### <number>``), ``completion_chars``,
-    ``vote_share`` (majority share of its completions), ``ground_truth`` and ``mean_reward``.
-    ``evaluation`` holds the served policy's last evaluation, one row per problem: ``well_formed``,
-    ``completion_chars``, ``reward_total``. Against the evaluation:
-
-    * ``format_compliance_drop`` = mean well_formed (evaluation) - mean well_formed (current);
-    * ``psi/completion_chars``: PSI of the completion lengths;
-    * ``verified_reward_mean``: mean reward of requests with a ground truth, and
-      ``verified_reward_drop`` = mean reward_total (evaluation) - verified_reward_mean.
-
-    Against the previous window (evaluations decode greedily, so earlier traffic is the
-    reference of vote shares), when it has at least ``min_previous`` vote shares:
-
-    * ``vote_share_drop`` = mean vote_share (previous) - mean vote_share (current).
-
-    Metrics whose reference is missing are left out.
+    ``current`` and ``previous`` (the window before) hold one row per served request (``well_formed``,
+    ``completion_chars``, ``vote_share``, ``ground_truth``, ``mean_reward``); ``evaluation`` the served
+    policy's last evaluation, one row per problem (``well_formed``, ``completion_chars``, ``reward_total``).
+    Returns ``format_compliance_drop``, ``psi/completion_chars`` and ``verified_reward_mean`` / ``_drop``
+    against the evaluation, ``vote_share_drop`` against ``previous`` when it has ``min_previous`` vote
+    shares; metrics without a reference are left out (docs/architecture.md, "Drift").
     """
     metrics = {}
     if evaluation is not None and len(evaluation):

@@ -1,15 +1,11 @@
-"""GSM8k problems from three interchangeable sources, parsed and validated.
+"""GSM8k problems from interchangeable sources, parsed and validated.
 
-Sources:
-
-* ``local``: a folder holding the official ``train.jsonl`` and ``test.jsonl``; by default the copy
-  shipped in ``rlvr/data/gsm8k`` (MIT, with its LICENSE and SHA256SUMS);
-* ``hub``: ``datasets.load_dataset("openai/gsm8k", "main")`` (needs the network);
-* ``gsm_symbolic``: reasoning-gym's offline generator. Its templates were made from the GSM8k
-  *test* split, so a policy trained on it must never be evaluated on GSM8k test
-  (:func:`check_no_contamination`);
-* ``reasoning_gym``: any other reasoning-gym task with numeric answers (e.g. ``chain_sum``), for
-  problems on which a small policy already has some success and GRPO a learning signal.
+``local``: a folder with the official ``train.jsonl`` and ``test.jsonl`` (default: the MIT copy shipped
+in ``rlvr/data/gsm8k``); ``hub``: ``openai/gsm8k`` through ``datasets`` (needs the network);
+``gsm_symbolic``: reasoning-gym's offline generator, whose templates come from GSM8k's *test* split, so
+its policies are never evaluated on it (:func:`check_no_contamination`); ``reasoning_gym``: another
+reasoning-gym task with numeric answers (e.g. ``chain_sum``), where a small policy already succeeds
+sometimes and GRPO has a signal.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """Run untrusted Python in a contained child process (the code-execution reward's verifier).
 
-Each run is a fresh ``python -I -S`` process in its own session that confines itself before the
-candidate's first line runs:
-
-* resources: ``RLIMIT_CPU``, ``RLIMIT_AS`` (memory), ``RLIMIT_FSIZE`` (stdout and stderr go to
-  files, so it caps them too), ``RLIMIT_NPROC`` (fork bombs), ``RLIMIT_NOFILE``; past the wall
-  time the process group is killed, and so is every process of the sandbox uid;
-* identity: when the grader is root, the child drops to a fresh random uid/gid with no groups.
-  Root is exempt from ``RLIMIT_NPROC``; the new uid is not, and it owns only this run's processes;
-* filesystem: in a private mount namespace the child chroots into a tmpfs (``disk_mb``) holding
-  read-only binds of ``/usr``, ``/etc`` and the Python prefix, ``/dev/{null,zero,random,urandom}``,
-  ``/tmp`` and its working directory ``/sandbox``. The grader's files are not there, and
-  whatever the program writes vanishes with it;
-* network: a private network namespace, with no interface up.
-
-Where namespaces are refused, the child runs in the fresh temporary directory as the new uid
-(files of other users stay unreadable, world-writable ones stay writable) and a CPython audit
-hook refuses sockets and ctypes (best effort). Not root, there is no uid to drop to: the program
-runs as the grader's user. ``SandboxResult.isolation`` lists the layers a run actually had.
-
-Tests are ``(stdin, expected stdout)`` pairs; expected outputs never leave the grader.
+Each run is a fresh ``python -I -S`` process in its own session, confined before the candidate's first
+line: resource limits, a fresh uid when the grader is root, a private tmpfs root and no network where
+namespaces are allowed (docs/architecture.md, "Rewards and the sandbox": each layer, its fallback).
+``SandboxResult.isolation`` lists the layers a run actually had. Tests are ``(stdin, expected stdout)``
+pairs; expected outputs never leave the grader.
 """
 
 from __future__ import annotations

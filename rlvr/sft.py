@@ -1,27 +1,19 @@
 """Supervised fine-tuning on worked solutions: the cold start before GRPO (DeepSeek-R1's recipe).
 
-A base model that almost never answers correctly gives GRPO groups without signal. A short SFT on
-the train split's reference solutions, rendered in the project's own prompt and answer format
-(:func:`sft_target`: the reasoning, then ``#### <number>`` on the last line), teaches the format and
-some of the reasoning first. The objective is the mean negative log-likelihood of the completion
-tokens only (the prompt is context), computed by the GRPO update's own scorer
-(:class:`rlvr.grpo.scoring.CompletionScorer`: one prompt pass per example, the completion without
-padding, the chunked output layer; every ``fast_paths`` switch applies), with float32 master weights,
-optional bf16 compute, AdamW, and the GRPO checkpoints (atomic, resumable to identical weights).
-
-GSM8k's solutions carry calculator annotations (``48/2 = <<48/2=24>>24``). By default they are
-stripped; with ``keep_calculator_annotations`` they stay, so that a policy trained with the
-calculator environment learns the call format from GSM8k itself. The result and ``>>`` are then
-the environment's text, as at rollout time (the policy writes ``<<48/2=``, the calculator
-``24>>``): context, outside the loss, like the environment's tokens in GRPO.
+A base model that almost never answers correctly gives GRPO groups without signal; a short SFT on the
+train split's reference solutions (:func:`sft_target`: the reasoning, then ``#### <number>``) teaches
+the format first. The loss is the mean negative log-likelihood of the completion tokens, computed by
+the GRPO update's scorer (:class:`rlvr.grpo.scoring.CompletionScorer`); optimizer, schedule,
+checkpoints and resume are the GRPO trainer's (:class:`rlvr.grpo.trainer_loop.TrainerLoop`). GSM8k's
+calculator annotations are stripped, or kept with ``keep_calculator_annotations`` (their results then
+masked out of the loss: the calculator environment writes them at rollout time).
 """
 
 from __future__ import annotations
 
-import math
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -32,10 +24,9 @@ from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.attention import use_fast_attention
 from rlvr.fastpaths.eligibility import use_float32_attention, use_keep_freed_memory
 from rlvr.fastpaths.heap import keep_freed_memory
-from rlvr.grpo import checkpoint as ckpt
 from rlvr.grpo.sampler import step_problems
 from rlvr.grpo.scoring import CompletionScorer, PackedRows
-from rlvr.grpo.trainer import decay_param_groups, float32_master_weights, lr_multiplier
+from rlvr.grpo.trainer_loop import TrainerLoop, float32_master_weights
 from rlvr.policy import load_policy
 from rlvr.prompts import SYSTEM_PROMPT, render_prompt
 from rlvr.training_run import TrainedPolicy
@@ -71,6 +62,7 @@ class SFTConfig:
     lr: float = 1e-5
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
+    adam_eps: float = 1e-8
     max_grad_norm: float | None = 1.0
     warmup_steps: int = 0
     lr_decay: str = "cosine"  # "cosine", "linear" or "constant"
@@ -171,51 +163,37 @@ def _target_pieces(target: str) -> list[tuple[str, bool]]:
     return [(text, by_environment) for text, by_environment in pieces if text]
 
 
-class SFTTrainer:
+class SFTTrainer(TrainerLoop):
     """Fine-tunes ``model`` in place on :func:`sft_examples`; ``on_step(step, metrics)`` after each step."""
 
     def __init__(
         self, model: Any, tokenizer: Any, config: SFTConfig, checkpoint_dir: str | Path | None = None, on_step: Callable[[int, dict], None] | None = None
     ):
-        self.config, self.tokenizer, self.on_step = config, tokenizer, on_step
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.on_step = on_step
         fast, device = config.fast_paths, next(model.parameters()).device
         if use_keep_freed_memory(device, fast):
             keep_freed_memory()
         model = float32_master_weights(model)
-        self.policy = use_fast_attention(model, use_float32_attention(model, fast)).train()
-        self.scorer = CompletionScorer(self.policy, share_prompts=True, fast=fast)
+        policy = use_fast_attention(model, use_float32_attention(model, fast)).train()
+        self.scorer = CompletionScorer(policy, share_prompts=True, fast=fast)
         compute_dtype = getattr(torch, config.compute_dtype)
         self._autocast = partial(torch.autocast, device.type, compute_dtype, enabled=compute_dtype != torch.float32)
         self.device = device
-        self.optimizer = torch.optim.AdamW(
-            decay_param_groups(self.policy, config.weight_decay),
-            lr=config.lr,
-            betas=config.betas,
-            fused=device.type in ("cpu", "cuda"),
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_multiplier, config=config))
-        self.step_count = 0
-        self.history: list[dict] = []
+        super().__init__(policy, tokenizer, config, checkpoint_dir)  # optimizer, schedule, step count
 
     def train(self, examples: Sequence[dict], resume: bool = True) -> list[dict]:
         """Train until ``config.total_steps`` (resuming from the latest checkpoint first); returns this call's metrics."""
         if not examples:
             raise ValueError("no SFT examples")
-        if resume and self.step_count == 0 and self.checkpoint_dir is not None:
+        if resume and self.step_count == 0:
             self.resume()
         history = []
         while self.step_count < self.config.total_steps:
             batch = step_problems(examples, self.step_count, self.config.batch_size, self.config.seed)
             metrics = self.step(batch)
-            if self.checkpoint_dir is not None and (
-                self.step_count == self.config.total_steps or (self.config.checkpoint_every and self.step_count % self.config.checkpoint_every == 0)
-            ):
-                metrics["checkpoint"] = str(self.save_checkpoint())
-            history.append(metrics)
-            self.history.append(metrics)
             if self.on_step is not None:
-                self.on_step(self.step_count, metrics)
+                self.on_step(self.step_count, metrics)  # before the step's resume point, as in GRPO
+            history.append(self.record_step(metrics))  # and the step's checkpoint, when one is due
         return history
 
     def step(self, batch: Sequence[dict]) -> dict:
@@ -232,10 +210,7 @@ class SFTTrainer:
             loss = -(logprobs * packed.policy_mask).sum() / tokens
             loss.backward()
             loss_sum += float(loss.detach())
-        max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.requires_grad], max_norm))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        grad_norm = self.optimizer_step()
         self.scheduler.step()
         self.step_count += 1
         elapsed = time.perf_counter() - started
@@ -249,29 +224,6 @@ class SFTTrainer:
             "truncated": truncated,
             "step_time_s": elapsed,
         }
-
-    def save_checkpoint(self) -> Path:
-        return ckpt.save_checkpoint(
-            self.checkpoint_dir,
-            self.step_count,
-            self.policy,
-            self.tokenizer,
-            self.optimizer,
-            self.scheduler,
-            [ckpt.capture_rng_state()],
-            config=asdict(self.config),
-            keep=self.config.keep_checkpoints,
-        )
-
-    def resume(self) -> bool:
-        """Load the latest checkpoint, if any: weights, optimizer, scheduler and step."""
-        path = ckpt.latest_checkpoint(self.checkpoint_dir)
-        if path is None:
-            return False
-        state = ckpt.load_checkpoint(path, self.policy, self.optimizer, self.scheduler)
-        self.step_count = int(state["step"])
-        ckpt.restore_rng_state(state["rng"][0])
-        return True
 
 
 def pack_examples(examples: Sequence[dict], max_completion_tokens: int, pad_id: int, device: Any) -> PackedRows:

@@ -9,9 +9,7 @@ sees every step's metrics and per-completion records (rank 0 under torchrun);
 from __future__ import annotations
 
 import hashlib
-import os
 import signal
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -20,6 +18,7 @@ import pandas as pd
 
 from rlvr.grpo import GRPOConfig, GRPOTrainer, export_merged, gsm8k_prompts
 from rlvr.policy import load_policy, write_environment
+from rlvr.process_lifetime import die_with_parent
 from rlvr.prompts import system_prompt_for
 from rlvr.rewards import RewardPool
 
@@ -73,22 +72,13 @@ def train_grpo(
     return TrainedPolicy(trainer.policy, tokenizer, history, trainer.step_count, environment)
 
 
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Have Linux send ``sig`` to this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``), so a
-    launched training process never outlives its launcher; exits at once if the parent is already gone.
-    SIGTERM gets its default action and is unblocked (a launcher's ignored or blocked SIGTERM is
-    inherited across fork and exec), so a stop always reaches the training. A no-op off Linux."""
-    if not sys.platform.startswith("linux"):
-        return
+def start_training_process(parent: int | None = None) -> None:
+    """What every training process (torchrun, each rank) runs first: SIGTERM's default action, unblocked
+    (a launcher's ignored or blocked SIGTERM is inherited across fork and exec, and a stop must reach the
+    training), and SIGKILL when its parent dies (:func:`~rlvr.process_lifetime.die_with_parent`)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    import ctypes
-
-    pr_set_pdeathsig = 1
-    if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(sig), 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() == 1:  # re-parented before the call: the parent died already
-        os._exit(1)
+    die_with_parent(signal.SIGKILL, parent)
 
 
 def problems_hash(rows: list[dict]) -> str:

@@ -55,15 +55,10 @@ def apply_retention(context: AssetExecutionContext, folder: str, retention_days:
     pool=WRITER_POOL,
 )
 def serving_traffic(context: AssetExecutionContext, config: TrafficConfig, duckdb: Warehouse) -> MaterializeResult:
-    """Requests to the served champion: the Bento (``bento``; ``bentoml serve rlvr_policy:latest``)
-    appends every request it answers to JSONL traffic logs in ``$RLVR_TRAFFIC_DIR`` (``$RLVR_HOME/traffic``),
-    one file per UTC day. Partitions start at the first day of traffic (at most a week back without
-    it); the traffic sensor materializes each day whose logs grew. One day's logs are ingested incrementally: each file is read from
-    a per-file byte cursor stored with the rows in one transaction, so re-runs never duplicate rows
-    (``reread`` starts from the first byte and replaces them); a partly written last line waits for
-    the next pass; malformed lines are counted and reported. Each run first deletes the log files and
-    rows of the days more than ``retention_days`` before today (never today's or yesterday's); a day
-    past retention ingests nothing."""
+    """Requests to the served champion, one partition per UTC day, ingested from the Bento's JSONL
+    traffic logs in ``$RLVR_TRAFFIC_DIR`` (``$RLVR_HOME/traffic``). Each file is read from a byte cursor
+    stored with its rows in one transaction, so re-runs never duplicate rows (``reread`` starts over);
+    the days past ``retention_days`` (never today's or yesterday's) are deleted first."""
     day = context.partition_key
     first_kept, retention = apply_retention(context, config.folder, config.retention_days, duckdb)
     if day < first_kept:

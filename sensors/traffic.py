@@ -11,7 +11,7 @@ from rlvr.traffic import FILE_PREFIX, FILE_SUFFIX, file_day
 from rlvr_assets.partitions import traffic_days
 
 
-def traffic_state(folder: Path) -> dict[str, int]:
+def traffic_file_sizes(folder: Path) -> dict[str, int]:
     """Size of every traffic log file in ``folder``: what the sensor compares between ticks. A file deleted
     (retention) since the listing is left out, as the next tick's listing leaves it out."""
     if not folder.is_dir():
@@ -32,7 +32,7 @@ def traffic_state(folder: Path) -> dict[str, int]:
     description="Ingests new traffic (serving_traffic, drift_report) of every day whose log files grew: one run per day.",
 )
 def traffic_sensor(context: SensorEvaluationContext):
-    state = traffic_state(Settings.from_env().traffic_dir)
+    state = traffic_file_sizes(Settings.from_env().traffic_dir)
     before = json.loads(context.cursor) if context.cursor else {}
     grown: dict[str, dict[str, int]] = {}
     for name, size in state.items():

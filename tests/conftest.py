@@ -1,12 +1,20 @@
-"""Shared fixtures: the GSM8k folder, a session-wide converted embedded policy, tiny models."""
+"""Shared fixtures: the GSM8k folder, a session-wide converted embedded policy, tiny models.
+
+The shared harness is the package tests/support/ (``from support.tiny_models import ...``): tests/ is put
+on ``sys.path`` here, so subprocesses given this process's path as PYTHONPATH import it too.
+"""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+TESTS = str(Path(__file__).resolve().parent)
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
 
 
 @pytest.fixture(scope="session")
@@ -50,38 +58,6 @@ def home(tmp_path, monkeypatch):
 @pytest.fixture
 def tiny_llama_dir(tmp_path):
     """A tiny randomly initialised Llama checkpoint with the embedded model's tokenizer and chat template."""
+    from support.tiny_models import save_tiny_llama
+
     return save_tiny_llama(tmp_path / "tiny")
-
-
-def tiny_llama_with_embedded_tokenizer(seed: int = 0, tie_word_embeddings: bool = True):
-    """(a randomly initialised 2-layer Llama, the embedded model's tokenizer and chat template)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from rlvr import policy
-
-    gguf = policy.embedded_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=tie_word_embeddings,
-    )
-    return LlamaForCausalLM(config), tokenizer
-
-
-def save_tiny_llama(out_dir: Path, seed: int = 0) -> Path:
-    from rlvr import policy
-
-    model, tokenizer = tiny_llama_with_embedded_tokenizer(seed)
-    policy.export_checkpoint(model, tokenizer, out_dir)
-    return out_dir

@@ -29,11 +29,13 @@ import pytest
 from starlette.testclient import TestClient
 
 from bentos import api_keys
-from bentos.admission import Door, RequestGuard
+from bentos.admission import RequestGuard, RequestSlots
 from bentos.api_keys import Access, AccessConfig, KeyLimits, KeyRing, TokenBucket, access_from_env, bearer_token, derived_key_id, parse_keys
 from bentos.build import bentoml_cli, bentoml_env
 from rlvr.traffic import TRAFFIC_COLUMNS, TrafficLog, read_traffic, traffic_row
-from test_bento_service import QUESTION, _free_port, _metric, scripted_bento, serving
+from support.ports import free_port
+from support.served_bento import QUESTION, metric_value, scripted_bento, serving
+from support.waiting import wait_for
 
 pytestmark = [  # raised inside BentoML 1.4.39 itself
     pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning"),
@@ -195,11 +197,11 @@ def _guarded(config: AccessConfig | None, reads: list | None = None) -> TestClie
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": b'{"ok": true}'})
 
-    door, access = Door(4), Access()
-    door.loaded = True
+    slots, access = RequestSlots(4), Access()
+    slots.loaded = True
     if config is not None:
         access.configure(config)
-    guard = RequestGuard(stand_in, door=door, access=access)
+    guard = RequestGuard(stand_in, slots=slots, access=access)
 
     async def counting(scope, receive, send):
         async def counted():
@@ -255,13 +257,14 @@ def built(tmp_path_factory):
     return scripted_bento(tmp_path_factory)
 
 
+@pytest.mark.slow  # serves a Bento over HTTP
 def test_a_served_bento_whose_keys_setting_holds_no_key_does_not_start(built, tmp_path):
     """``bentoml serve`` stops at once, its output naming the setting (not only BentoML's import error)."""
     bento, _, home = built
     env = {k: v for k, v in bentoml_env(home).items() if k not in ("RLVR_API_KEYS_FILE", "RLVR_ALLOW_UNAUTHENTICATED")}
     env.update(RLVR_TRAFFIC_DIR=str(tmp_path / "traffic"), OMP_NUM_THREADS="1", RLVR_API_KEYS=" , ")
     served = subprocess.run(
-        [bentoml_cli(), "serve", bento.tag, "--port", str(_free_port()), "--host", "127.0.0.1"],
+        [bentoml_cli(), "serve", bento.tag, "--port", str(free_port()), "--host", "127.0.0.1"],
         env=env,
         cwd=tmp_path,
         capture_output=True,
@@ -328,6 +331,7 @@ def _route_calls(marker: str) -> list[tuple[str, str, dict | None, bool]]:
     ]
 
 
+@pytest.mark.slow  # serves a Bento over HTTP
 def test_every_model_route_answers_the_right_key_only(server):
     wrong = ALICE[:-1] + ("A" if ALICE[-1] != "A" else "B")
     for method, path, body, openai_shaped in _route_calls("routes"):
@@ -354,6 +358,7 @@ def test_every_model_route_answers_the_right_key_only(server):
     assert _call(server, "/docs.json", key=ALICE)[0] == 200
 
 
+@pytest.mark.slow  # serves a Bento over HTTP
 def test_probes_are_open_and_metrics_takes_its_own_token(server):
     for probe in ("/livez", "/healthz", "/readyz"):
         assert _call(server, probe)[0] == 200, probe
@@ -361,9 +366,10 @@ def test_probes_are_open_and_metrics_takes_its_own_token(server):
     assert _call(server, "/metrics")[0] == 401
     assert _call(server, "/metrics", key=ALICE)[0] == 401  # an API key does not open /metrics once it has a token
     text = _metrics(server)
-    assert _metric(text, "rlvr_requests_total", endpoint="/solve", status="401") >= 1  # refusals are counted
+    assert metric_value(text, "rlvr_requests_total", endpoint="/solve", status="401") >= 1  # refusals are counted
 
 
+@pytest.mark.slow  # serves a Bento over HTTP
 def test_a_wrong_key_sharing_a_long_prefix_is_refused_like_any_other(server):
     """The HTTP sanity check of the constant-time match: the same answer, and no time difference beyond
     noise between a wrong key that shares all but its last character with the real one and one sharing
@@ -389,6 +395,7 @@ def test_a_wrong_key_sharing_a_long_prefix_is_refused_like_any_other(server):
     assert abs(near_s - far_s) < max(0.002, 0.3 * min(near_s, far_s)), (near_s, far_s)
 
 
+@pytest.mark.slow  # serves a Bento over HTTP
 def test_the_openai_client_works_with_its_api_key_and_fails_with_another(server):
     for key in (ALICE, BARE):
         client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
@@ -419,6 +426,7 @@ metric_list:
 """
 
 
+@pytest.mark.slow  # serves a Bento over HTTP
 def test_lm_eval_local_completions_runs_with_the_api_key(server, tmp_path, monkeypatch):
     """lm-eval sends ``OPENAI_API_KEY`` with its completions and ``auth_token`` to the remote tokenizer."""
     pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (requirements.lock pins it)")
@@ -440,12 +448,13 @@ def test_lm_eval_local_completions_runs_with_the_api_key(server, tmp_path, monke
     assert len(out["samples"]["keyed_generation"]) == 2
     after = _metrics(server)
     for endpoint in ("/tokenize", "/v1/completions"):
-        served = [_metric(text, "rlvr_requests_total", endpoint=endpoint, status="200") for text in (before, after)]
+        served = [metric_value(text, "rlvr_requests_total", endpoint=endpoint, status="200") for text in (before, after)]
         assert served[1] > served[0], endpoint
     records = [r for r in read_traffic(server.traffic_dir).records if r["prompt"].startswith("Q: lm-eval")]
     assert records and {r["api_key_id"] for r in records} == {"alice"}
 
 
+@pytest.mark.slow  # serves a Bento over HTTP
 def test_a_key_past_its_rate_gets_429_with_retry_after_in_each_shape(server):
     """bob's burst, then 429 (OpenAI's shape on /tokenizer_info, the native one on /solve); alice is not held up."""
     started, admitted = time.monotonic(), 0
@@ -460,10 +469,7 @@ def test_a_key_past_its_rate_gets_429_with_retry_after_in_each_shape(server):
     status, out, headers = _call(server, "/solve", {"question": "x", "k": 1, "max_new_tokens": 1}, key=BOB)
     assert status == 429 and set(out) == {"error"} and "rate limit" in out["error"] and int(headers["Retry-After"]) >= 1
     assert _call(server, "/tokenizer_info", key=ALICE)[0] == 200
-    deadline = time.monotonic() + 10
-    while _call(server, "/tokenizer_info", key=BOB)[0] == 429:  # a token again within 1 / rate
-        assert time.monotonic() < deadline, "bob's bucket never refilled"
-        time.sleep(0.05)
+    wait_for(lambda: _call(server, "/tokenizer_info", key=BOB)[0] != 429, 10, "bob's bucket to refill")  # a token again within 1 / rate
 
 
 def _open_stream(server, key: str) -> http.client.HTTPConnection:
@@ -475,6 +481,7 @@ def _open_stream(server, key: str) -> http.client.HTTPConnection:
     return conn
 
 
+@pytest.mark.slow  # serves a Bento over HTTP
 def test_a_key_past_its_share_of_the_engine_gets_429_and_others_are_served(server):
     streams = [_open_stream(server, CAROL) for _ in range(CONCURRENCY)]
     try:
@@ -487,13 +494,11 @@ def test_a_key_past_its_share_of_the_engine_gets_429_and_others_are_served(serve
     finally:
         for conn in streams:
             conn.close()  # the client hangs up: its rows stop and its slots free
-    deadline = time.monotonic() + 30
-    while (status := _call(server, "/solve", {"question": "x", "k": 1, "max_new_tokens": 1}, key=CAROL)[0]) == 429:
-        assert time.monotonic() < deadline, "carol's share was never given back"
-        time.sleep(0.1)
-    assert status == 200
+    solve = {"question": "x", "k": 1, "max_new_tokens": 1}
+    assert wait_for(lambda: (got := _call(server, "/solve", solve, key=CAROL)[0]) != 429 and got, 30, "carol's share to come back", 0.1) == 200
 
 
+@pytest.mark.slow  # serves a Bento over HTTP
 def test_traffic_log_holds_key_ids_never_keys(server):
     records = [r for r in read_traffic(server.traffic_dir).records if "(routes)" in r["prompt"] or r["prompt"] == "routes"]
     assert {r["endpoint"] for r in records} == {"/generate", "/solve", "/v1/chat/completions", "/v1/completions"}

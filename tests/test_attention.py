@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlvr.fastpaths.attention import NAME, use_fast_attention
-from tiny_policy import char_tokenizer, tiny_llama
+from support.tiny_models import char_tokenizer, tiny_llama
 
 
 def padded_batch(vocab_size: int) -> dict:

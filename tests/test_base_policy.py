@@ -12,6 +12,7 @@ from rlvr.prompts import render_prompt
 from rlvr_assets.models import base_policy
 
 
+@pytest.mark.slow  # loads the embedded model
 def test_embedded_policy_is_a_standard_checkpoint_that_generates(embedded_policy):
     files = {p.name for p in embedded_policy.path.iterdir()}
     assert {"model.safetensors", "config.json", "tokenizer.json", "manifest.json"} <= files
@@ -32,6 +33,7 @@ def test_embedded_policy_is_a_standard_checkpoint_that_generates(embedded_policy
     torch.testing.assert_close(saved_logits, gguf_logits)
 
 
+@pytest.mark.slow  # loads the embedded model
 def test_second_materialization_reuses_the_stored_checkpoint(embedded_policy, session_store):
     started = time.perf_counter()
     result = materialize([base_policy], resources={"model_store": session_store})

@@ -12,24 +12,18 @@ happens.
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import math
-import os
 import re
-import signal
 import socket
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import schemathesis
-import torch
 import yaml
 from hypothesis import HealthCheck, settings
 from openapi_spec_validator import validate as validate_openapi
@@ -38,7 +32,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 from starlette.routing import Route
 
 from bentos.admission import MAX_CONCURRENCY
-from bentos.build import MODEL_VERSION_LABEL, bentoml_cli, bentoml_env, build_bento, store_policy
+from bentos.build import MODEL_VERSION_LABEL, store_policy
 from bentos.header_timeout import HEADER_TIMEOUT_S
 from bentos.schemas import (
     BODY_TIMEOUT_S,
@@ -49,90 +43,33 @@ from bentos.schemas import (
     openapi_document,
 )
 from bentos.service import REWARD_TIMEOUT_S
-from conftest import tiny_llama_with_embedded_tokenizer
-from rlvr import policy
 from rlvr.answers import extract_final_answer
 from rlvr.evaluation import majority_vote
 from rlvr.settings import Settings
 from rlvr.traffic import read_traffic
+from support.scripted_policies import GREEDY_COMPLETION
+from support.served_bento import (
+    KV_CACHE_BUDGET_MIB,
+    LINEAGE,
+    LONG,
+    PROBE_TIMEOUT_S,
+    QUESTION,
+    REQUEST_TIMEOUT_S,
+    SHORT_TIMEOUT_S,
+    Server,
+    metric_value,
+    scripted_bento,
+    serving,
+    serving_batched,
+    traffic_records,
+)
+from support.waiting import wait_for
 
-pytestmark = [  # raised inside BentoML 1.4.39 itself
-    pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning"),
+pytestmark = [
+    pytest.mark.slow,  # serves a Bento over HTTP
+    pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning"),  # raised inside BentoML 1.4.39 itself
     pytest.mark.filterwarnings("ignore::pydantic.PydanticDeprecatedSince211"),
 ]
-
-READY_TIMEOUT_S = 180
-REQUEST_TIMEOUT_S = 120
-PROBE_TIMEOUT_S = 2.0  # a probe slower than this during an attack is a frozen service
-SHORT_TIMEOUT_S = 1  # the request timeout of the second server (a LONG request takes ~3 s)
-KV_CACHE_BUDGET_MIB = 4  # the module server's: ~16 rows of 1,000 tokens on the tiny model (256 bytes/token/row)
-LINEAGE = {MODEL_VERSION_LABEL: "rlvr-gsm8k-policy/7", "mlflow_run_id": "0123abcd", "data_hash": "feedbeef"}
-QUESTION = "Natalia sold clips to 48 of her friends in April, and then half as many in May. How many in total?"
-GREEDY_COMPLETION = "#### 2^{3}"
-LONG = {"k": 8, "temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS}  # seconds of decoding on the tiny model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, url: str, traffic_dir: Path, built, model_tag: str, home: Path, log_path: Path, proc: subprocess.Popen):
-        self.url, self.traffic_dir, self.built, self.model_tag, self.home = url, traffic_dir, built, model_tag, home
-        self.log_path, self.proc = log_path, proc
-        self.port = int(url.rsplit(":", 1)[1])
-
-    def call(
-        self,
-        path: str,
-        body=None,
-        *,
-        raw: bytes | None = None,
-        method: str | None = None,
-        content_type: str | None = "application/json",
-        timeout_s: float = REQUEST_TIMEOUT_S,
-    ):
-        """(status, body text, headers)."""
-        data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-        method = method or ("POST" if data is not None else "GET")
-        headers = {"Content-Type": content_type} if data is not None and content_type else {}
-        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-                return resp.status, resp.read().decode(), resp.headers
-        except urllib.error.HTTPError as err:
-            return err.code, err.read().decode(), err.headers
-
-    def request(self, path: str, body=None, **kwargs) -> tuple[int, str]:
-        status, text, _ = self.call(path, body, **kwargs)
-        return status, text
-
-    def post_ok(self, path: str, body: dict) -> dict:
-        status, text = self.request(path, body)
-        assert status == 200, text
-        return json.loads(text)
-
-    def metrics(self) -> str:
-        status, text = self.request("/metrics")
-        assert status == 200
-        return text
-
-    def assert_ready(self, within_s: float = 5.0) -> None:
-        """Probes answer at once and a valid request is served within ``within_s``."""
-        for probe in ("/healthz", "/readyz", "/metrics"):
-            assert self.request(probe, timeout_s=PROBE_TIMEOUT_S)[0] == 200, probe
-        started = time.monotonic()
-        out = self.post_ok("/solve", {"question": QUESTION, "k": 1, "max_new_tokens": 8})
-        assert out["k"] == 1 and time.monotonic() - started < within_s
-
-    def open(self, path: str, body: bytes, *, send: int | None = None) -> socket.socket:
-        """A raw client that sent the headers and the first ``send`` bytes of the body (all by default)."""
-        sock = socket.create_connection(("127.0.0.1", self.port), timeout=REQUEST_TIMEOUT_S)
-        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-        sock.sendall(head + body[: len(body) if send is None else send])
-        return sock
 
 
 def _response_status(sock: socket.socket, timeout_s: float) -> int | None:
@@ -145,111 +82,9 @@ def _response_status(sock: socket.socket, timeout_s: float) -> int | None:
     return int(line.split()[1]) if line.startswith(b"HTTP/1.1") else None
 
 
-def _metric(text: str, name: str, **labels) -> float:
-    """The value of one series in Prometheus text format (0 when absent)."""
-    for line in text.splitlines():
-        match = re.fullmatch(rf"{name}(?:\{{(.*)\}})? (\S+)", line)
-        if match:
-            found = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1) or ""))
-            if all(found.get(k) == v for k, v in labels.items()):
-                return float(match.group(2))
-    return 0.0
-
-
-def _records(server: Server, marker: str) -> list[dict]:
-    return [r for r in read_traffic(server.traffic_dir).records if marker in r["prompt"]]
-
-
-def save_scripted_tiny_llama(out_dir: Path) -> Path:
-    """A tiny Llama with the embedded model's tokenizer whose greedy completion of any chat prompt is
-    ``GREEDY_COMPLETION``: attention and MLP outputs are zeroed (a bigram model), and the tokens from
-    the prompt's last one (the newline opening the assistant turn) through ``GREEDY_COMPLETION`` to
-    the end token are chained by one-hot embeddings and output rows. Sampled completions stay gibberish."""
-    model, tokenizer = tiny_llama_with_embedded_tokenizer(seed=0, tie_word_embeddings=False)
-    config = model.config
-    chain = [tokenizer.convert_tokens_to_ids("Ċ"), *tokenizer(GREEDY_COMPLETION, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
-    assert len(set(chain)) == len(chain) <= config.hidden_size
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        for k, (token, following) in enumerate(zip(chain, chain[1:])):
-            direction = torch.nn.functional.one_hot(torch.tensor(k), config.hidden_size).float()
-            model.model.embed_tokens.weight[token] = direction
-            model.lm_head.weight[following] = 1.4 * direction  # logit 8 after the final norm; the rest ~N(0, 0.1)
-    policy.export_checkpoint(model, tokenizer, out_dir)
-    return out_dir
-
-
-_BUILT: dict[str, tuple] = {}
-
-
-def scripted_bento(tmp_path_factory) -> tuple:
-    """(Bento, model tag, BentoML home): a Bento around the scripted tiny Llama, built with every
-    package-index access made to fail; once per test session (tests/test_openai_api.py serves it too)."""
-    if "bento" not in _BUILT:
-        root = tmp_path_factory.mktemp("bento")
-        home = root / "bentoml"
-        checkpoint = save_scripted_tiny_llama(root / "tiny")
-        offline = {"HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "PIP_NO_INDEX": "1", "UV_OFFLINE": "1"}
-        with pytest.MonkeyPatch.context() as mp:
-            for key, value in offline.items():
-                mp.setenv(key, value)
-            model_tag = store_policy(checkpoint, LINEAGE, {"source": "scripted tiny llama"}, home=home)
-            bento = build_bento(model_tag, labels={"mlflow_run_id": LINEAGE["mlflow_run_id"]}, home=home)
-        _BUILT["bento"] = (bento, model_tag, home)
-    return _BUILT["bento"]
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     return scripted_bento(tmp_path_factory)
-
-
-@contextlib.contextmanager
-def serving(built, folder: Path, batching: bool, env: dict[str, str] | None = None):
-    """``bentoml serve`` of the Bento in its own process group, ready; the group is killed on exit."""
-    bento, model_tag, home = built
-    folder.mkdir()
-    port, log_path = _free_port(), folder / "serve.log"
-    env = {**bentoml_env(home), "RLVR_TRAFFIC_DIR": str(folder / "traffic"), "RLVR_BATCHING": "1" if batching else "0", "OMP_NUM_THREADS": "1", **(env or {})}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [bentoml_cli(), "serve", bento.tag, "--port", str(port), "--host", "127.0.0.1"],
-            env=env,
-            cwd=folder,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            srv = Server(f"http://127.0.0.1:{port}", folder / "traffic", bento, model_tag, home, log_path, proc)
-            deadline = time.monotonic() + READY_TIMEOUT_S
-            while True:
-                assert proc.poll() is None, f"bentoml serve exited:\n{log_path.read_text()[-3000:]}"
-                assert time.monotonic() < deadline, f"not ready in {READY_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}"
-                try:
-                    if srv.request("/readyz")[0] == 200:
-                        break
-                except OSError:
-                    pass
-                time.sleep(0.5)
-            yield srv
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=20)
-            except ProcessLookupError:
-                pass
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
-
-
-def serving_batched(built, tmp_path_factory, name: str):
-    """``serving`` with batching and a KV-cache budget of ``KV_CACHE_BUDGET_MIB``: each module's main server."""
-    env = {"RLVR_KV_CACHE_BUDGET_MIB": str(KV_CACHE_BUDGET_MIB)}
-    return serving(built, tmp_path_factory.mktemp(name) / "server", batching=True, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -409,15 +244,15 @@ def test_metrics_count_requests_rollouts_and_votes(server):
         assert f"# TYPE {name} {kind}" in after, name
 
     def delta(name, **labels):
-        return _metric(after, name, **labels) - _metric(before, name, **labels)
+        return metric_value(after, name, **labels) - metric_value(before, name, **labels)
 
     assert delta("rlvr_requests_total", endpoint="/solve", status="200") == 1
     assert delta("rlvr_requests_total", endpoint="/solve", status="400") == 1
     assert delta("rlvr_rollouts_generated_total") == 2
     assert delta("rlvr_vote_share_count") == 1
     assert delta("rlvr_generation_seconds_count") >= 1
-    assert _metric(after, "rlvr_reward_count") > 0  # from the /generate test with ground truth
-    assert _metric(after, "bentoml_service_request_total", endpoint="/solve", http_response_code="200") > 0
+    assert metric_value(after, "rlvr_reward_count") > 0  # from the /generate test with ground truth
+    assert metric_value(after, "bentoml_service_request_total", endpoint="/solve", http_response_code="200") > 0
     assert "bentoml_service_request_duration_seconds_bucket" in after
 
 
@@ -514,13 +349,13 @@ PRICED = [
 
 @pytest.mark.parametrize(("path", "body", "field", "limit"), PRICED, ids=[p[3] for p in PRICED])
 def test_request_priced_over_a_limit_gets_400_naming_field_and_limit(server, path, body, field, limit):
-    before = _metric(server.metrics(), "rlvr_rollouts_generated_total")
+    before = metric_value(server.metrics(), "rlvr_rollouts_generated_total")
     started = time.monotonic()
     status, text = server.request(path, body)
     assert status == 400, text
     (error,) = json.loads(text)["detail"]
     assert error["loc"] == [field] and limit in error["msg"], error
-    assert time.monotonic() - started < 2 and _metric(server.metrics(), "rlvr_rollouts_generated_total") == before
+    assert time.monotonic() - started < 2 and metric_value(server.metrics(), "rlvr_rollouts_generated_total") == before
 
 
 @pytest.mark.parametrize("content_type", ["application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "text/plain", "application/x-ndjson"])
@@ -564,11 +399,11 @@ def _content_length(response: bytes) -> int:
 
 
 def test_chunked_body_over_the_cap_is_refused_before_any_work(server):
-    before = _metric(server.metrics(), "rlvr_rollouts_generated_total")
+    before = metric_value(server.metrics(), "rlvr_rollouts_generated_total")
     padded = {"prompt": "hi", "num_rollouts": 1, "max_new_tokens": 2, "ground_truth": "1" + " " * (2 * MAX_BODY_BYTES)}
     status, out = _chunked(server, json.dumps(padded).encode())
     assert status == 413 and "body" in out["error"]
-    assert _metric(server.metrics(), "rlvr_rollouts_generated_total") == before  # the model never ran
+    assert metric_value(server.metrics(), "rlvr_rollouts_generated_total") == before  # the model never ran
     status, out = _chunked(server, json.dumps({"prompt": "hi", "num_rollouts": 1, "max_new_tokens": 2}).encode())
     assert status == 200 and len(out["rollouts"]) == 1
 
@@ -595,7 +430,7 @@ def test_concurrent_mixed_requests_are_batched_and_all_answered(server):
     assert len(records) == 8 and all(r["status"] == 200 for r in records)
     assert max(r["batch_requests"] for r in records) > 1, "no two concurrent requests shared a generation pass"
     after = server.metrics()
-    passes, requests = (_metric(after, f"rlvr_pass_requests_{s}") - _metric(before, f"rlvr_pass_requests_{s}") for s in ("count", "sum"))
+    passes, requests = (metric_value(after, f"rlvr_pass_requests_{s}") - metric_value(before, f"rlvr_pass_requests_{s}") for s in ("count", "sum"))
     assert 0 < passes < requests, (passes, requests)  # the histogram saw these passes, one of them shared
 
 
@@ -699,7 +534,7 @@ def test_slow_bodies_hold_no_slot_and_get_408(server):
     body = json.dumps({"question": QUESTION, "k": 1, "max_new_tokens": 4}).encode()
     slow = [server.open("/solve", body, send=5) for _ in range(MAX_CONCURRENCY + 6)]
     try:
-        time.sleep(0.5)
+        time.sleep(0.5)  # their bytes reach the server; nothing on its side shows it before the 408s
         server.assert_ready()  # the door is open: none of them holds a slot
         statuses = [_response_status(sock, BODY_TIMEOUT_S + 5) for sock in slow]
         assert statuses == [408] * len(slow)
@@ -708,7 +543,7 @@ def test_slow_bodies_hold_no_slot_and_get_408(server):
             sock.close()
     server.assert_ready()
     after = server.metrics()
-    assert _metric(after, "rlvr_requests_total", endpoint="/solve", status="408") - _metric(
+    assert metric_value(after, "rlvr_requests_total", endpoint="/solve", status="408") - metric_value(
         before, "rlvr_requests_total", endpoint="/solve", status="408"
     ) == len(slow)
 
@@ -742,10 +577,7 @@ def test_a_full_door_answers_503_and_hung_up_requests_stop(server):
     marker = "[door]"
     clients = [server.open("/solve", json.dumps({"question": f"{QUESTION} {marker} {i}", **LONG}).encode()) for i in range(MAX_CONCURRENCY)]
     try:
-        deadline = time.monotonic() + 10
-        while server.request("/readyz", timeout_s=PROBE_TIMEOUT_S)[0] != 503:
-            assert time.monotonic() < deadline, "a saturated service still says ready"
-            time.sleep(0.1)
+        wait_for(lambda: server.request("/readyz", timeout_s=PROBE_TIMEOUT_S)[0] == 503, 10, "a saturated service to say not ready", interval_s=0.1)
         status, text, headers = server.call("/solve", {"question": QUESTION, "k": 1, "max_new_tokens": 4})
         assert status == 503 and "slots" in json.loads(text)["error"] and int(headers["Retry-After"]) > 0
         assert server.request("/healthz", timeout_s=PROBE_TIMEOUT_S)[0] == 200
@@ -755,13 +587,10 @@ def test_a_full_door_answers_503_and_hung_up_requests_stop(server):
             sock.close()
     hung_up = MAX_CONCURRENCY - len(answered)
     assert hung_up >= MAX_CONCURRENCY - 8  # at most one pass of them could have finished
-    deadline = time.monotonic() + 10
-    while len(_records(server, marker)) < MAX_CONCURRENCY:
-        assert time.monotonic() < deadline, "hung-up requests still running"
-        time.sleep(0.1)
+    wait_for(lambda: len(traffic_records(server, marker)) >= MAX_CONCURRENCY, 10, "the hung-up requests to stop", interval_s=0.1)
     server.assert_ready()
     after = server.metrics()
-    for record in _records(server, marker):
+    for record in traffic_records(server, marker):
         i = int(record["prompt"].rsplit(" ", 1)[1])
         if i in answered:
             assert record["status"] == 200
@@ -769,7 +598,7 @@ def test_a_full_door_answers_503_and_hung_up_requests_stop(server):
             assert (record["status"], record["error"]) == (499, "client disconnected")
 
     def delta(name, **labels):
-        return _metric(after, name, **labels) - _metric(before, name, **labels)
+        return metric_value(after, name, **labels) - metric_value(before, name, **labels)
 
     assert delta("rlvr_requests_total", endpoint="/solve", status="499") == hung_up
     assert delta("rlvr_requests_total", endpoint="/solve", status="503") == 1
@@ -780,10 +609,14 @@ def test_a_flood_of_400s_logs_one_line_each_without_tracebacks(server):
     size = server.log_path.stat().st_size
     for i in range(20):
         assert server.request("/generate", {"prompt": "hi", "num_rollouts": 100 + i})[0] == 400
-    time.sleep(0.5)
-    with open(server.log_path, "rb") as log:
-        log.seek(size)
-        lines = log.read().decode(errors="replace").splitlines()
+
+    def new_lines() -> list[str]:
+        with open(server.log_path, "rb") as log:
+            log.seek(size)
+            return log.read().decode(errors="replace").splitlines()
+
+    wait_for(lambda: sum("400 on /generate" in line for line in new_lines()) >= 20, 10, "the 20 rejections in the log")
+    lines = new_lines()
     assert not [line for line in lines if "Traceback" in line or "[ERROR]" in line]
     rejected = [line for line in lines if "400 on /generate" in line]
     assert len(rejected) == 20 and all("num_rollouts" in line for line in rejected)
@@ -804,23 +637,23 @@ def test_without_batching_each_request_runs_alone(unbatched):
 
 
 def test_a_request_past_its_timeout_gets_504_and_its_rows_stop(unbatched):
-    before = _metric(unbatched.metrics(), "rlvr_rollouts_cancelled_total")
+    before = metric_value(unbatched.metrics(), "rlvr_rollouts_cancelled_total")
     started = time.monotonic()
     status, text = unbatched.request("/solve", {"question": f"{QUESTION} [slow]", **LONG})
     assert status == 504 and "error" in json.loads(text)
     assert time.monotonic() - started < SHORT_TIMEOUT_S + 2
     unbatched.assert_ready(within_s=SHORT_TIMEOUT_S)  # its rows no longer hold the model thread
-    (record,) = _records(unbatched, "[slow]")
+    (record,) = traffic_records(unbatched, "[slow]")
     assert record["status"] == 504 and "timed out" in record["error"]
     so_far = record["completion_tokens_so_far"]  # how far it got: each sample's tokens when its time ran out
     assert len(so_far) == LONG["k"] and 0 < sum(so_far) < LONG["k"] * LONG["max_new_tokens"]
-    assert _metric(unbatched.metrics(), "rlvr_rollouts_cancelled_total") > before
-    assert _metric(unbatched.metrics(), "rlvr_requests_total", endpoint="/solve", status="504") == 1
+    assert metric_value(unbatched.metrics(), "rlvr_rollouts_cancelled_total") > before
+    assert metric_value(unbatched.metrics(), "rlvr_requests_total", endpoint="/solve", status="504") == 1
 
 
 def test_a_stream_past_its_timeout_ends_with_an_error_event_and_its_rows_stop(unbatched):
     """BentoML's timeout stops at a response's first message: a stream keeps to it on its own."""
-    before = _metric(unbatched.metrics(), "rlvr_rollouts_cancelled_total")
+    before = metric_value(unbatched.metrics(), "rlvr_rollouts_cancelled_total")
     body = {"messages": [{"role": "user", "content": f"{QUESTION} [slow stream]"}], "n": 8, "temperature": 1.0, "max_tokens": MAX_NEW_TOKENS, "stream": True}
     started = time.monotonic()
     status, text = unbatched.request("/v1/chat/completions", body)
@@ -828,11 +661,11 @@ def test_a_stream_past_its_timeout_ends_with_an_error_event_and_its_rows_stop(un
     assert status == 200 and events[-1] == "[DONE]" and time.monotonic() - started < SHORT_TIMEOUT_S + 2
     error = json.loads(events[-2])["error"]
     assert error["type"] == "server_error" and "timed out" in error["message"]
-    (record,) = _records(unbatched, "[slow stream]")
+    (record,) = traffic_records(unbatched, "[slow stream]")
     assert record["status"] == 504 and "timed out" in record["error"]
     unbatched.assert_ready(within_s=SHORT_TIMEOUT_S)
-    assert _metric(unbatched.metrics(), "rlvr_rollouts_cancelled_total") > before
-    assert _metric(unbatched.metrics(), "rlvr_requests_total", endpoint="/v1/chat/completions", status="504") == 1
+    assert metric_value(unbatched.metrics(), "rlvr_rollouts_cancelled_total") > before
+    assert metric_value(unbatched.metrics(), "rlvr_requests_total", endpoint="/v1/chat/completions", status="504") == 1
 
 
 def test_killing_bentoml_serve_takes_its_worker_and_port_down(unbatched):
@@ -840,20 +673,20 @@ def test_killing_bentoml_serve_takes_its_worker_and_port_down(unbatched):
     assert workers, "no worker process under bentoml serve"
     unbatched.proc.kill()  # SIGKILL: no chance to stop its workers itself
     unbatched.proc.wait(timeout=10)
-    deadline = time.monotonic() + 10
-    while True:
-        alive = [pid for pid in workers if Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]]
+
+    def alive() -> list[str]:
+        return [pid for pid in workers if Path(f"/proc/{pid}").exists() and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]]
+
+    def port_free() -> bool:
         with socket.socket() as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a new server would: TIME_WAITs aside
             try:
                 probe.bind(("127.0.0.1", unbatched.port))
-                port_free = True
+                return True
             except OSError:
-                port_free = False
-        if not alive and port_free:
-            break
-        assert time.monotonic() < deadline, f"workers {alive} alive, port free: {port_free}"
-        time.sleep(0.2)
+                return False
+
+    wait_for(lambda: not alive() and port_free(), 10, "the workers and the port to go", 0.2, lambda: f"workers {alive()} alive, port free: {port_free()}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -869,7 +702,7 @@ def test_explosive_ground_truth_does_not_freeze_the_service(server):
     with ThreadPoolExecutor(1) as pool:
         started = time.monotonic()
         answer = pool.submit(server.call, "/generate", attack)
-        time.sleep(0.5)
+        time.sleep(0.5)  # the attack's head start; then a client probing every 0.5 s while it runs
         while not answer.done() and time.monotonic() - started < REWARD_TIMEOUT_S:
             server.assert_ready()
             time.sleep(0.5)

@@ -10,12 +10,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from dagster import DagsterEventType, DagsterInstance
 
 from resources import WRITER_POOL
 from rlvr_assets.definitions import defs
-from test_kills import wait_for
+from support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 WRITERS = {"gsm8k_problems", "baseline_eval", "eval_report", "policy_evaluation", "serving_traffic", "drift_report"}
@@ -71,6 +72,7 @@ def blocked_runs(instance: DagsterInstance) -> set[str]:
     return {r.run_id for r in instance.get_runs() for e in instance.all_logs(r.run_id) if f"blocked by limit for pool {WRITER_POOL}" in (e.message or "")}
 
 
+@pytest.mark.slow  # materializes in two processes
 def test_two_writers_launched_at_once_queue_on_a_real_instance(tmp_path, gsm8k_dir):
     home = tmp_path / "dagster"
     home.mkdir()

@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,20 +19,10 @@ from dagster import DagsterInstance, Failure, execute_job
 from resources import MLflowResource
 from resources.launcher import LOCK_FILE, SCRATCH_ENV, attempt_lock, stop_abandoned_training
 from resources.tracking import DAGSTER_RUN_TAG, TRAINING_RUN_TAG
-from rlvr.rewards import register_reward
-from test_kills import wait_for
-from test_training_launcher import rows, training_job, two_process_config
+from support.training_jobs import HOLD_REWARDS, rows, training_job, two_process_config
+from support.waiting import wait_for
 
-HOLD = "hold-rewards"  # while this file is in $RLVR_TEST_HOME, the held reward waits (at most 300 s)
-
-
-@register_reward("test_held_length", replace=True)
-def held_length(completion: str, **_) -> float:
-    """A reward that waits while the test holds ``HOLD``: the training stays live until the test lets it go."""
-    hold, deadline = Path(os.environ.get("RLVR_TEST_HOME", "/nonexistent")) / HOLD, time.monotonic() + 300
-    while hold.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return min(1.0, len(completion) / 400)
+pytestmark = pytest.mark.slow  # starts run workers, training and MLflow stores
 
 
 def python_env() -> dict:
@@ -90,13 +79,14 @@ def test_a_live_attempt_is_refused_and_only_the_holder_stops_a_dead_ones_trainin
             process.wait()
 
 
+# A re-execution of the failed run in a fresh process (support.training_jobs registers the held reward there too).
 REEXECUTE = """
 import json, sys
 from dagster import DagsterInstance, ReexecutionOptions, execute_job
-import test_concurrent_attempts, test_training_launcher
+from support.training_jobs import training_job
 with DagsterInstance.local_temp(sys.argv[1]) as instance:
     options = ReexecutionOptions.from_failure(sys.argv[2], instance)
-    execute_job(test_training_launcher.training_job(sys.argv[3]), instance=instance, run_config=json.loads(sys.argv[4]), reexecution_options=options)
+    execute_job(training_job(sys.argv[3]), instance=instance, run_config=json.loads(sys.argv[4]), reexecution_options=options)
 """
 
 
@@ -111,7 +101,7 @@ def test_two_reexecutions_of_one_failed_run_launched_at_once_train_it_once(home,
     with DagsterInstance.local_temp(str(tmp_path / "dagster")) as instance:
         failed = execute_job(training_job(home), instance=instance, run_config=broken)
     assert not failed.success
-    (home / HOLD).touch()
+    (home / HOLD_REWARDS).touch()
     args = [str(tmp_path / "dagster"), failed.run_id, str(home), json.dumps(config)]
     attempts = [subprocess.Popen([sys.executable, "-c", REEXECUTE, *args], env=python_env()) for _ in range(2)]
     try:
@@ -119,11 +109,11 @@ def test_two_reexecutions_of_one_failed_run_launched_at_once_train_it_once(home,
         client = MLflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}", artifact_location=str(home / "mlartifacts")).client()
         experiment = client.get_experiment_by_name("rlvr-ops").experiment_id
         (live,) = client.search_runs([experiment], f"tags.`{TRAINING_RUN_TAG}` = '{failed.run_id}' AND attributes.status = 'RUNNING'")
-        (home / HOLD).unlink()
+        (home / HOLD_REWARDS).unlink()
         (trainer,) = [p for p in attempts if p is not refused_process]
         assert trainer.wait(timeout=600) == 0
     finally:
-        (home / HOLD).unlink(missing_ok=True)
+        (home / HOLD_REWARDS).unlink(missing_ok=True)
         for process in attempts:
             process.kill()
             process.wait()

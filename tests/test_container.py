@@ -1,19 +1,12 @@
 """rlvr-ops's images built with podman and run for real, as ``make container`` builds and runs them.
 
-- The policy image: ``test_bento_service``'s Bento (the scripted tiny Llama) containerized by
-  ``deploy/container/build_images.py`` (BentoML's containerize on the shared Debian base) and started
-  by ``deploy/container/run-policy.sh`` with an API keys file and a metrics token (without a key it
-  starts nothing); ``/readyz``, ``/solve``, ``/v1/chat/completions`` and ``/metrics`` over real HTTP on
-  the published 127.0.0.1 port (401 without the key), and each request's traffic record, with its
-  key's id, read on the host, from the mounted folder, with ``rlvr.traffic.read_traffic``.
-- The code-location image (``deploy/docker/Dockerfile``): its gRPC code server answers
-  ``dagster api grpc-health-check`` from the host through the published port, and its own
-  HEALTHCHECK command inside the container.
-
-Slow (minutes: a Debian base image once, cached in podman's storage, then each image's Python
-packages from PyPI and the local wheelhouse). Skips, with the reason, where podman cannot run
-(not installed, or not root: the builds use rootful podman).
-"""
+The policy image (the scripted tiny Llama's Bento from ``support.served_bento``, containerized by
+deploy/container/build_images.py and started by run-policy.sh, which starts nothing without an API key):
+its endpoints over real HTTP on the published 127.0.0.1 port (401 without the key), and each request's
+traffic record, with its key's id, read on the host. The code-location image: its gRPC code server
+answers ``dagster api grpc-health-check`` from the host, and its own HEALTHCHECK inside the container.
+Slow (minutes: a Debian base image once, then each image's packages); skips, with the reason, where
+rootful podman cannot run."""
 
 from __future__ import annotations
 
@@ -34,7 +27,10 @@ from bentos.api_keys import derived_key_id
 from bentos.build import MODEL_VERSION_LABEL, bentoml_env
 from rlvr.answers import extract_final_answer
 from rlvr.traffic import read_traffic, traffic_row
-from test_bento_service import GREEDY_COMPLETION, LINEAGE, QUESTION, Server, _free_port, _metric, scripted_bento
+from support.ports import free_port
+from support.scripted_policies import GREEDY_COMPLETION
+from support.served_bento import LINEAGE, QUESTION, Server, metric_value, scripted_bento
+from support.waiting import wait_for
 
 pytestmark = [
     pytest.mark.slow,  # builds and runs container images
@@ -121,7 +117,7 @@ def policy_container(policy_image, built, tmp_path_factory):
     makes it); its traffic folder is on this host."""
     bento, model_tag, home = built
     folder = tmp_path_factory.mktemp("policy-container")
-    traffic, port, name = folder / "traffic", _free_port(), f"rlvr-test-policy-{os.getpid()}"
+    traffic, port, name = folder / "traffic", free_port(), f"rlvr-test-policy-{os.getpid()}"
     keys_file = folder / "api-key"
     keys_file.write_text(f"# made for the test\n{API_KEY}\n")
     keys_file.chmod(0o600)
@@ -134,17 +130,13 @@ def policy_container(policy_image, built, tmp_path_factory):
     assert started.returncode == 0, f"run-policy.sh failed:\n{started.stderr}"
     try:
         server = KeyedServer(f"http://127.0.0.1:{port}", traffic, bento, model_tag, home, folder / "container.log", proc=None)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
+
+        def ready() -> bool:
             state = _podman("inspect", "--format", "{{.State.Status}}", name).stdout.strip()
             assert state == "running", f"the policy container is {state}:\n{_logs(name)}"
-            assert time.monotonic() < deadline, f"/readyz not 200 within {READY_TIMEOUT_S} s:\n{_logs(name)}"
-            try:
-                if server.request("/readyz", timeout_s=5)[0] == 200:
-                    break
-            except OSError:
-                pass
-            time.sleep(1)
+            return server.is_ready(timeout_s=5)
+
+        wait_for(ready, READY_TIMEOUT_S, "/readyz to answer 200", interval_s=1, details=lambda: _logs(name))
         yield server
     finally:
         server.log_path.write_text(_logs(name))
@@ -182,8 +174,8 @@ def test_policy_container_serves_over_the_published_port_and_logs_to_the_host(po
     assert chat["choices"][0]["message"]["content"] == GREEDY_COMPLETION and chat["model"] == MODEL
 
     metrics = server.metrics()
-    assert _metric(metrics, "rlvr_requests_total", endpoint="/solve", status="200") >= 1
-    assert _metric(metrics, "rlvr_requests_total", endpoint="/v1/chat/completions", status="200") >= 1
+    assert metric_value(metrics, "rlvr_requests_total", endpoint="/solve", status="200") >= 1
+    assert metric_value(metrics, "rlvr_requests_total", endpoint="/v1/chat/completions", status="200") >= 1
 
     # The container wrote into the host folder, as its own user; the project's reader reads it here.
     records = {r["request_id"]: r for r in read_traffic(server.traffic_dir).records}
@@ -201,7 +193,7 @@ def test_policy_container_serves_over_the_published_port_and_logs_to_the_host(po
 def code_location_container(podman_ready, tmp_path_factory):
     tag = "localhost/rlvr-test-code-location:latest"
     _build("code-location", "--tag", tag, env=_podman_env())
-    port, name = _free_port(), f"rlvr-test-code-location-{os.getpid()}"
+    port, name = free_port(), f"rlvr-test-code-location-{os.getpid()}"
     started = _podman("run", "--detach", "--name", name, "--publish", f"127.0.0.1:{port}:4000", tag)
     assert started.returncode == 0, started.stderr
     try:
@@ -214,15 +206,14 @@ def code_location_container(podman_ready, tmp_path_factory):
 def test_code_location_answers_the_grpc_health_check(code_location_container):
     tag, name, port = code_location_container
     dagster = str(Path(sys.executable).with_name("dagster"))
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while True:  # from this host, through the published loopback port
+
+    def healthy() -> subprocess.CompletedProcess | None:  # checked from this host, through the published loopback port
         check = subprocess.run([dagster, "api", "grpc-health-check", "-h", "127.0.0.1", "-p", str(port)], capture_output=True, text=True, timeout=60)
-        if check.returncode == 0:
-            break
         state = _podman("inspect", "--format", "{{.State.Status}}", name).stdout.strip()
-        assert state == "running", f"the code-location container is {state}:\n{_logs(name)}"
-        assert time.monotonic() < deadline, f"no healthy gRPC server within {READY_TIMEOUT_S} s:\n{check.stdout}{check.stderr}\n{_logs(name)}"
-        time.sleep(2)
+        assert check.returncode == 0 or state == "running", f"the code-location container is {state}:\n{_logs(name)}"
+        return check if check.returncode == 0 else None
+
+    wait_for(healthy, READY_TIMEOUT_S, "a healthy gRPC server", interval_s=2, details=lambda: _logs(name))
     # The image's own HEALTHCHECK command, inside the container; the same check on a dead port fails.
     healthcheck = json.loads(_podman("image", "inspect", "--format", "{{json .Config.Healthcheck}}", tag).stdout)
     command = healthcheck["Test"]

@@ -28,6 +28,7 @@ from rlvr.cpu_threads import (
     threads_for,
     usable_cpus,
 )
+from support.waiting import wait_for
 
 BUSY_LOOP = """import os, sys, time
 os.sched_setaffinity(0, {int(sys.argv[1])})
@@ -190,14 +191,6 @@ def cpu_time_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def wait_until(condition, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.01)
-
-
 @pytest.fixture
 def busy_cpu():
     """A child process busy-looping on one CPU of this process's affinity (for at most 30 s); yields that CPU."""
@@ -208,7 +201,7 @@ def busy_cpu():
     try:
         assert child.stdout.readline().strip() == "ready"
         started = cpu_time_s(child.pid)
-        wait_until(lambda: cpu_time_s(child.pid) - started >= 0.05, 10.0, "the child to spin")
+        wait_for(lambda: cpu_time_s(child.pid) - started >= 0.05, 10.0, "the child to spin", interval_s=0.01)
         yield cpu
     finally:
         child.kill()
@@ -219,7 +212,7 @@ def test_a_process_spinning_on_one_cpu_is_about_one_cpu_busy_elsewhere(busy_cpu,
     monkeypatch.delenv("RLVR_THREADS", raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = sample_cpu({busy_cpu})
-    time.sleep(0.3)
+    time.sleep(0.3)  # the window the CPU shares are measured over
     assert 0.8 <= busy_elsewhere_between(before, sample_cpu({busy_cpu})) <= 1.0
     assert cpu_threads.cpus_busy_elsewhere(0.3) >= 0.8
     assert pick_threads(0.3) < usable_cpus()  # with nothing else running it would be usable_cpus()
@@ -238,7 +231,7 @@ def test_this_process_own_spinning_is_not_busy_elsewhere():
     spinner.start()
     try:
         before = sample_cpu({cpu})
-        time.sleep(0.3)
+        time.sleep(0.3)  # the window the CPU shares are measured over
         after = sample_cpu({cpu})
     finally:
         done.set()

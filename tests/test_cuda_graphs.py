@@ -8,7 +8,7 @@ from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.eligibility import use_cuda_graphs
 from rlvr.generation import Engine, EngineRequest, SamplingConfig, generate_rollouts
 from rlvr.generation.cuda_graphs import BUCKETS, GraphedDecode, row_bucket
-from tiny_policy import char_tokenizer, tiny_causal_lm
+from support.tiny_models import char_tokenizer, tiny_causal_lm
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CUDA graph capture and replay)")
 PROMPTS = ["what is 12+30?", "7", "count: a b c d e f", "x" * 40, "1+1", "zz top", "9*9=", "hello there"]

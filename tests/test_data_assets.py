@@ -14,6 +14,8 @@ from dagster import DagsterInstance, materialize
 from resources import Warehouse
 from rlvr_assets.data import gsm8k_problems
 
+pytestmark = pytest.mark.slow  # materializes Dagster assets and runs dg launch
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

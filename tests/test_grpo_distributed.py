@@ -6,15 +6,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from rlvr.grpo.checkpoint import read_trainer_state
 
-WORKER = Path(__file__).with_name("grpo_ddp_worker.py")
+pytestmark = pytest.mark.slow  # trains under torchrun
+
+WORKER = Path(__file__).parent / "support" / "grpo_ddp_worker.py"  # imports support.tiny_models: tests/ goes on its PYTHONPATH
 
 
 def test_two_ranks_end_identical_and_learn(tmp_path):
-    env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     command = [*torchrun, str(WORKER), str(tmp_path)]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)

@@ -13,8 +13,10 @@ import torch
 import rlvr.grpo.trainer as trainer_module
 from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig, GRPOTrainer, LoRAConfig
-from tiny_policy import COPY_DIGIT_CHARS, char_tokenizer, copy_digit_reward, tiny_llama
-from tiny_policy import COPY_DIGIT_PROBLEMS as PROBLEMS
+from support.tiny_models import COPY_DIGIT_CHARS, char_tokenizer, copy_digit_reward, tiny_llama
+from support.tiny_models import COPY_DIGIT_PROBLEMS as PROBLEMS
+
+pytestmark = pytest.mark.slow  # trains until the policy learns
 
 
 def config(**overrides) -> GRPOConfig:

@@ -143,7 +143,7 @@ def test_training_logprobs_match_sampling_logprobs_with_and_without_prompt_shari
     once for its group (KV cache reused, gradient attached) or once per row; gradients agree too."""
     from rlvr.generation import SamplingConfig, generate_rollouts
     from rlvr.grpo.scoring import completion_logprobs, pack_rows
-    from tiny_policy import char_tokenizer, tiny_llama
+    from support.tiny_models import char_tokenizer, tiny_llama
 
     tokenizer = char_tokenizer()
     model = tiny_llama(len(tokenizer), seed=1)
@@ -215,7 +215,7 @@ def test_completion_logprobs_through_the_head_equal_the_models_logits():
     from rlvr.fastpaths import FastPaths
     from rlvr.fastpaths.eligibility import output_head
     from rlvr.generation import SamplingConfig, generate_rollouts
-    from tiny_policy import char_tokenizer, tiny_llama
+    from support.tiny_models import char_tokenizer, tiny_llama
 
     tokenizer = char_tokenizer()
     model = tiny_llama(len(tokenizer), seed=4)

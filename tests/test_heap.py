@@ -41,7 +41,7 @@ def test_trainer_keeps_freed_memory_on_cpu_unless_configured_not_to(monkeypatch,
     import rlvr.grpo.trainer as trainer_module
     from rlvr.fastpaths import FastPaths
     from rlvr.grpo import GRPOConfig, GRPOTrainer
-    from tiny_policy import char_tokenizer, copy_digit_reward, tiny_llama
+    from support.tiny_models import char_tokenizer, copy_digit_reward, tiny_llama
 
     calls = []
     monkeypatch.setattr(trainer_module, "keep_freed_memory", lambda: calls.append(1) or True)

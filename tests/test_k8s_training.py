@@ -1,6 +1,6 @@
 """GRPO on Kubernetes (resources/k8s_launcher.py), checked offline: there is no cluster here.
 
-What the launcher renders validates strictly against the Kubernetes API schemas test_deploy.py uses;
+What the launcher renders validates strictly against the Kubernetes API schemas tests/test_deploy.py uses;
 the torchrun commands it renders form one job through a real c10d rendezvous, with the Pipes pod as
 node 0; ``train`` runs dagster-k8s's own PipesK8sClient against a fake Kubernetes API (the one stand-in,
 where a cluster would answer), which shows the pod it submits, the Job and Service created and deleted
@@ -13,7 +13,6 @@ import contextlib
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -43,7 +42,8 @@ from resources.k8s_launcher import (
 from resources.launcher import TrainingJob
 from rlvr.grpo import GRPOConfig
 from rlvr.rewards import DEFAULT_GSM8K_REWARD
-from test_deploy import K8S, K8S_VERSIONS, _by_kind, _load_yaml_docs
+from support.k8s_manifests import K8S, K8S_VERSIONS, load_yaml_docs, resource_of_kind
+from support.ports import free_port
 
 TRAINING_EXAMPLES = K8S / "training"
 
@@ -89,7 +89,7 @@ def test_strict_validation_rejects_a_misspelt_field():
 def test_one_node_is_one_standalone_pod_with_its_gpus_and_the_shared_volume():
     plan, (pod,) = rendered(K8sTrainingLauncher(gpus_per_node=4), 4)
     torchrun = container(pod["spec"])
-    assert torchrun["command"] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=4", "-m", "rlvr_assets.grpo_worker"]
+    assert torchrun["command"] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=4", "-m", "resources.grpo_worker"]
     assert torchrun["resources"]["limits"]["nvidia.com/gpu"] == torchrun["resources"]["requests"]["nvidia.com/gpu"] == "4"
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["spec"]["tolerations"]
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
@@ -109,7 +109,7 @@ def test_several_nodes_rendezvous_at_the_pipes_pod():
         assert f["nnodes"] == "3" and f["nproc-per-node"] == "8" and f["rdzv-backend"] == "c10d"
         assert f["rdzv-endpoint"] == f"{service['metadata']['name']}:29411" and f["rdzv-id"] == "grpo-r-0"
     assert pipes_flags["rdzv-conf"].startswith("is_host=1,") and worker_flags["rdzv-conf"].startswith("is_host=0,")
-    assert pipes["command"][-2:] == worker["command"][-2:] == ["-m", "rlvr_assets.grpo_worker"]
+    assert pipes["command"][-2:] == worker["command"][-2:] == ["-m", "resources.grpo_worker"]
     # c10d numbers nodes by sorted local address: the Pipes pod's (the Service name, which resolves to it) first
     assert pipes_flags["local-addr"] == service["metadata"]["name"]
     assert worker_flags["local-addr"] == f"{job['metadata']['name']}-$(JOB_COMPLETION_INDEX)" and worker_flags["local-addr"] > pipes_flags["local-addr"]
@@ -159,7 +159,7 @@ def test_without_an_image_of_its_own_the_run_must_name_one(tmp_path):
 
 
 def test_the_deployed_config_builds_a_launcher_on_the_shared_volume():
-    config_map, claim = _by_kind("ConfigMap"), _by_kind("PersistentVolumeClaim")
+    config_map, claim = resource_of_kind("ConfigMap"), resource_of_kind("PersistentVolumeClaim")
     settings = config_map["data"]
     unknown = {k for k in settings if k.startswith("RLVR_TRAINING_")} - {"RLVR_TRAINING_" + f.upper() for f in K8sTrainingLauncher.model_fields}
     assert not unknown, f"not a K8sTrainingLauncher field: {unknown}"
@@ -172,7 +172,7 @@ def test_the_deployed_config_builds_a_launcher_on_the_shared_volume():
 
 
 def test_the_code_locations_service_account_may_launch_training():
-    role, binding = _by_kind("Role"), _by_kind("RoleBinding")
+    role, binding = resource_of_kind("Role"), resource_of_kind("RoleBinding")
     kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
     helm = yaml.safe_load((K8S / "dagster-values.yaml").read_text())["dagster-user-deployments"]
     (subject,) = binding["subjects"]
@@ -190,7 +190,7 @@ def test_the_examples_are_what_the_launcher_renders(tmp_path, monkeypatch):
     main()
     assert sorted(p.name for p in TRAINING_EXAMPLES.glob("*.yaml")) == sorted(EXAMPLE_FILES)
     for name, manifest in example_manifests().items():
-        (committed,) = _load_yaml_docs(TRAINING_EXAMPLES / name)
+        (committed,) = load_yaml_docs(TRAINING_EXAMPLES / name)
         assert committed == manifest, f"{name}: run `python -m resources.k8s_launcher --render deploy/k8s/training`"
         assert (tmp_path / "deploy/k8s/training" / name).read_text() == (TRAINING_EXAMPLES / name).read_text()
         kubernetes_validate.validate(committed, K8S_VERSIONS[-1], strict=True)
@@ -346,7 +346,7 @@ def test_train_runs_the_pipes_pod_between_creating_and_deleting_the_rendezvous(t
     assert sorted(fake.extras_by_rank) == list(range(6)) and all(e == fake.extras_by_rank[0] for e in fake.extras_by_rank.values())
     assert fake.extras_by_rank[0]["scratch"] == str(job.scratch) and fake.extras_by_rank[0]["device"] is None
     assert not (job.scratch / CONTEXT_FILE).exists()  # the session removed it
-    assert set(fake.calls) <= granted(_by_kind("Role")), "deploy/k8s/training-launcher-role.yaml must allow every call"
+    assert set(fake.calls) <= granted(resource_of_kind("Role")), "deploy/k8s/training-launcher-role.yaml must allow every call"
 
 
 def test_a_failed_run_reports_the_ranks_and_still_deletes_the_rendezvous(tmp_path, fake_cluster):
@@ -383,12 +383,7 @@ dist.destroy_process_group()
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
+@pytest.mark.slow  # launches torchrun
 def test_the_rendered_commands_rendezvous_with_the_pipes_pod_as_node_zero(tmp_path):
     """Two nodes of two CPU processes, started in the cluster's order (the worker Job first). No cluster DNS
     here: the Service name stands for 127.0.0.1, what it resolves to from every pod, and $(JOB_COMPLETION_INDEX)
@@ -399,11 +394,11 @@ def test_the_rendered_commands_rendezvous_with_the_pipes_pod_as_node_zero(tmp_pa
 
     def local(spec: dict) -> list[str]:
         command = [arg.replace("$(JOB_COMPLETION_INDEX)", "0").replace("grpo-r-0", "127.0.0.1") for arg in container(spec)["command"]]
-        assert command[0] == "torchrun" and command[-2:] == ["-m", "rlvr_assets.grpo_worker"]
+        assert command[0] == "torchrun" and command[-2:] == ["-m", "resources.grpo_worker"]
         return [sys.executable, "-m", "torch.distributed.run", *command[1:-2], str(tmp_path / "probe.py"), str(tmp_path)]
 
     worker = subprocess.Popen(local(plan.workers["spec"]["template"]["spec"]), env={**os.environ, "NODE": "worker"}, stderr=subprocess.PIPE, text=True)
-    time.sleep(1)
+    time.sleep(1)  # the worker Job's pods start first, as in the cluster (the rendezvous takes either order)
     pipes = subprocess.Popen(local(plan.pod_spec), env={**os.environ, "NODE": "pipes"}, stderr=subprocess.PIPE, text=True)
     for proc in (pipes, worker):
         _, err = proc.communicate(timeout=180)
@@ -444,4 +439,4 @@ def test_an_attempt_first_deletes_what_a_killed_earlier_attempt_left_running(tmp
     assert fake.calls[2:4] == [("pods", "list"), ("pods", "delete")]
     assert list(fake.leftover_pods) == ["someone-else"] and not fake.objects
     assert not (job.scratch / ATTEMPT_FILE).exists() and not (job.scratch / "export.tmp").exists()
-    assert set(fake.calls) <= granted(_by_kind("Role")), "deploy/k8s/training-launcher-role.yaml must allow every call"
+    assert set(fake.calls) <= granted(resource_of_kind("Role")), "deploy/k8s/training-launcher-role.yaml must allow every call"

@@ -11,24 +11,23 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 from dagster import DagsterInstance, ReexecutionOptions, build_sensor_context, execute_job
 
+from resources import grpo_worker
 from resources.launcher import LOCK_FILE, SCRATCH_ENV, TrainingJob, TrainingLauncher, attempt_lock, clear_attempt, step_history, stop_abandoned_training
 from resources.tracking import TRAINING_RUN_TAG
 from rlvr import gsm8k
 from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig
-from rlvr.training_run import die_with_parent
-from rlvr_assets import grpo_worker
+from rlvr.training_run import start_training_process
 from sensors import failed_run_mlflow_sensor
-from test_pipeline import resources_for
-from test_training_launcher import paced_length, resumable_at, rows, training_job, two_process_config
-
-assert paced_length  # registered in this process too: the run worker subprocess imports it from there
+from support.pipeline import resources_for
+from support.training_jobs import resumable_at, rows, training_job, two_process_config
+from support.waiting import wait_for
 
 STEPS, ROWS_PER_STEP = 3, 4  # 2 prompts x 2 completions
 
@@ -36,9 +35,8 @@ STEPS, ROWS_PER_STEP = 3, 4  # 2 prompts x 2 completions
 KILL_AT = """
 import json, os, signal, sys
 from pathlib import Path
-import pandas as pd
 from rlvr.grpo import checkpoint, trainer
-from rlvr_assets import grpo_worker
+from resources import grpo_worker
 
 boundary, step = sys.argv[2], 2
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
@@ -46,8 +44,8 @@ if boundary == "mid-step":  # sampled and scored, killed in the update
     update = trainer.GRPOTrainer._update
     trainer.GRPOTrainer._update = lambda self, *a, **k: die() if self.step_count + 1 == step else update(self, *a, **k)
 elif boundary == "between-rollouts-and-rewards":
-    to_parquet = pd.DataFrame.to_parquet
-    pd.DataFrame.to_parquet = lambda self, path, *a, **k: die() if f"rewards-step{step:06d}" in str(path) else to_parquet(self, path, *a, **k)
+    write = grpo_worker.write_atomically
+    grpo_worker.write_atomically = lambda path, data: die() if f"rewards-step{step:06d}" in str(path) else write(path, data)
 else:  # rows and metrics written: before the resume point is saved, or right after it
     save = checkpoint.save_checkpoint
     def save_checkpoint(folder, at, *a, **k):
@@ -72,6 +70,7 @@ def worker_job(scratch: Path, start: Path, gsm8k_dir: Path) -> dict:
     return extras
 
 
+@pytest.mark.slow  # trains in subprocesses
 def test_a_step_killed_at_each_boundary_loses_no_rows_and_no_curve_point(tmp_path, gsm8k_dir, tiny_llama_dir):
     jobs = {b: worker_job(tmp_path / b, tiny_llama_dir, gsm8k_dir) for b in BOUNDARIES}
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
@@ -98,7 +97,7 @@ def test_a_reexecution_stops_what_an_earlier_attempt_left_running(tmp_path):
     orphan = subprocess.Popen(  # launched as the launcher launches torchrun
         [sys.executable, "-c", "import time; time.sleep(600)", "torch.distributed.run"],
         start_new_session=True,
-        preexec_fn=die_with_parent,
+        preexec_fn=partial(start_training_process, os.getpid()),
         env={**os.environ, SCRATCH_ENV: str(scratch.resolve())},
     )
     (scratch / LOCK_FILE).write_text(json.dumps({"dagster_run_id": "killed", "pid": 1, "pgid": orphan.pid}))
@@ -126,13 +125,13 @@ def test_a_reexecution_stops_what_an_earlier_attempt_left_running(tmp_path):
             process.wait()
 
 
+# The run worker: the training job (support.training_jobs registers its rewards here too) in a fresh process.
 RUN_WORKER = """
-import sys
+import json, sys
 from dagster import DagsterInstance, execute_job
-import test_kills, test_training_launcher
+from support.training_jobs import training_job
 with DagsterInstance.local_temp(sys.argv[1]) as instance:
-    job = test_training_launcher.training_job(sys.argv[3])
-    execute_job(job, instance=instance, run_config=test_kills.json.loads(sys.argv[2]))
+    execute_job(training_job(sys.argv[3]), instance=instance, run_config=json.loads(sys.argv[2]))
 """
 
 
@@ -148,15 +147,8 @@ def marked_processes(marker: bytes) -> list[int]:
     return found
 
 
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.05)
-    return value
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signals are Linux's")
+@pytest.mark.slow  # trains in subprocesses
 def test_killing_the_run_worker_takes_its_training_along_and_the_reexecution_completes(home, gsm8k_dir, tiny_llama_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("RLVR_TEST_HOME", str(home))
     config = two_process_config(gsm8k_dir, tiny_llama_dir, steps=STEPS)

@@ -6,7 +6,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_
 
 from rlvr.fastpaths import FastPaths, layer_kernels
 from rlvr.fastpaths.fused_decode import fused_decoder
-from tiny_policy import tiny_llama
+from support.tiny_models import tiny_llama
 
 
 def test_rms_norm_is_the_models():

@@ -38,3 +38,19 @@ def test_the_check_sees_function_level_imports(tmp_path):
     source = tmp_path / "m.py"
     source.write_text("def f():\n    import mlflow.tracking\n    from dagster import asset\n    from . import sibling\n")
     assert imports(source) == {"mlflow", "dagster"}
+
+
+def test_the_launched_worker_is_a_resources_module_the_check_covers():
+    """torchrun runs the GRPO worker by module path (``-m``): that module is a file under resources/, one
+    of those the check above reads, and imports neither assets nor sensors."""
+    import importlib.util
+
+    from resources.k8s_launcher import K8sTrainingLauncher
+    from resources.launcher import WORKER_MODULE, TrainingLauncher
+
+    path = Path(importlib.util.find_spec(WORKER_MODULE).origin).resolve()
+    assert path in set((ROOT / "resources").rglob("*.py")), f"{WORKER_MODULE} ({path}) is not a module under resources/"
+    assert not imports(path) & set(FORBIDDEN["resources"])
+    assert TrainingLauncher(python="py").command(1)[-2:] == ["-m", WORKER_MODULE]
+    pod = K8sTrainingLauncher(image="i").manifests("run", 1, "i", "ns", Path("/data/rlvr/s")).pod_spec
+    assert pod["containers"][0]["command"][-2:] == ["-m", WORKER_MODULE]

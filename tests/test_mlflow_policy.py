@@ -5,7 +5,6 @@ opens in the MLflow UI's model-training mode, without an empty Default experimen
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -14,12 +13,15 @@ from pathlib import Path
 import mlflow
 import pytest
 
-from conftest import save_tiny_llama
 from resources import MLflowResource, StoredModel
 from resources.mlflow_policy import QUESTION_EXAMPLE
 from resources.tracking import CHAMPION, EXPERIMENT_KIND_TAG, MODEL_TRAINING, EvaluationRun
 from rlvr.answers import extract_final_answer
-from test_ui import wait_for_http
+from support.ports import free_port
+from support.tiny_models import save_tiny_llama
+from support.waiting import wait_for_http
+
+pytestmark = pytest.mark.slow  # logs, loads and serves policies with MLflow
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +87,6 @@ def test_the_champion_is_an_mlflow_model_that_answers_a_gsm8k_question(active):
     downloaded = Path(mlflow.artifacts.download_artifacts(f"models:/{tracking.registered_model}@{CHAMPION}"))
     assert QUESTION_EXAMPLE in (downloaded / "input_example.json").read_text()
     assert tracking.download_checkpoint(registered.source).joinpath("config.json").is_file()  # the bento asset's way to the weights
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_mlflow_models_serve_answers_over_http(registered):

@@ -14,6 +14,8 @@ from rlvr.traffic import TrafficLog
 from rlvr_assets import data, monitoring
 from sensors import drift_sensor, traffic_sensor
 
+pytestmark = pytest.mark.slow  # materializes Dagster partitions and runs sensors
+
 OFF_TOPIC = [
     "Write a haiku about the autumn sea and the moon over the harbor.",
     "Translate 'where is the train station' into French, German and Italian.",

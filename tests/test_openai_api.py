@@ -13,7 +13,6 @@ import codecs
 import importlib.util
 import json
 import math
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,16 +27,12 @@ from bentos.vocabulary import Vocabulary
 from rlvr.answers import lm_eval_gsm8k_answers
 from rlvr.prompts import SYSTEM_PROMPT
 from rlvr.traffic import read_traffic, traffic_row
-from test_bento_service import (
-    GREEDY_COMPLETION,
-    LINEAGE,
-    QUESTION,
-    _metric,
-    scripted_bento,
-    serving_batched,
-)
+from support.scripted_policies import GREEDY_COMPLETION
+from support.served_bento import LINEAGE, QUESTION, metric_value, scripted_bento, serving_batched, traffic_records
+from support.waiting import wait_for
 
 pytestmark = [
+    pytest.mark.slow,  # serves a Bento over HTTP
     pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::pydantic.PydanticDeprecatedSince211"),
 ]
@@ -321,7 +316,7 @@ def test_v1_requests_pass_the_guard_and_are_counted(server):
     after = server.metrics()
 
     def delta(endpoint, status):
-        return _metric(after, "rlvr_requests_total", endpoint=endpoint, status=status) - _metric(
+        return metric_value(after, "rlvr_requests_total", endpoint=endpoint, status=status) - metric_value(
             before, "rlvr_requests_total", endpoint=endpoint, status=status
         )
 
@@ -341,18 +336,14 @@ def test_a_hung_up_stream_stops_its_rows_and_is_logged_as_499(server):
         while b'"delta": {"content"' not in received:  # its rows are decoding
             received += sock.recv(65536)
         assert received.startswith(b"HTTP/1.1 200")
-    deadline = time.monotonic() + 10
-    while not (records := [r for r in read_traffic(server.traffic_dir).records if marker in r["prompt"]]):
-        assert time.monotonic() < deadline, "the hung-up stream is still running"
-        time.sleep(0.1)
-    (record,) = records
+    (record,) = wait_for(lambda: traffic_records(server, marker), 10, "the hung-up stream to stop", interval_s=0.1)
     assert (record["status"], record.get("error")) == (499, "client disconnected"), record["status"]
     server.assert_ready()
     after = server.metrics()
-    assert _metric(after, "rlvr_rollouts_cancelled_total") > _metric(before, "rlvr_rollouts_cancelled_total")
+    assert metric_value(after, "rlvr_rollouts_cancelled_total") > metric_value(before, "rlvr_rollouts_cancelled_total")
     assert (
-        _metric(after, "rlvr_requests_total", endpoint="/v1/chat/completions", status="499")
-        - _metric(before, "rlvr_requests_total", endpoint="/v1/chat/completions", status="499")
+        metric_value(after, "rlvr_requests_total", endpoint="/v1/chat/completions", status="499")
+        - metric_value(before, "rlvr_requests_total", endpoint="/v1/chat/completions", status="499")
     ) == 1
 
 
@@ -432,7 +423,7 @@ def test_lm_eval_runs_log_likelihood_and_generation_tasks_with_the_servers_token
         task_manager=TaskManager(include_path=str(tmp_path), include_defaults=False),
         log_samples=True,
     )
-    assert _metric(server.metrics(), "rlvr_requests_total", endpoint="/tokenize", status="200") > _metric(
+    assert metric_value(server.metrics(), "rlvr_requests_total", endpoint="/tokenize", status="200") > metric_value(
         before, "rlvr_requests_total", endpoint="/tokenize", status="200"
     )  # the remote tokenizer, found by itself
     _, model_tag, home = built
@@ -534,7 +525,7 @@ def _greedy_scores(model, ids: list[int]) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def likeliest_next(local_model) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, ids) of the 6 likeliest tokens after each token of the vocabulary: the scripted model is a
-    bigram model (``save_scripted_tiny_llama``), so they are those after any prompt that ends in it."""
+    bigram model (``support.scripted_policies.save_scripted_tiny_llama``), so they are those after any prompt that ends in it."""
     values, indices, vocab = [], [], local_model.config.vocab_size
     with torch.no_grad():
         for start in range(0, vocab, 1024):

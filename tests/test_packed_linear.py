@@ -10,7 +10,7 @@ import rlvr.fastpaths.packed_linear as packed_linear
 from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.packed_linear import packed_linears, packing_dtypes
 from rlvr.generation import SamplingConfig, generate_rollouts
-from tiny_policy import char_tokenizer, tiny_llama
+from support.tiny_models import char_tokenizer, tiny_llama
 
 pytestmark = pytest.mark.skipif(not packing_dtypes(), reason="PyTorch built without oneDNN")
 

@@ -4,53 +4,15 @@ real DuckDB, model store, MLflow store and BentoML store under a temporary RLVR_
 import importlib.metadata
 
 import duckdb
+import pytest
 from dagster import AssetKey, DagsterInstance, materialize
 
-from resources import BentoBuilder, ComputeResource, Evaluator, MLflowResource, ModelStore, Warehouse
-from resources.launcher import TrainingLauncher
 from resources.tracking import CHAMPION, POLICY_VERSION_TAG
 from rlvr.rewards import register_reward
-from rlvr_assets import data, evaluation, models, registry, serving, training
+from rlvr_assets import data, evaluation, registry, serving, training
+from support.pipeline import PROTOCOL, TRAINING, resources_for, run_config
 
-TRAINING = [data.gsm8k_problems, models.base_policy, training.grpo_training, evaluation.baseline_eval, evaluation.eval_report, registry.champion_policy]
-PROTOCOL = {"limit": 4, "max_new_tokens": 8, "batch_rows": 8}
-
-
-def resources_for(home):
-    warehouse, compute = Warehouse(database=str(home / "rlvr.duckdb")), ComputeResource(device="cpu")
-    return {
-        "duckdb": warehouse,
-        "model_store": ModelStore(root=str(home / "models")),
-        "mlflow": MLflowResource(tracking_uri=f"sqlite:///{home / 'mlflow.db'}", artifact_location=str(home / "mlartifacts")),
-        "compute": compute,
-        "evaluator": Evaluator(warehouse=warehouse, compute=compute),
-        "bento_builder": BentoBuilder(),
-        "launcher": TrainingLauncher(),
-    }
-
-
-def run_config(gsm8k_dir, model_dir, steps=2, init_from="base", seed=0):
-    return {
-        "ops": {
-            "gsm8k_problems": {"config": {"local_dir": str(gsm8k_dir), "limit": 12}},
-            "base_policy": {"config": {"model": str(model_dir)}},
-            "grpo_training": {
-                "config": {
-                    "init_from": init_from,
-                    "overrides": {
-                        "total_steps": steps,
-                        "prompts_per_step": 2,
-                        "group_size": 2,
-                        "seed": seed,
-                        "checkpoint_every": 1,
-                        "sampling": {"max_new_tokens": 8},
-                    },
-                }
-            },
-            "baseline_eval": {"config": PROTOCOL},
-            "eval_report": {"config": PROTOCOL},
-        }
-    }
+pytestmark = pytest.mark.slow  # materializes the pipeline and trains
 
 
 def test_training_path_end_to_end(home, gsm8k_dir, tiny_llama_dir):

@@ -12,7 +12,9 @@ from dagster import DagsterInstance, Definitions, evaluate_automation_conditions
 from resources import EvalProtocol
 from rlvr_assets import data, evaluation, models
 from rlvr_assets.partitions import parse_policy_key, policy_key, policy_versions
-from test_pipeline import PROTOCOL, resources_for, run_config
+from support.pipeline import PROTOCOL, resources_for, run_config
+
+pytestmark = pytest.mark.slow  # materializes Dagster assets
 
 
 def evaluate(instance, res, key, **config):

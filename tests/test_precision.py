@@ -9,7 +9,7 @@ import torch
 from rlvr.generation import SamplingConfig, generate_rollouts
 from rlvr.grpo import GRPOConfig, GRPOTrainer
 from rlvr.grpo.scoring import completion_logprobs, pack_rows
-from tiny_policy import COPY_DIGIT_CHARS, COPY_DIGIT_PROBLEMS, char_tokenizer, tiny_llama, tiny_qwen2
+from support.tiny_models import COPY_DIGIT_CHARS, COPY_DIGIT_PROBLEMS, char_tokenizer, tiny_llama, tiny_qwen2
 
 
 def even_first_digit(completions: list[str], problems: list[dict]) -> tuple[list[float], dict[str, list[float]]]:

@@ -8,8 +8,8 @@ from transformers import DynamicCache
 
 from rlvr.generation import Engine, EngineRequest, SamplingConfig, generate_rollouts, kv_cache_bytes_per_token
 from rlvr.generation.prefix_cache import PrefixCache
-from test_engine import _run, watch_forwards
-from tiny_policy import char_tokenizer, tiny_llama
+from support.engine_runs import run_engine, watch_forwards
+from support.tiny_models import char_tokenizer, tiny_llama
 
 SHARED = "solve step by step and end with the answer line: "  # 49 characters, three whole blocks of 16
 
@@ -42,7 +42,7 @@ def test_a_prompt_sharing_a_start_prefills_only_what_is_new_and_completes_as_alo
     engine = Engine(model, tokenizer, max_rows=4, step_tokens=256, kv_budget_bytes=2**24)
     prefilled = _prefilled_tokens(engine)
     requests = [_greedy(tokenizer, p) for p in prompts]
-    _run(engine, {0: requests[:1], 20: requests[1:2], 40: requests[2:]})
+    run_engine(engine, {0: requests[:1], 20: requests[1:2], 40: requests[2:]})
     assert [q.token_ids[0] for q in requests] == expected.completion_token_lists()
     torch.testing.assert_close(
         torch.tensor([lp for q in requests for lp in q.logprobs[0]]), expected.logprobs[expected.completion_mask.bool()], atol=1e-4, rtol=0
@@ -82,10 +82,10 @@ def test_cached_prefixes_give_way_to_a_request_and_the_kv_budget_holds(model, to
     budget = 512 * per_token
     engine = Engine(model, tokenizer, max_rows=2, step_tokens=256, kv_budget_bytes=budget, prefix_cache_bytes=budget)
     warm = [_greedy(tokenizer, f"{i} " * 40, new_tokens=2) for i in range(4)]  # 80 tokens: 4 whole blocks each
-    _run(engine, {5 * i: [q] for i, q in enumerate(warm)})
+    run_engine(engine, {5 * i: [q] for i, q in enumerate(warm)})
     assert engine.prefixes.bytes >= 8 * 16 * per_token
     big = _greedy(tokenizer, "z" * 200, new_tokens=20)  # its prompt (200) and its slot (256) leave 56 positions of the budget
     held = []
     big.on_tokens = lambda pairs: held.append(engine.prefixes.bytes)
-    _run(engine, {0: [big]})  # _run checks kv_bytes() <= the budget after every step
+    run_engine(engine, {0: [big]})  # _run checks kv_bytes() <= the budget after every step
     assert len(big.token_ids[0]) == 20 and held and max(held) <= 56 * per_token

@@ -1,16 +1,14 @@
 """The one prompt builder refuses a question that would open chat turns of its own."""
 
 import pytest
-from transformers import AutoTokenizer
 
-from rlvr import policy
 from rlvr.prompts import render_prompt
+from support.tiny_models import embedded_tokenizer
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    gguf = policy.embedded_gguf_path()
-    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    return embedded_tokenizer()
 
 
 @pytest.mark.parametrize(

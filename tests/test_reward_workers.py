@@ -11,8 +11,9 @@ import torch
 from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig, GRPOTrainer
 from rlvr.rewards import DEFAULT_GSM8K_REWARD, RewardPool, register_reward
-from test_rewards import GSM8K, unique_name
-from tiny_policy import COPY_DIGIT_CHARS, COPY_DIGIT_PROBLEMS, char_tokenizer, tiny_llama
+from support.reward_cases import GSM8K, unique_name
+from support.tiny_models import COPY_DIGIT_CHARS, COPY_DIGIT_PROBLEMS, char_tokenizer, tiny_llama
+from support.waiting import wait_for
 
 
 class Heartbeat:
@@ -113,10 +114,7 @@ def test_processes_a_reward_started_die_with_its_worker(tmp_path):
         batch = pool.score_batch({name: 1.0}, ["x"], [{"pid_file": str(pid_file)}])
     assert batch[0][name].value == 0.0
     pid = int(pid_file.read_text())
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and _alive(pid):
-        time.sleep(0.05)
-    assert not _alive(pid)
+    wait_for(lambda: not _alive(pid), 5, f"the reward's child {pid} to die with its worker")
 
 
 def test_threads_share_one_pool():
@@ -150,7 +148,7 @@ def test_a_training_step_with_a_hanging_reward_finishes_within_the_timeout():
         trainer = GRPOTrainer(tiny_llama(len(tokenizer)), tokenizer, config, pool.reward_fn({name: 1.0}))
         pool.score_batch({name: 1.0}, ["0"] * 2, [{}] * 2)  # workers started, the reward loaded
         metrics, records = trainer.step(problems)
-    assert metrics["reward_time_s"] < 5  # 4 hanging jobs on 2 workers: two rounds of a 1 s timeout
+    assert metrics["reward_time_s"] < 30  # 4 hanging jobs on 2 workers: two rounds of a 1 s timeout (the hang itself runs for hours)
     assert [r["reward"] for r in records if r["problem_id"] == "copy-3"] == [0.0] * 4
 
 

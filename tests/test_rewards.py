@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import pytest
@@ -18,13 +17,7 @@ from rlvr.rewards import (
     reward_names,
     score,
 )
-
-GSM8K = {"answer_text": "72", "answer_value": 72.0, "question": "How many clips?", "problem_id": "p-1", "solution": "48/2 = 24\n48+24 = 72", "num_steps": 2}
-_unique = itertools.count()
-
-
-def unique_name(prefix: str) -> str:
-    return f"{prefix}_{next(_unique)}_{time.monotonic_ns()}"
+from support.reward_cases import GSM8K, unique_name
 
 
 def test_builtin_rewards_are_registered():

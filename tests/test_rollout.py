@@ -3,12 +3,11 @@
 import pytest
 import torch
 
-from rlvr import policy
 from rlvr.generation import Rollouts, SamplingConfig, generate_rollouts, sample_tokens, score_tokens, stream_rollouts
 from rlvr.generation.sampler import GREEDY_BELOW_TEMPERATURE, _top_p_filter
 from rlvr.generation.stops import StopChecker
 from rlvr.prompts import ControlTokensError, render_messages, render_prompt
-from tiny_policy import char_tokenizer, tiny_llama
+from support.tiny_models import char_tokenizer, embedded_tokenizer, tiny_llama
 
 PROMPTS = ["what is 12+30?", "7", "count: a b c d e f"]
 
@@ -212,10 +211,7 @@ def test_prompts_as_token_ids_are_the_same_prompts(model, tokenizer):
 
 
 def test_render_messages_is_render_prompts_renderer_and_refuses_control_tokens_in_any_message():
-    gguf = policy.embedded_gguf_path()
-    from transformers import AutoTokenizer
-
-    chat = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    chat = embedded_tokenizer()
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "2+2?"},

@@ -11,7 +11,7 @@ from rlvr.generation import SamplingConfig, generate_rollouts
 from rlvr.grpo import GRPOConfig, GRPOTrainer
 from rlvr.grpo.loss import group_advantages, rollout_mismatch, truncated_importance_weights
 from rlvr.grpo.scoring import completion_logprobs, pack_rows
-from tiny_policy import COPY_DIGIT_CHARS, COPY_DIGIT_PROBLEMS, char_tokenizer, tiny_llama
+from support.tiny_models import COPY_DIGIT_CHARS, COPY_DIGIT_PROBLEMS, char_tokenizer, tiny_llama
 
 GROUP = 4
 PROBLEMS = COPY_DIGIT_PROBLEMS[:4]

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from rlvr.sandbox import CodeTest, SandboxLimits, as_test_cases, outputs_match, run_python, run_tests
+from support.waiting import wait_for
 
 FAST = SandboxLimits(cpu_time_s=1, wall_time_s=2)
 MODES = [pytest.param(True, id="namespaces"), pytest.param(False, id="fallback")]
@@ -185,15 +186,19 @@ def test_sandbox_directory_is_private_and_removed():
     assert leftovers.stdout.strip() == "[]"  # a fresh directory per run
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs now (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _alive(pid: int, grace_s: float = 2.0) -> bool:
-    """Whether ``pid`` is still running (not gone, not a zombie) after a grace period to finish dying."""
-    deadline = time.monotonic() + grace_s
-    while True:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                running = f.read().split(") ")[-1][0] != "Z"
-        except FileNotFoundError:
-            running = False
-        if not running or time.monotonic() > deadline:
-            return running
-        time.sleep(0.05)
+    """Whether ``pid`` is still running after a grace period to finish dying."""
+    try:
+        wait_for(lambda: not _running(pid), grace_s, f"process {pid} to end")
+        return False
+    except AssertionError:
+        return True

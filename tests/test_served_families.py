@@ -10,13 +10,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
 
 from bentos.build import build_bento, store_policy
 from rlvr import policy
-from test_bento_service import _metric, serving
+from support.served_bento import metric_value, serving
+from support.tiny_models import embedded_tokenizer, tiny_causal_lm, token_ids_of
 
 pytestmark = [
+    pytest.mark.slow,  # serves Bentos over HTTP
     pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::pydantic.PydanticDeprecatedSince211"),
 ]
@@ -25,21 +26,10 @@ PROMPTS = ["Natalia sold clips to 48 of her friends.", "What is 7 times 8?", "Co
 MAX_TOKENS = 12
 
 
-def tiny_model(family: str, tokenizer):
-    """A randomly initialised 2-layer ``family`` model over the embedded tokenizer's vocabulary."""
-    torch.manual_seed(3)
-    ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
-    if family == "gpt2":
-        return GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=2048, **ids)).eval()
-    config = Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, **ids)
-    return Qwen3ForCausalLM(config).eval()
-
-
 @pytest.fixture(scope="module", params=["qwen3", "gpt2"])
 def served(request, tmp_path_factory):
-    gguf = policy.embedded_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = tiny_model(request.param, tokenizer)
+    tokenizer = embedded_tokenizer()
+    model = tiny_causal_lm(request.param, len(tokenizer), seed=3, token_ids=token_ids_of(tokenizer), max_position_embeddings=2048)
     root = tmp_path_factory.mktemp(request.param)
     policy.export_checkpoint(model, tokenizer, root / "checkpoint")
     home = root / "bentoml"
@@ -72,4 +62,4 @@ def test_concurrent_greedy_requests_get_generates_tokens_and_share_steps(served)
         assert answer["choices"][0]["text"] == tokenizer.decode(expected, skip_special_tokens=True)
         assert answer["usage"]["completion_tokens"] == len(expected)
     metrics = server.metrics()
-    assert _metric(metrics, "rlvr_pass_requests_sum") > _metric(metrics, "rlvr_pass_requests_count")  # requests shared steps
+    assert metric_value(metrics, "rlvr_pass_requests_sum") > metric_value(metrics, "rlvr_pass_requests_count")  # requests shared steps

@@ -1,7 +1,7 @@
 """The served engine shares the model fairly and says when it cannot: a short request is answered within
 seconds while maximum-cost ones run, ``/readyz`` is 503 while a new request would wait past its bound to
 start, 200 again once it would not, and a request the engine's measured speed cannot finish within the
-request timeout is refused up front. ``test_bento_service``'s scripted Bento, served once more with a
+request timeout is refused up front. The scripted Bento (``support.served_bento``), served once more with a
 0.5 s start-wait bound (and once with a 1 s request timeout)."""
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from test_bento_service import KV_CACHE_BUDGET_MIB, LONG, QUESTION, SHORT_TIMEOUT_S, _metric, _records, scripted_bento, serving
+from support.served_bento import KV_CACHE_BUDGET_MIB, LONG, QUESTION, SHORT_TIMEOUT_S, metric_value, scripted_bento, serving, traffic_records
+from support.waiting import wait_for
 
 pytestmark = [
+    pytest.mark.slow,  # serves a Bento over HTTP
     pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::pydantic.PydanticDeprecatedSince211"),
 ]
@@ -47,28 +49,21 @@ def test_short_requests_are_answered_within_seconds_while_maximum_cost_ones_run(
         long_s = time.monotonic() - started
     assert len(short_s) >= 2 and max(short_s) < long_s / 3, (short_s, long_s)
     metrics = server.metrics()
-    assert _metric(metrics, "rlvr_pass_requests_sum") > _metric(metrics, "rlvr_pass_requests_count")  # shared steps
+    assert metric_value(metrics, "rlvr_pass_requests_sum") > metric_value(metrics, "rlvr_pass_requests_count")  # shared steps
     # every /solve prompt starts with the same chat template and system prompt: later ones are not prefilled again
-    assert 0 < _metric(metrics, "rlvr_prompt_tokens_cached_total") < _metric(metrics, "rlvr_prompt_tokens_total")
+    assert 0 < metric_value(metrics, "rlvr_prompt_tokens_cached_total") < metric_value(metrics, "rlvr_prompt_tokens_total")
 
 
 def test_readyz_is_503_while_a_new_request_would_wait_past_its_bound_and_200_after(server):
     body = json.dumps({"question": f"{QUESTION} [backlog]", **LONG}).encode()
     backlog = [server.open("/solve", body) for _ in range(6)]  # more than the KV budget runs at once
     try:
-        deadline, statuses = time.monotonic() + 20, []
-        while time.monotonic() < deadline and 503 not in statuses:
-            statuses.append(server.request("/readyz", timeout_s=2)[0])
-            time.sleep(0.1)
-        assert 503 in statuses
-        assert _metric(server.metrics(), "rlvr_start_wait_estimate_seconds") > START_WAIT_BOUND_S
+        wait_for(lambda: server.request("/readyz", timeout_s=2)[0] == 503, 20, "/readyz to say 503 under the backlog", interval_s=0.1)
+        assert metric_value(server.metrics(), "rlvr_start_wait_estimate_seconds") > START_WAIT_BOUND_S
     finally:
         for sock in backlog:
             sock.close()  # hung up: their rows stop at the next step
-    deadline = time.monotonic() + 20
-    while server.request("/readyz", timeout_s=2)[0] != 200:
-        assert time.monotonic() < deadline, "not ready again after the backlog left"
-        time.sleep(0.1)
+    wait_for(lambda: server.request("/readyz", timeout_s=2)[0] == 200, 20, "ready again after the backlog left", interval_s=0.1)
     server.assert_ready()
 
 
@@ -81,5 +76,5 @@ def test_a_request_its_measured_speed_cannot_finish_in_time_is_refused_up_front(
         status, text = server.request("/solve", {"question": f"{QUESTION} [too long]", **LONG})
         assert status == 400, text
         assert "max_new_tokens" in text and "request timeout" in text and "measured" in text
-        assert not _records(server, "[too long]")  # refused before generation: no traffic record
+        assert not traffic_records(server, "[too long]")  # refused before generation: no traffic record
         assert server.post_ok("/solve", {"question": QUESTION, "k": 1, "max_new_tokens": 8})["k"] == 1

@@ -8,7 +8,7 @@ from rlvr.answers import extract_final_answer, is_well_formed
 from rlvr.generation import SamplingConfig, generate_rollouts
 from rlvr.grpo import checkpoint as ckpt
 from rlvr.sft import SFTConfig, SFTTrainer, sft_examples, sft_target
-from tiny_policy import COPY_DIGIT_CHARS, char_tokenizer, tiny_llama
+from support.tiny_models import COPY_DIGIT_CHARS, char_tokenizer, tiny_llama
 
 NATALIA = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May."
 
@@ -169,6 +169,7 @@ def test_a_pickled_checkpoint_is_refused_not_run(tmp_path):
     assert not marker.exists() and resumed.step_count == 0
 
 
+@pytest.mark.slow  # materializes Dagster assets and trains
 def test_the_sft_asset_is_the_cold_start_grpo_can_start_from(home, gsm8k_dir, tiny_llama_dir):
     """sft_policy on the tiny model: stored with its lineage and an MLflow run; grpo_training with
     init_from 'sft' starts from it; without it, that init_from fails naming the asset; eval_report
@@ -176,7 +177,7 @@ def test_the_sft_asset_is_the_cold_start_grpo_can_start_from(home, gsm8k_dir, ti
     from dagster import DagsterInstance, materialize
 
     from rlvr_assets import data, evaluation, models, sft, training
-    from test_pipeline import resources_for, run_config
+    from support.pipeline import resources_for, run_config
 
     res = resources_for(home)
     config = run_config(gsm8k_dir, tiny_llama_dir, steps=1, init_from="sft")

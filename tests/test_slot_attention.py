@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import rlvr.generation.engine as engine_module
 from rlvr.fastpaths.slot_attention import slot_attention
 from rlvr.generation import Engine, EngineRequest, SamplingConfig, generate_rollouts
-from tiny_policy import char_tokenizer, tiny_llama
+from support.tiny_models import char_tokenizer, tiny_llama
 
 
 @pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4)])

@@ -2,12 +2,8 @@
 lineage, its rollouts' tool calls land in ``tool_calls`` beside ``rollouts`` (counts that agree), and
 evaluation runs each policy in its own environment (or the protocol's) with per-problem tool counts.
 
-The policy is a scripted tiny Llama (a bigram model, as in tests/test_bento_service.py) that always
-writes a GSM8k calculator annotation: from the chat prompt ``<<6*7=`` (greedy) or, sampled about a
-third of the time, ``<<9/0=``; from a ``:`` ``' <<9/0='``; after ``>>`` it ends with `` #### 42``. With
-the calculator the environment writes ``42>>`` (or ``error>>``); without it the policy writes ``>>``
-itself. So every completion calls the tool, some calls fail, and what lands in DuckDB can be checked
-call by call."""
+The policy is the scripted calculator Llama (``support.scripted_policies.save_calculator_llama``): every
+completion calls the tool, some calls fail (``9/0``), and what lands in DuckDB can be checked call by call."""
 
 from __future__ import annotations
 
@@ -15,58 +11,21 @@ from pathlib import Path
 
 import duckdb
 import pytest
-import torch
 from dagster import DagsterInstance, materialize
 
-from conftest import tiny_llama_with_embedded_tokenizer
 from rlvr import policy
 from rlvr.environments import Calculator
 from rlvr.policy import stored_environment
 from rlvr_assets import data, evaluation, models, sft, training
-from test_pipeline import resources_for
+from support.pipeline import resources_for
+from support.scripted_policies import GREEDY_WITH_CALCULATOR, GREEDY_WITHOUT_TOOL, save_calculator_llama
+
+pytestmark = pytest.mark.slow  # materializes Dagster assets and trains
 
 ROOT = Path(__file__).resolve().parents[1]
 CALCULATOR = {"name": "calculator", "max_calls": 4}
 PROTOCOL = {"limit": 3, "max_new_tokens": 24, "batch_rows": 8}
-GREEDY_WITHOUT_TOOL = "<<6*7=>> #### 42"
-GREEDY_WITH_CALCULATOR = "<<6*7=42>> #### 42"
 CALLS = {"6*7": ("42", False), "9/0": ("error", True)}  # expression -> (result written back, failed)
-
-
-def save_calculator_llama(out_dir: Path, scale: float = 4.0) -> Path:
-    """The scripted calculator policy (module docstring). Each token of the script gets a one-hot
-    embedding; a token's output row points at the tokens that may follow it (logit ~23: sampling
-    follows the script too, but at the one branch after ``<<``: ``6`` or, a bit less likely, ``9``)."""
-    model, tokenizer = tiny_llama_with_embedded_tokenizer(seed=0, tie_word_embeddings=False)
-
-    def ids(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=False).input_ids
-
-    newline, colon, equals, close = tokenizer.convert_tokens_to_ids("Ċ"), ids(":")[0], ids("=")[0], ids(">>")[0]
-    edges: list[tuple[int, int, float]] = []  # (token, a token that may follow it, weight)
-
-    def path(tokens: list[int], weight: float = 1.0) -> None:
-        edges.extend((a, b, weight) for a, b in zip(tokens, tokens[1:]))
-
-    path([newline, *ids("<<6*7=")])
-    path([ids("<<")[0], *ids("9")], weight=0.97)
-    path(ids("9/0="))
-    path([colon, *ids(" <<9/0=")])
-    path([equals, close])  # what the policy writes itself where no calculator answers
-    path([close, *ids(" #### 42"), tokenizer.eos_token_id])
-    tokens = list(dict.fromkeys(t for a, b, _ in edges for t in (a, b) if t != tokenizer.eos_token_id))
-    assert len(tokens) <= model.config.hidden_size
-    direction = {t: torch.nn.functional.one_hot(torch.tensor(k), model.config.hidden_size).float() for k, t in enumerate(tokens)}
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        for token, vector in direction.items():
-            model.model.embed_tokens.weight[token] = vector
-        for token, following, weight in edges:
-            model.lm_head.weight[following] += scale * weight * direction[token]
-    policy.export_checkpoint(model, tokenizer, out_dir)
-    return out_dir
 
 
 def run_config(gsm8k_dir, model_dir, environment: dict | None = CALCULATOR, protocol: dict = PROTOCOL) -> dict:

@@ -14,7 +14,7 @@ from rlvr.generation import SamplingConfig, generate_rollouts
 from rlvr.grpo import GRPOConfig, GRPOTrainer
 from rlvr.grpo.loss import POLICY_LOSSES, aggregate_loss, group_advantages, kl_k3
 from rlvr.grpo.scoring import completion_logprobs, pack_rows
-from tiny_policy import char_tokenizer, tiny_llama
+from support.tiny_models import char_tokenizer, tiny_llama
 
 PROMPTS = ["a longer prompt: 12+30=", "7*3=", "x"]
 GROUP = 4

@@ -15,7 +15,7 @@ import rlvr.generation.engine as engine_module
 from rlvr.environments.base import Injection, SingleTurn, ToolCall
 from rlvr.generation import Engine, EngineRequest, SamplingConfig, generate_rollouts
 from rlvr.generation.model_runner import ModelForward
-from tiny_policy import CHARS, char_tokenizer, tiny_llama
+from support.tiny_models import CHARS, char_tokenizer, tiny_llama
 
 PROMPTS = ["what is 12+30?", "7", "count: a b c d e f"]
 INJECTED = "=42\n"
@@ -199,7 +199,7 @@ def test_the_serving_engine_gives_the_rollout_engines_completions(model, tokeniz
         engine.step()
         if all(q.done_s is not None for q in requests):
             break
-        time.sleep(0.001 if any(r.parked for r in engine.rows) else 0)
+        time.sleep(0.001 if any(r.parked for r in engine.rows) else 0)  # parked rows' environments run in threads: yield to them
     assert [ids for q in requests for ids in q.token_ids] == expected.completion_token_lists()
     assert [r for q in requests for r in q.finish_reasons] == expected.finish_reasons
     masks = [m for q in requests for m in q.environment_masks]
@@ -236,7 +236,7 @@ def test_the_calculator_answers_an_annotation(model, tokenizer, monkeypatch):
 def test_a_program_turn_gets_a_tool_turn_and_the_row_goes_on(monkeypatch):
     """A scripted policy ends its turn with a ```python block (the end token ``<|im_end|>``): the code
     tool's ChatML tool turn is written with its markers as special tokens, and the row goes on."""
-    from conftest import tiny_llama_with_embedded_tokenizer
+    from support.tiny_models import tiny_llama_with_embedded_tokenizer
 
     code = pytest.importorskip("rlvr.environments.code")
     model, tokenizer = tiny_llama_with_embedded_tokenizer()

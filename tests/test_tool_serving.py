@@ -3,7 +3,7 @@ environment from the checkpoint (nobody tells it), every endpoint runs the same 
 training, the calculator's text is part of each answer and of its token budget, and a call the
 calculator refuses (``9/0``) costs the completion an ``error``, never the request.
 
-The policy is tests/test_tool_assets.py's scripted calculator Llama: greedy from a chat prompt it
+The policy is the scripted calculator Llama (``support.scripted_policies``): greedy from a chat prompt it
 writes ``<<6*7=``, from a prompt ending in ``:`` it writes `` <<9/0=``, and after ``>>`` `` #### 42``.
 Two servers: the continuous engine (batching) and whole passes (``generate_rollouts``)."""
 
@@ -14,15 +14,16 @@ import json
 import pytest
 
 from bentos.build import MODEL_VERSION_LABEL, build_bento, store_policy
-from conftest import tiny_llama_with_embedded_tokenizer
 from rlvr.environments import Calculator, ToolBudget
 from rlvr.policy import write_environment
 from rlvr.prompts import render_messages, with_instructions
 from rlvr.traffic import read_traffic
-from test_bento_service import serving
-from test_tool_assets import GREEDY_WITH_CALCULATOR, save_calculator_llama
+from support.scripted_policies import GREEDY_WITH_CALCULATOR, save_calculator_llama
+from support.served_bento import serving
+from support.tiny_models import embedded_tokenizer
 
 pytestmark = [
+    pytest.mark.slow,  # serves Bentos over HTTP
     pytest.mark.filterwarnings("ignore:GitWildMatchPattern:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore::pydantic.PydanticDeprecatedSince211"),
 ]
@@ -89,7 +90,7 @@ def test_the_traffic_log_keeps_the_tool_calls(server):
 
 
 def test_a_chat_clients_system_message_gets_the_tool_instructions_the_policy_was_trained_with(server):
-    _, tokenizer = tiny_llama_with_embedded_tokenizer(seed=0, tie_word_embeddings=False)
+    tokenizer = embedded_tokenizer()
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": QUESTION}]
     out = server.post_ok("/v1/chat/completions", {"model": "rlvr_policy", "messages": messages, "max_tokens": 8, "temperature": 0})
 

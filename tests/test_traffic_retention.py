@@ -88,6 +88,7 @@ def stored(env) -> tuple[dict[str, int], set[str]]:
     return per_day, cursor
 
 
+@pytest.mark.slow  # materializes Dagster partitions
 def test_expired_days_files_and_rows_are_deleted_and_the_rest_stays(env, monkeypatch):
     for day in EXPIRED + KEPT:
         write_day(env["traffic"], day, 5)
@@ -129,6 +130,7 @@ def test_expired_days_files_and_rows_are_deleted_and_the_rest_stays(env, monkeyp
     assert stored(env)[0] == {KEPT[0]: 5, KEPT[1]: 7, today: 7}
 
 
+@pytest.mark.slow  # materializes Dagster partitions
 def test_a_day_past_retention_is_not_ingested(env):
     write_day(env["traffic"], EXPIRED[1], 4)
     write_day(env["traffic"], KEPT[0], 2)
@@ -139,6 +141,7 @@ def test_a_day_past_retention_is_not_ingested(env):
 
 
 @pytest.mark.parametrize("days", [0, -5])
+@pytest.mark.slow  # materializes Dagster partitions
 def test_a_retention_of_no_days_is_refused_in_run_config(env, days):
     write_day(env["traffic"], EXPIRED[0], 2)
     assert f"retention_days must be a whole number of days, at least 1; got {days}" in failure_message(env, KEPT[1], retention_days=days)
@@ -146,6 +149,7 @@ def test_a_retention_of_no_days_is_refused_in_run_config(env, days):
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "thirty", "1.5"])
+@pytest.mark.slow  # materializes Dagster partitions
 def test_a_bad_retention_variable_is_refused_naming_it(env, monkeypatch, value):
     write_day(env["traffic"], EXPIRED[0], 2)
     monkeypatch.setenv(RETENTION_DAYS_ENV, value)
@@ -160,6 +164,7 @@ def test_first_kept_day_keeps_today_and_yesterday_at_least():
         first_kept_day(TODAY, 0)
 
 
+@pytest.mark.slow  # materializes Dagster partitions
 def test_a_file_that_cannot_be_deleted_is_reported_and_other_names_are_left_alone(env):
     write_day(env["traffic"], EXPIRED[0], 3)
     write_day(env["traffic"], EXPIRED[1], 3)

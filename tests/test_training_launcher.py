@@ -3,17 +3,16 @@ materialization, a rank killed mid-run, and the re-executed run resuming from it
 
 import os
 import threading
-import time
 from pathlib import Path
 
-import duckdb
 import pytest
-from dagster import DagsterInstance, ReexecutionOptions, build_reconstructable_job, execute_job, materialize
+from dagster import DagsterInstance, ReexecutionOptions, execute_job, materialize
 
 from resources.launcher import TrainingLauncher, process_count, rank_errors
-from rlvr.rewards import register_reward
 from rlvr_assets import data, models, training
-from test_pipeline import resources_for, run_config
+from support.pipeline import resources_for
+from support.training_jobs import HOLD_AFTER_STEP_1, resumable_at, rows, training_job, two_process_config
+from support.waiting import wait_for
 
 
 def test_process_counts():
@@ -22,18 +21,7 @@ def test_process_counts():
         with pytest.raises(ValueError, match="nproc must be 'auto' or a positive integer"):
             process_count(bad, 0)
     launcher = TrainingLauncher(python="/py")
-    assert launcher.command(2) == ["/py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "rlvr_assets.grpo_worker"]
-
-
-def two_process_config(gsm8k_dir, model_dir, steps=2):
-    config = run_config(gsm8k_dir, model_dir, steps=steps)
-    config["ops"]["grpo_training"]["config"]["nproc"] = "2"
-    return {"ops": {k: v for k, v in config["ops"].items() if k in ("gsm8k_problems", "base_policy", "grpo_training")}}
-
-
-def rows(home: Path, sql: str) -> list[tuple]:
-    with duckdb.connect(str(home / "rlvr.duckdb"), read_only=True) as conn:
-        return conn.execute(sql).fetchall()
+    assert launcher.command(2) == ["/py", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "resources.grpo_worker"]
 
 
 def test_rank_errors_blame_only_the_ranks_that_died(tmp_path):
@@ -49,6 +37,7 @@ def test_rank_errors_blame_only_the_ranks_that_died(tmp_path):
     assert report.splitlines()[-1] == "rank(s) [4] finished"
 
 
+@pytest.mark.slow  # materializes torchrun training
 def test_two_processes_from_a_materialization(home, gsm8k_dir, tiny_llama_dir):
     res = resources_for(home)
     with DagsterInstance.ephemeral() as instance:
@@ -72,33 +61,10 @@ def test_two_processes_from_a_materialization(home, gsm8k_dir, tiny_llama_dir):
     assert metadata["grpo_checkpoint"]["nproc"].value == 2
 
 
-def launch_job(home: str):
-    """The three training assets as a job on the data directory ``home``."""
-    from dagster import Definitions, define_asset_job, in_process_executor
-
-    return Definitions(
-        assets=[data.gsm8k_problems, models.base_policy, training.grpo_training],
-        resources=resources_for(Path(home)),
-        jobs=[define_asset_job("train", selection="*", executor_def=in_process_executor)],
-    ).resolve_job_def("train")
-
-
-def training_job(home: Path):
-    """``launch_job(home)`` for execute_job (re-execution needs a reconstructable job). The home is part of
-    the job's identity: Dagster keeps the last job it reconstructed, so a job found by module and name
-    alone would reuse an earlier test's resources (its data directory)."""
-    return build_reconstructable_job(__name__, launch_job.__name__, reconstructable_kwargs={"home": str(home)})
-
-
-def resumable_at(scratch_root: Path, step: int) -> bool:
-    """The run's resume point is ``step`` (its checkpoint complete and ``latest`` naming it)."""
-    return any(p.read_text().strip() == f"step-{step:06d}" for p in scratch_root.rglob("checkpoints/latest"))
-
-
 def kill_rank_when_step_written(scratch_root: Path, rank: int, step: int, stop: threading.Event) -> None:
     """Kill the worker process of ``rank`` once ``step`` is a resume point (a crash mid-run). Until then the
-    paced reward holds the next step (``HOLD`` in ``$RLVR_TEST_HOME``), so the kill lands before it ends."""
-    hold = Path(os.environ["RLVR_TEST_HOME"]) / HOLD
+    paced reward holds the next step (``HOLD_AFTER_STEP_1`` in ``$RLVR_TEST_HOME``), so the kill lands before it ends."""
+    hold = Path(os.environ["RLVR_TEST_HOME"]) / HOLD_AFTER_STEP_1
     hold.touch()
     try:
         _kill_rank_at(scratch_root, rank, step, stop)
@@ -107,36 +73,26 @@ def kill_rank_when_step_written(scratch_root: Path, rank: int, step: int, stop: 
 
 
 def _kill_rank_at(scratch_root: Path, rank: int, step: int, stop: threading.Event) -> None:
-    while not stop.is_set():
-        if resumable_at(scratch_root, step):
-            for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
-                try:
-                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-                    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                except OSError:
-                    continue
-                ours = f"RLVR_TEST_HOME={os.environ['RLVR_TEST_HOME']}".encode() in environ  # not another test's (or person's) run
-                if ours and b"rlvr_assets.grpo_worker" in cmdline and f"RANK={rank}".encode() in environ and b"torch.distributed.run" not in cmdline:
-                    os.kill(pid, 9)
-                    return
-        time.sleep(0.05)
+    pid = wait_for(lambda: stop.is_set() or (resumable_at(scratch_root, step) and _rank_pid(rank)), 600, f"step {step}'s resume point")
+    if not stop.is_set():
+        os.kill(pid, 9)
 
 
-HOLD = "hold-after-step-1"  # while this file is in $RLVR_TEST_HOME, the paced reward waits once step 1 is a resume point
+def _rank_pid(rank: int) -> int | None:
+    """The process of this test's worker ``rank``, if it runs."""
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ours = f"RLVR_TEST_HOME={os.environ['RLVR_TEST_HOME']}".encode() in environ  # not another test's (or person's) run
+        if ours and b"resources.grpo_worker" in cmdline and f"RANK={rank}".encode() in environ and b"torch.distributed.run" not in cmdline:
+            return pid
+    return None
 
 
-@register_reward("test_paced_length", replace=True)
-def paced_length(completion: str, **_) -> float:
-    """A reward that takes 0.5 s (the tiny model's steps last long enough for a killer to land between two
-    resume points) and, while a killer holds ``HOLD``, waits (at most 10 s) once step 1 is a resume point."""
-    home = Path(os.environ.get("RLVR_TEST_HOME", "/nonexistent"))
-    deadline = time.monotonic() + 10
-    while (home / HOLD).exists() and resumable_at(home / "models" / ".work", 1) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.5)
-    return min(1.0, len(completion) / 400)
-
-
+@pytest.mark.slow  # materializes torchrun training
 def test_a_killed_rank_fails_the_run_and_the_reexecution_resumes(home, gsm8k_dir, tiny_llama_dir, monkeypatch, tmp_path):
     monkeypatch.setenv("RLVR_TEST_HOME", str(home))
     config = two_process_config(gsm8k_dir, tiny_llama_dir, steps=3)

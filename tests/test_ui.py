@@ -8,18 +8,18 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from conftest import save_tiny_llama
 from rlvr_assets.definitions import defs
 from rlvr_assets.summary import lineage_path
+from support.ports import free_port
+from support.tiny_models import save_tiny_llama
+from support.waiting import wait_for_http
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -34,13 +34,10 @@ CHROMIUM_FLAGS = [
     "--disable-sync",
 ]
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (apt-get install chromium)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = [
+    pytest.mark.slow,  # runs dg dev, MLflow and a browser
+    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian's chromium is not installed (apt-get install chromium)"),
+]
 
 
 def graphql(url: str, query: str) -> dict:
@@ -89,18 +86,6 @@ def test_asset_graph_shows_every_asset(webserver, tmp_path):
     assert not missing, f"not shown in the asset graph: {missing}"
 
 
-def wait_for_http(url: str, server: subprocess.Popen, what: str, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=5):
-                return
-        except OSError:
-            assert server.poll() is None, f"{what} exited"
-            assert time.monotonic() < deadline, f"{what} did not answer {url} in {timeout_s:.0f} s"
-            time.sleep(1)
-
-
 def start(command: list[str], env: dict, url: str, what: str) -> subprocess.Popen:
     server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -128,7 +113,7 @@ def pipeline(tmp_path_factory, gsm8k_dir):
     MLflow store, then `make mlflow`'s MLflow UI and the Dagster webserver on them: (Dagster URL, MLflow URL)."""
     from dagster import DagsterInstance, materialize
 
-    from test_pipeline import TRAINING, resources_for, run_config
+    from support.pipeline import TRAINING, resources_for, run_config
 
     home = tmp_path_factory.mktemp("ui")
     mlflow_port, dagster_port = free_port(), free_port()

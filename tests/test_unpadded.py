@@ -6,7 +6,7 @@ import torch
 from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.eligibility import use_unpadded_update
 from rlvr.grpo.scoring import PackedRows, completion_logprobs
-from tiny_policy import tiny_causal_lm, tiny_llama
+from support.tiny_models import tiny_causal_lm, tiny_llama
 
 
 def uneven_batch(vocab: int, width: int = 9) -> PackedRows:

@@ -8,7 +8,6 @@ import logging
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import duckdb
@@ -18,6 +17,7 @@ from dagster import DagsterInstance, Failure, materialize
 
 from resources import Upsert, Warehouse
 from rlvr_assets import data
+from support.waiting import wait_for
 
 # Opens a DuckDB file read-only in its own process, says so (argv[2]), reads until argv[2].release exists.
 HOLDER = """
@@ -34,10 +34,12 @@ with duckdb.connect(sys.argv[1], read_only=True) as conn:
 def hold(database: Path, ready: Path) -> subprocess.Popen:
     """A process holding ``database`` open read-only, once it has read it."""
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(database), str(ready)], stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        assert holder.poll() is None and time.monotonic() < deadline, "the reader did not open the file"
-        time.sleep(0.05)
+
+    def opened() -> bool:
+        assert holder.poll() is None, "the reader ended before it opened the file"
+        return ready.exists()
+
+    wait_for(opened, 60, "the reader to open the file")
     return holder
 
 
@@ -51,6 +53,7 @@ def problems(gsm8k_dir: Path, limit: int) -> dict:
     return {"ops": {"gsm8k_problems": {"config": {"local_dir": str(gsm8k_dir), "limit": limit}}}}
 
 
+@pytest.mark.slow  # materializes Dagster assets
 def test_a_sql_session_on_the_snapshot_stays_open_through_a_materialization(tmp_path, gsm8k_dir):
     warehouse = Warehouse(database=str(tmp_path / "rlvr.duckdb"), lock_wait_s=5)
     with DagsterInstance.ephemeral() as instance:

@@ -2,28 +2,12 @@
 
     python deploy/container/build_images.py base
     python deploy/container/build_images.py policy rlvr_policy:latest --tag rlvr_policy:latest
-    python deploy/container/build_images.py code-location --tag rlvr-ops:latest
-    python deploy/container/build_images.py dagster --tag rlvr-ops-dagster:latest
-    python deploy/container/build_images.py proxy --tag rlvr-proxy:latest
+    python deploy/container/build_images.py code-location --tag rlvr-ops:latest  # likewise dagster, proxy
 
-``base``: Debian 12 + Python 3.11 + uv from Debian packages (``base-image.sh``), cached in podman's
-storage under a hash of its recipe. ``policy``: a Bento's image, through BentoML's containerize
-(``bentoml.container.build``, backend podman; the Bento comes from ``$BENTOML_HOME``).
-``code-location`` / ``dagster`` / ``proxy``: ``deploy/docker/Dockerfile`` / ``Dockerfile.dagster`` /
-``Dockerfile.proxy`` (nginx from Debian: no wheels, so no wheelhouse needed).
-
-Build-time inputs, bind-mounted into the builds' RUN steps (``podman build --volume``), so they are
-in no layer of any image:
-
-- ``RLVR_BUILD_CA_BUNDLE`` (default: this host's ``/etc/ssl/certs/ca-certificates.crt``): certificates
-  that TLS during the build also trusts (a corporate proxy's), added to the base image's bundle;
-- ``RLVR_WHEELHOUSE`` (default: pip's ``PIP_FIND_LINKS`` folders): wheels uv finds beside PyPI's. The
-  CPU images (``--torch cpu``, the default) take torch from it and refuse to build without a
-  ``torch-<version>+cpu`` wheel there; ``--torch cuda`` takes PyPI's torch (CUDA) and ignores it.
-
-Needs root (rootful podman) and ``CONTAINERS_CONF`` pointing at ``containers.conf`` here (set by
-default). The BentoML API call is used rather than ``bentoml containerize``'s CLI because the CLI
-joins repeated ``--opt volume=`` values into one invalid mount.
+``base`` is Debian 12 + Python 3.11 + uv (``base-image.sh``); ``policy`` a Bento's image through
+BentoML's containerize; the others ``deploy/docker/Dockerfile*``. The build inputs, a CA bundle
+(``$RLVR_BUILD_CA_BUNDLE``) and a wheel folder (``$RLVR_WHEELHOUSE``: CPU images need a ``torch+cpu``
+wheel there), are bind-mounted into the builds, in no layer. Needs rootful podman.
 """
 
 from __future__ import annotations

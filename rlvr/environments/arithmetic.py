@@ -1,17 +1,11 @@
 """Safe exact arithmetic for the calculator tool: GSM8k annotation expressions such as ``48/2``,
 ``120*.9`` or ``(1/2)*48``, evaluated with :class:`fractions.Fraction`.
 
-The policy writes the expression, so it is hostile input. Nothing reaches ``eval``: the text is
-parsed with ``ast.parse(mode="eval")`` and only a whitelist is walked (numeric literals, unary
-``+``/``-``, binary ``+ - * / // % **``, parentheses). Every cost is bounded before the work:
-length, nesting of parentheses, node count and depth of the tree, digits and exponent of a literal, the size of a power
-(estimated from its operands before computing it) and the bit length of every intermediate value.
-So ``9**9**9``, ``(2**64)**64`` or ``1e999999`` are refused in microseconds with
-:class:`ArithmeticRefused` naming why.
-
-The bounds are sized for grade-school arithmetic, not for sympy's parser, so they differ from
-``rlvr.rewards.math.explosive_reason`` (a textual pre-filter for symbolic checks): here values are
-computed exactly, so a long sum of small numbers is fine and a size bound on values replaces it.
+The policy writes the expression, so it is hostile input: nothing reaches ``eval``; a whitelist of
+``ast`` nodes is walked (numbers, unary ``+``/``-``, ``+ - * / // % **``, parentheses), and every cost
+is bounded before the work (length, nesting, literal size, a power's size, every value's bit length).
+``9**9**9`` or ``1e999999`` are refused in microseconds with :class:`ArithmeticRefused` naming why
+(docs/architecture.md, "Tool-calling rollouts").
 """
 
 from __future__ import annotations

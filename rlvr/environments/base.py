@@ -1,16 +1,11 @@
 """What an environment is: the thing that turns one problem into a rollout of one or more turns.
 
-The policy generates; after each of its tokens the row's :class:`Episode` sees the new text and may
-answer with an :class:`Injection`: text the environment writes into the row (a calculator's result
-and ``>>``, a tool turn with a program's output). The engine appends the injection's tokens to the
-row's KV cache (no re-prefill) and generation resumes. Injected tokens are the environment's, not
-the policy's: they are masked out of GRPO's loss, KL and ratio (``Rollouts.environment_mask``), and
-their log-probs are not sampled ones.
-
-Episodes are per row and stateful; ``Environment.episode`` makes a fresh one. Every cost an episode
-can incur is bounded by its :class:`ToolBudget`: past it the episode stops calling tools (the row
-goes on as single-turn generation until its token budget or answer), and a hostile call costs the
-row a tool error, never the step.
+After each policy token the row's :class:`Episode` sees the new text and may answer with an
+:class:`Injection`, text the environment writes into the row (a calculator's result, a tool turn);
+the engine appends its tokens to the row's KV cache and generation resumes. Injected tokens are masked
+out of GRPO's loss (``Rollouts.environment_mask``). Episodes are per row and stateful
+(``Environment.episode`` makes a fresh one); every cost is bounded by the :class:`ToolBudget`, past
+which the row goes on as single-turn generation (docs/architecture.md, "Tool-calling rollouts").
 """
 
 from __future__ import annotations

@@ -36,17 +36,13 @@ def decide_promotion(
     champion_id: str | None = None,
     challenger_id: str | None = None,
 ) -> PromotionDecision:
-    """Decide whether the challenger replaces the champion, from per-problem correctness.
+    """Decide whether the challenger replaces the champion, from per-problem correctness (same problems, same order).
 
-    Both arrays grade the same problems in the same order. With b = champion-only and
-    c = challenger-only solves, delta = (c - b) / n and p = P[X <= c], X ~ Binomial(b + c, 1/2)
-    (one-sided exact McNemar test of H1 "challenger is worse"; p = 1 when b + c = 0).
-
-    Promote iff delta >= -margin AND p >= alpha. With no champion (None), always promote.
-    With margin = 0 the rule is just delta >= 0 (ties promote); with margin > 0, a challenger
-    within the margin is still refused when the evaluation shows it significantly worse.
-    When ``champion_id`` and ``challenger_id`` name the same policy (a gate run again), the
-    challenger already is the champion: it stays, with delta 0 and p 1, whatever the arrays.
+    With b = champion-only and c = challenger-only solves, delta = (c - b) / n and p = P[X <= c],
+    X ~ Binomial(b + c, 1/2): the one-sided exact McNemar test of "challenger is worse" (p = 1 when
+    b + c = 0). Promote iff delta >= -margin and p >= alpha; with no champion, always. When
+    ``champion_id`` and ``challenger_id`` name the same policy (a gate run again), it stays champion with
+    delta 0 and p 1, whatever the arrays.
     """
     if margin < 0 or not 0 < alpha < 1:
         raise ValueError(f"need margin >= 0 and 0 < alpha < 1, got margin={margin}, alpha={alpha}")

@@ -1,19 +1,11 @@
 """One-token decode steps for Llama-family models, written out with fused weights.
 
-A decode step feeds one new token per row through the model. transformers' forward does that with
-module calls, mask builders and cache bookkeeping around ~20 small operations per layer; on a
-2-core CPU those cost as much as a third of the step. :class:`FusedDecoder` computes the same
-function for that case only (same weights, same formulas: RMSNorm, rotary embedding, grouped-query
-attention over the cache, SiLU-gated MLP) with fewer, larger operations: the query, key and value
-projections as one matrix product, gate and up as one, each on a weight packed once for the
-rollout (``rlvr.fastpaths.packed_linear``), the rotary embedding applied to queries and keys at once, one
-key mask per step for all layers. Attention runs in float32 (upcast from bf16 / fp16, as
-``rlvr.fastpaths.attention`` does). ``bench/cpu_kernels.py`` times it against the model's own forward.
-
-Models of type ``llama``, ``qwen2``, ``qwen3`` (per-head query and key RMSNorm) and ``mistral``, with
-plain linear layers, qualify (``eligibility.use_fused_decode``); :func:`fused_decoder` returns None for
-any other model (adapters, quantized layers, other architectures), which the engine runs through its
-own forward (``rlvr.generation.model_runner``).
+:class:`FusedDecoder` computes what the model's forward computes for a decode step (RMSNorm, rotary
+embedding, grouped-query attention over the cache, SiLU-gated MLP) in fewer, larger operations: fused
+projections on weights packed once per rollout, attention in float32. ``llama``, ``qwen2``, ``qwen3`` and
+``mistral`` models with plain linear layers qualify (``eligibility.use_fused_decode``); for any other
+:func:`fused_decoder` returns None and the engine runs the model's own forward. ``bench/cpu_kernels.py``
+times it against that forward (docs/architecture.md, "Fast paths").
 """
 
 from __future__ import annotations
@@ -34,14 +26,11 @@ from rlvr.fastpaths.packed_linear import fused_linear
 
 
 def fused_decoder(model: Any, rows: int, fast: FastPaths = FastPaths()) -> FusedDecoder | None:
-    """A :class:`FusedDecoder` for ``model`` (weights packed for ``rows`` rows), or None when the
-    model does not qualify (``eligibility.use_fused_decode``, then a layer that is not a plain linear).
-    Call without gradients.
-
-    A frozen model (no parameter requires grad: a served or evaluated policy) keeps its decoder
-    while none of its weights is modified (tensor version counters), so repeated rollouts skip the
-    packing; a trainable one gets a fresh decoder each time, as its weights change between rollouts
-    and a kept copy would double its weights' memory through the update."""
+    """A :class:`FusedDecoder` for ``model`` (weights packed for ``rows`` rows), or None when the model does
+    not qualify (``eligibility.use_fused_decode``, then a layer that is not a plain linear); call without
+    gradients. A frozen model keeps its decoder while none of its weights changes (tensor version counters),
+    so repeated rollouts skip the packing; a trainable one gets a fresh decoder each time, so no kept copy
+    doubles its weights' memory through the update."""
     if not use_fused_decode(model, fast):
         return None
     kernels = use_layer_kernels(model, fast)
@@ -163,13 +152,13 @@ def cached_attention(cache: Any, key_mask: torch.Tensor | None) -> Attend:
 
 
 def gqa_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-    """Grouped-query attention [batch, heads, queries, head dim] over keys and values [batch, KV heads,
-    keys, head dim] (``mask``: True where a query may attend), in float32 for bf16 / fp16 as in
-    ``rlvr.fastpaths.attention``, but SDPA called directly: transformers' SDPA wrapper regroups the
-    heads for one query and was slower here. On CPU a decode step's single query per head is packed
-    by KV head (the group's queries become one KV head's query positions): the same sums, faster
-    than ``enable_gqa`` (``bench/cpu_kernels.py``; presumably one read of each KV head instead of one
-    per query head, not profiled)."""
+    """Grouped-query attention [batch, heads, queries, head dim] over keys and values [batch, KV heads, keys,
+    head dim] (``mask``: True where a query may attend), in float32 for bf16 / fp16, SDPA called directly.
+
+    On CPU a decode step's one query per head is packed by KV head (a group's queries become one KV head's
+    query positions): the same sums. ``bench/cpu_kernels.py`` times it against SDPA's ``enable_gqa`` (its
+    "packed by KV head" rows in docs/benchmarks.md: faster at 1,500 keys, slower at 150).
+    """
     dtype = queries.dtype
     if dtype in LOW_PRECISION:
         queries, keys, values = queries.float(), keys.float(), values.float()

@@ -1,15 +1,10 @@
 """Keep freed memory in the process heap, so that a training step does not page-fault its
 temporaries in afresh every time.
 
-glibc serves large allocations (from 128 KiB; it raises that threshold up to 32 MiB as such
-blocks are freed) with ``mmap`` and hands them back to the kernel on ``free``, and trims the top
-of its heap; PyTorch's CPU allocator has no cache of its own. A GRPO update allocates hundreds of
-MiB of temporaries (the output layer's logits, the embedding gradient, activations), so its pages
-are faulted in again and again: for the 135M model 0.4-0.9 million minor faults (1.4-3.5 s of
-kernel time) in each of the first steps and still 0.1 million (0.3-0.6 s) in later ones.
-:func:`keep_freed_memory` makes glibc serve everything from its heap and never trim it: after
-two steps an update faults in almost nothing. ``bench/grpo_step.py`` prints the faults per step
-both ways, ``bench/cpu_kernels.py`` times an update loop both ways.
+glibc hands large freed blocks back to the kernel, and PyTorch's CPU allocator has no cache of its own,
+so each GRPO update faults its hundreds of MiB of temporaries in again. :func:`keep_freed_memory` makes
+glibc serve everything from its heap and never trim it. ``bench/grpo_step.py`` prints the faults per
+step both ways, ``bench/cpu_kernels.py`` times an update loop both ways (docs/architecture.md, "Fast paths").
 """
 
 from __future__ import annotations

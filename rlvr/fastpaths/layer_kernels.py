@@ -1,13 +1,10 @@
 """A float32 CPU decode step's RMSNorm and rotary embedding, each one compiled loop.
 
-Between its matrix products a decode layer normalizes a few rows and rotates their queries and
-keys: a handful of small PyTorch operations each, and in a step that streams every weight from
-memory each of those operations starts cold, so they cost far more than their arithmetic (the
-engine's steps before and after: docs/benchmarks.md, ``bench/engine_steps.py``). The fused decoder
-calls these instead where ``eligibility.use_layer_kernels`` says (float32 on CPU, numba
-importable): the same formulas as the model's ``LlamaRMSNorm`` and ``rotate_half`` rotary
-embedding, summed in another order (float32 rounding apart, the same values), compiled by numba
-(``rlvr.fastpaths.jit``), one thread, the GIL released.
+In a step that streams every weight from memory, a layer's few small PyTorch operations for these cost
+far more than their arithmetic. The fused decoder calls these instead where
+``eligibility.use_layer_kernels`` says (float32 on CPU, numba importable): the formulas of the model's
+``LlamaRMSNorm`` and ``rotate_half``, summed in another order (float32 rounding apart, the same values),
+compiled by numba (``rlvr.fastpaths.jit``), one thread, the GIL released (docs/architecture.md, "Fast paths").
 """
 
 from __future__ import annotations

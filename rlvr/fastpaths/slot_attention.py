@@ -1,13 +1,9 @@
 """Decode attention over the continuous engine's row slots on CPU, each row read to its own length.
 
-In a decode step each row's one query attends over its own keys and values; the work is reading
-them, a few multiply-adds per byte. PyTorch's SDPA on CPU streams them well below one core's memory
-bandwidth for such shapes (three query heads per KV head, hundreds to thousands of keys, a small
-matrix product per block) and, given the lane's keys up to its longest row, reads every row to that
-length under a mask. :func:`slot_attention` writes each row's new key into its slot and streams
-its keys once (its query heads' dot products together), takes the softmax in PyTorch, then writes
-its new value and streams its values once, to the row's own length: float32, compiled by numba
-(``rlvr.fastpaths.jit``), one thread, the GIL released. ``bench/cpu_kernels.py`` times it against SDPA.
+:func:`slot_attention` writes each row's new key and value into its slot and streams its keys and values
+once each (its query heads together), to the row's own length, where SDPA reads every row of a lane to
+its longest row under a mask: float32, compiled by numba (``rlvr.fastpaths.jit``), one thread, the GIL
+released. ``bench/cpu_kernels.py`` times it against SDPA (docs/architecture.md, "Fast paths").
 """
 
 from __future__ import annotations

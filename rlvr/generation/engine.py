@@ -297,7 +297,8 @@ class Engine:
                 if lane.rows[i].request.cancelled.is_set():
                     self._retire(lane, i, "cancelled")
 
-    def _wanting(self) -> int:
+    def _requests_wanting_rows(self) -> int:
+        """How many requests run rows or wait for some (the fair share of the rows divides by it)."""
         return len({*self.running, *(q for q in self.waiting if q.pending_rows)})
 
     def _lane(self, request: EngineRequest) -> Lane:
@@ -315,16 +316,16 @@ class Engine:
         if not ready:
             return
         ready.sort(key=lambda q: (q.pending_rows * q.max_new_tokens, q.submitted_s))  # short requests first
-        wanting = self._wanting()
+        requests_wanting = self._requests_wanting_rows()
         for request in ready:
             room = self.max_rows - len(self.rows)
-            share = self.max_rows if wanting == 1 else max(1, self.max_rows // wanting)
+            share = self.max_rows if requests_wanting == 1 else max(1, self.max_rows // requests_wanting)
             count = min(request.pending_rows, room, max(0, share - request._running))
-            count = self._fitting(request, count)
+            count = self._rows_that_fit(request, count)
             if count:
                 self._add_rows(request, count)
 
-    def _fitting(self, request: EngineRequest, count: int) -> int:
+    def _rows_that_fit(self, request: EngineRequest, count: int) -> int:
         """As many of ``count`` rows as the KV budget holds (slots padded to the longest row of their
         lane), the request keeping to ``max_share`` of what the others leave of it (so there is always
         room for one more request's first row); a request's first row needs only to fit."""
@@ -369,7 +370,7 @@ class Engine:
                 request.tool_calls[sample] = driver.calls
             new_rows.append(Row(request, sample, generator, driver))
         lane.rows += new_rows
-        tokens, logprobs = self._sample(request._last_logits.expand(count, -1), new_rows)
+        tokens, logprobs = self._draw_tokens(request._last_logits.expand(count, -1), new_rows)
         lane.next_tokens = torch.cat([lane.next_tokens, tokens])
         if request.first_token_s is None:
             request.first_token_s = time.monotonic()
@@ -429,7 +430,7 @@ class Engine:
                 lane.cache.lengths[live] += 1
             else:
                 lane.cache.lengths[:rows] += 1
-            self._sampled(lane, live, logits[offset : offset + len(live)])
+            self._append_next_tokens(lane, live, logits[offset : offset + len(live)])
             offset += len(live)
         for k, (request, _, end) in enumerate(chunks):
             request._prefilled = end
@@ -449,7 +450,7 @@ class Engine:
         logits = self.graphed.step(lane.cache, lane.next_tokens.to(self.device), lane.cache.lengths[:rows].to(self.device))
         self._note_neighbours()
         lane.cache.lengths[:rows] += 1
-        self._sampled(lane, list(range(rows)), logits)
+        self._append_next_tokens(lane, list(range(rows)), logits)
         return True
 
     def _note_neighbours(self) -> None:
@@ -480,9 +481,9 @@ class Engine:
             budget -= end - request._prefilled
         return chunks
 
-    def _sampled(self, lane: Lane, live: list[int], logits: torch.Tensor) -> None:
+    def _append_next_tokens(self, lane: Lane, live: list[int], logits: torch.Tensor) -> None:
         """The live rows' next tokens from their ``logits`` (or their environment's), recorded."""
-        tokens, logprobs = self._sample(logits, [lane.rows[i] for i in live])
+        tokens, logprobs = self._draw_tokens(logits, [lane.rows[i] for i in live])
         forced = self._force_tokens(lane, live, tokens, logprobs)
         lane.next_tokens[live] = tokens
         self._record(lane, live, tokens, logprobs, forced)
@@ -509,14 +510,15 @@ class Engine:
                 self._retire(lane, slot, reason)
 
     def _park(self, row: Row, token: int, reason: str) -> None:
-        """Observe a turn end on the tool pool; the row waits (see the module docstring)."""
+        """Observe a turn end on the tool pool; the row keeps its place but waits (docs/architecture.md, "Tool-calling rollouts")."""
         if self._tool_pool is None:
             self._tool_pool = ThreadPoolExecutor(TOOL_WORKERS, thread_name_prefix="rlvr-tools")
         row.parked = self._tool_pool.submit(row.driver.episode.observe, self.token_texts[token], True)
         row.parked_reason = reason
         row.parked.add_done_callback(lambda _: self._post(_wake))
 
-    def _sample(self, logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw_tokens(self, logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's next token and its log-prob, drawn from its own generator at its temperature and top-p."""
         temperatures = torch.tensor([r.request.temperature(r.sample) for r in rows], dtype=torch.float32)
         top_p = torch.tensor([r.request.top_p for r in rows], dtype=torch.float32)
         uniforms = draw_uniforms([r.generator for r in rows])

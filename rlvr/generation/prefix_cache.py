@@ -1,17 +1,11 @@
 """Prompt-prefix caching for ``rlvr.generation.engine`` (vLLM's automatic prefix caching, in blocks).
 
-Requests to one policy share the start of their prompts: the chat template and its system prompt (the
-project's own carries a worked example, about a hundred tokens), a few-shot preamble, a tool
-description. A prompt's keys and values at positions 0 .. n - 1 depend on its first n tokens only, so
-the engine keeps them in blocks of ``block_tokens`` tokens, each named by its tokens and the block
-before it (a hash chain, as vLLM's), and a new prompt starts its prefill after the longest run of
-blocks it shares with earlier prompts. The last prompt token is always prefilled (its logits give
-the first sampled token).
-
-The blocks live within a byte limit, least recently used first out; a lookup refreshes a chain from
-its last block to its first, so a shared start outlives the prompts that continued it and no block
-outlives the block before it. The engine counts the blocks in its KV budget and evicts them before
-it refuses a request (:meth:`PrefixCache.shrink_to`).
+A prompt's keys and values at positions 0 .. n - 1 depend on its first n tokens only, so the engine keeps
+them in blocks of ``block_tokens`` tokens, each named by its tokens and the block before it (a hash
+chain, as vLLM's); a new prompt prefills only what follows the longest run of blocks it shares with
+earlier prompts, and always its last token. Blocks live within a byte limit, least recently used first
+out (docs/architecture.md, "The generation engine"); the engine evicts them before it refuses a request
+(:meth:`PrefixCache.shrink_to`).
 """
 
 from __future__ import annotations
@@ -55,15 +49,15 @@ class PrefixCache:
             chain.append((parent, tokens))
         return chain
 
-    def _run(self, ids: Sequence[int]) -> list[tuple[int, _Block | None]]:
+    def _cached_chain(self, ids: Sequence[int]) -> list[tuple[int, _Block | None]]:
         """The chain of ``ids`` with the cached block of each key (None past the first miss)."""
-        run, parent, found = [], None, True
+        chain, parent, found = [], None, True
         for key, tokens in self._chain(ids):
             block = self._blocks.get(key) if found else None
             found = block is not None and block.tokens == tokens and block.parent == parent  # a hash collision is a miss
-            run.append((key, block if found else None))
+            chain.append((key, block if found else None))
             parent = key
-        return run
+        return chain
 
     def _touch(self, keys: list[int]) -> None:
         for key in reversed(keys):  # the first block most recent: evicted after every block that continues it
@@ -73,7 +67,7 @@ class PrefixCache:
         """(tokens of ``ids`` found, a prompt cache holding their keys and values), (0, None) on a miss."""
         if not self.limit_bytes:
             return 0, None
-        hits = [(key, block) for key, block in self._run(ids) if block is not None]
+        hits = [(key, block) for key, block in self._cached_chain(ids) if block is not None]
         if not hits:
             return 0, None
         self._touch([key for key, _ in hits])
@@ -90,25 +84,25 @@ class PrefixCache:
         cached yet, within ``limit_bytes`` and ``room_bytes`` (what the KV budget leaves), evicting
         the least recently used blocks of other prompts for them."""
         limit = min(self.limit_bytes, room_bytes)
-        run = self._run(ids)
-        if not run or limit < self.block_bytes:
+        chain = self._cached_chain(ids)
+        if not chain or limit < self.block_bytes:
             return
-        for number, (key, block) in enumerate(run):
+        for number, (key, block) in enumerate(chain):
             if block is not None:
                 continue
             if self.bytes + self.block_bytes > limit:
-                self._evict(limit - self.block_bytes, keep={k for k, _ in run})
+                self._evict(limit - self.block_bytes, keep={k for k, _ in chain})
                 if self.bytes + self.block_bytes > limit:
                     break
             span = slice(number * self.block_tokens, (number + 1) * self.block_tokens)
             tokens = tuple(ids[span])
             self._blocks[key] = _Block(
-                run[number - 1][0] if number else None,
+                chain[number - 1][0] if number else None,
                 tokens,
                 [layer.keys[0, :, span].clone() for layer in cache.layers],
                 [layer.values[0, :, span].clone() for layer in cache.layers],
             )
-        self._touch([key for key, _ in run if key in self._blocks])
+        self._touch([key for key, _ in chain if key in self._blocks])
 
     def shrink_to(self, limit_bytes: int) -> None:
         """Evict least recently used blocks until at most ``limit_bytes`` are held."""

@@ -1,15 +1,12 @@
-"""Atomic training checkpoints: written whole or not at all, resumable at the same step.
-
-Layout under ``checkpoint_dir``::
+"""Atomic training checkpoints (whole or not at all), resumable at the same step; under ``checkpoint_dir``::
 
     step-000010/model/                      HF ``save_pretrained`` (safetensors) + tokenizer; a LoRA adapter for LoRA runs
     step-000010/trainer_state.safetensors   the trainer state's tensors (optimizer moments and steps, torch RNG states)
     step-000010/trainer_state.json          the rest: step, param groups, scheduler, python/numpy RNG states of every rank, config
     latest                                  the name of the newest complete checkpoint
 
-Loading runs no code from the files (no pickle): an old pickled ``trainer_state.pt`` is refused.
-A checkpoint is assembled in a hidden temporary folder, flushed, and renamed into place; ``latest`` is
-then replaced atomically, so a run killed at any moment leaves ``latest`` naming a complete one.
+Loading runs no code from the files (no pickle): an old pickled ``trainer_state.pt`` is refused. A
+checkpoint is assembled in a hidden folder, flushed and renamed into place, then ``latest`` replaced.
 """
 
 from __future__ import annotations
@@ -28,6 +25,8 @@ import numpy as np
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from rlvr.files import fsync_dir, fsync_tree, write_atomically
 
 LATEST = "latest"
 STATE_TENSORS = "trainer_state.safetensors"
@@ -80,17 +79,17 @@ def save_checkpoint(
             },
         )
         (tmp / "meta.json").write_text(json.dumps({"step": step, "saved_at": time.time(), "lora": _is_peft(model)}))
-        _fsync_tree(tmp)
+        fsync_tree(tmp)
         if final.exists():  # a checkpoint of this step from an earlier attempt: replace it
             stale = checkpoint_dir / f".stale-{final.name}-{uuid.uuid4().hex[:8]}"
             os.rename(final, stale)
             shutil.rmtree(stale)
         os.rename(tmp, final)
-        _fsync_dir(checkpoint_dir)
+        fsync_dir(checkpoint_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _write_atomically(checkpoint_dir / LATEST, final.name)
+    write_atomically(checkpoint_dir / LATEST, final.name)
     if keep is not None:
         for old in sorted(checkpoint_dir.glob("step-*"))[:-keep]:
             if old != final:
@@ -248,29 +247,3 @@ def restore_rng_state(state: dict) -> None:
 
 def _is_peft(model: Any) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "merge_and_unload")
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_tree(root: Path) -> None:
-    for folder, _, files in os.walk(root):
-        for name in files:
-            with open(os.path.join(folder, name), "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(Path(folder))
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

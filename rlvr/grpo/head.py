@@ -1,14 +1,10 @@
 """Token log-probs and entropies from the last hidden states, with the softmax work done in chunks.
 
-The update needs log π(o_t) = z[o_t] - logsumexp(z), z = (h / T) Wᵀ, for each completion token,
-and the entropy of π for logging. Through ``lm_head`` and autograd that is a chain of passes over
-[tokens, vocabulary] float32 tensors (49,152 columns for SmolLM2), each allocated whole: the cast,
-the temperature, logsumexp, softmax, and their gradients. :class:`HeadLogprobs` scales the hidden
-states by 1 / T (not the logits) and computes the logits with one matmul in the compute dtype and
-keeps them; everything in float32 runs a chunk of rows at a time, so its temporaries stay small;
-the backward overwrites the kept logits with dz = g (onehot(o_t) - softmax(z)) chunk by chunk and
-ends with two matmuls.
-``bench/cpu_kernels.py`` times it against the autograd chain.
+The update needs log π(o_t) = z[o_t] - logsumexp(z), z = (h / T) Wᵀ, for each completion token, and
+π's entropy for logging. :class:`HeadLogprobs` computes the logits with one matmul in the compute dtype
+and keeps them; the float32 work (logsumexp, softmax, the backward's dz = g (onehot(o_t) - softmax(z)),
+written over the kept logits) runs a chunk of rows at a time, so its temporaries stay small.
+``bench/cpu_kernels.py`` times it against ``lm_head`` and autograd (docs/architecture.md, "GRPO").
 """
 
 from __future__ import annotations

@@ -148,15 +148,14 @@ def aggregate_loss(
     num_seqs: float | None = None,
     num_tokens: float | None = None,
 ) -> torch.Tensor:
-    """One scalar from a [rows, T] per-token loss matrix.
+    """One scalar from a [rows, T] per-token loss matrix, by ``mode``:
 
     * ``seq-mean-token-mean``: (1/N) Σ_i (1/|o_i|) Σ_t L_i,t, the GRPO paper (Shao et al. 2024);
     * ``token-mean``: Σ_i,t L_i,t / Σ_i |o_i|, DAPO (Yu et al. 2025): long completions weigh more;
-    * ``seq-mean-token-sum-norm``: (1/N) Σ_i Σ_t L_i,t / max_new_tokens, Dr. GRPO (Liu et al.
-      2025): a constant normalizer, no length bias.
+    * ``seq-mean-token-sum-norm``: (1/N) Σ_i Σ_t L_i,t / max_new_tokens, Dr. GRPO (Liu et al. 2025): no length bias.
 
-    ``num_seqs`` (N) and ``num_tokens`` default to this batch's; pass the totals of the whole
-    optimizer batch (all micro-batches and ranks) so that per-micro-batch losses add up to it.
+    ``num_seqs`` (N) and ``num_tokens`` default to this batch's; pass the whole optimizer batch's totals
+    (all micro-batches and ranks) so that per-micro-batch losses add up to it.
     """
     mask = mask.to(loss_mat.dtype)
     num_seqs = mask.shape[0] if num_seqs is None else num_seqs

@@ -92,19 +92,14 @@ def completion_logprobs(
     fast: FastPaths = FastPaths(),
     sharded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log π(o_t | q, o_<t) for every policy token of ``batch`` ([rows, width], 0 on padding and on
-    the environment's tokens, which are only context), and the entropy of π there when asked (no
-    gradient).
+    """log π(o_t | q, o_<t) for every policy token of ``batch`` ([rows, width], 0 on padding and on the
+    environment's tokens, which are only context), and π's entropy there when asked (no gradient).
 
-    With ``share_prompts`` each distinct prompt goes through the model once and its KV cache
-    (gradient attached) is reused by all of its completions: [prompts, P] + [rows, width - 1]
-    tokens instead of [rows, P + width - 1]; where ``eligibility.use_unpadded_update`` allows
-    (``fast``, ``sharded``), the completions' per-token work skips their padding
-    (:func:`~rlvr.grpo.unpadded.unpadded_completion_features`). Without ``share_prompts``, one
-    forward over [prompt | completion] per row (needed with gradient checkpointing, which drops the
-    cache). Only the policy's tokens reach the output layer; where ``eligibility.output_head``
-    gives one, that is :func:`~rlvr.grpo.head.head_logprobs` on the decoder's hidden states, else
-    the model's logits.
+    ``share_prompts`` runs each distinct prompt once and reuses its KV cache (gradient attached) for all
+    its completions; without it, one forward over [prompt | completion] per row (gradient checkpointing
+    drops the cache). ``eligibility.use_unpadded_update`` and ``eligibility.output_head`` decide whether the
+    completions skip their padding and whether the chunked output head replaces the model's logits
+    (docs/architecture.md, "GRPO").
     """
     head = output_head(model, fast)
     real, scored = batch.mask.bool(), batch.policy_mask.bool()

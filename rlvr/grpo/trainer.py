@@ -1,40 +1,21 @@
 """The GRPO training loop (Shao et al. 2024, DeepSeekMath), on one process or under torchrun.
 
-One step, top to bottom (:meth:`GRPOTrainer.step`):
-
-1. generate G completions for each of this rank's prompts (rollout engine, with its sampling
-   log-probs);
-2. score them with the reward callback; group-relative advantages;
-3. drop rows that carry no signal (zero-variance groups) or must not be trained on (truncated
-   completions, when masked) — they cost no compute;
-4. μ passes over the rest, each split into optimizer steps of gradient-accumulated micro-batches:
-   one forward per micro-batch gives the per-token log-probs (temperature-scaled like sampling, over
-   completion tokens only), the registered policy loss (π_old: the trainer's own log-probs before
-   the step's first update, i.e. this forward's, detached, when the step is one optimizer step, else
-   one no-grad forward beforehand), times the TIS weight min(π_old / π_rollout, C) when on, the
-   optional KL to the reference, the chosen aggregation; backward; clip; AdamW. The sampling
-   log-probs' distance from π_old is reported as ``rollout_logprob_abs_diff`` and ``rollout_kl``.
-   Only the policy's own tokens count
-   (``Rollouts.policy_mask``): tokens an environment wrote (a calculator's result, a tool's
-   output) are context the policy conditions on, outside the loss, the KL, the ratio and the
-   token counts.
-
-Rewards come from a callback, ``reward_fn(completions, problems) -> (totals, {name: values})``, so
-any reward library plugs in. ``on_step(step, metrics, records)`` receives each step's metrics and
-one record per completion: every rank's on rank 0, or with ``records_per_rank`` each rank's own on
-that rank (so that every rank can write its rows itself), for whatever logging the caller wants;
-it runs before the step's checkpoint, so what it stores is never behind a resume point.
+One step (:meth:`GRPOTrainer.step`): generate G completions per prompt, score them with the reward
+callback, group-relative advantages, drop rows without signal (zero-variance groups, truncated
+completions when masked), then μ passes of minibatch updates: per-token log-probs of the policy's own
+tokens, the registered policy loss (times the TIS weight when on), the optional KL to the reference,
+the chosen aggregation; backward, clip, AdamW. ``reward_fn(completions, problems) -> (totals, {name:
+values})`` plugs in any reward; ``on_step(step, metrics, records)`` sees each step before its
+checkpoint. Optimizer, schedule, checkpoints and resume: :mod:`rlvr.grpo.trainer_loop`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import logging
-import math
 import time
 from collections import Counter
-from dataclasses import asdict, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
@@ -47,12 +28,10 @@ from rlvr.fastpaths.heap import keep_freed_memory
 from rlvr.generation import Rollouts, concat_rollouts, generate_rollouts
 from rlvr.generation.sampler import derive_seed
 
-from . import checkpoint as ckpt
 from .config import GRPOConfig, LoRAConfig
 from .distributed import (
     all_gather_objects,
     all_reduce_sum,
-    barrier,
     gathered_parameters,
     gradient_sync,
     init_distributed,
@@ -70,8 +49,8 @@ from .loss import (
 )
 from .sampler import step_problems
 from .scoring import CompletionScorer, completion_logprobs, pack_rows
-
-logger = logging.getLogger("rlvr.grpo")
+from .trainer_loop import TrainerLoop, float32_master_weights
+from .trainer_loop import WorldSizeChanged as WorldSizeChanged  # raised by resume; rlvr.grpo exports it from here
 
 _REFILL = 1  # derive_seed tag of the problems that refill a step (dynamic sampling)
 
@@ -94,7 +73,7 @@ _TOKEN_STATS = (
 )
 
 
-class GRPOTrainer:
+class GRPOTrainer(TrainerLoop):
     """Trains ``model`` in place with GRPO. See the module docstring for the step."""
 
     def __init__(
@@ -108,9 +87,7 @@ class GRPOTrainer:
         on_step: OnStep | None = None,
         records_per_rank: bool = False,
     ):
-        self.config, self.tokenizer, self.reward_fn, self.on_step = config, tokenizer, reward_fn, on_step
-        self.records_per_rank = records_per_rank
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.reward_fn, self.on_step, self.records_per_rank = reward_fn, on_step, records_per_rank
         self.dist = init_distributed(device=None if _launched_distributed() else next(model.parameters()).device)
         if config.prompts_per_step < self.dist.world_size:
             raise ValueError(f"prompts_per_step ({config.prompts_per_step}) < world size ({self.dist.world_size})")
@@ -124,7 +101,6 @@ class GRPOTrainer:
             model = _apply_lora(model, config.lora)
         if config.gradient_checkpointing:
             _enable_activation_checkpointing(model)
-        self.policy = model  # the module itself: generation, checkpoints
         compute_dtype = getattr(torch, config.compute_dtype)
         mixed = compute_dtype != torch.float32  # weights and optimizer state are float32 (float32_master_weights)
         # the update's forwards run through this (DDP / FSDP when distributed; DDP syncs rank 0's weights)
@@ -135,18 +111,10 @@ class GRPOTrainer:
         self._autocast = partial(torch.autocast, self.dist.device.type, compute_dtype, enabled=autocast)
         # generation runs on a low-precision copy in mixed precision (FSDP casts on its own)
         self.rollout_policy = copy.deepcopy(model).to(compute_dtype) if autocast else model
-        self.tis_cap = config.tis_weight_cap(low_precision_rollouts=self.rollout_policy is not self.policy)
-        self.optimizer = torch.optim.AdamW(
-            decay_param_groups(self.policy, config.weight_decay),
-            lr=config.lr,
-            betas=config.betas,
-            eps=config.adam_eps,
-            fused=self.dist.device.type in ("cpu", "cuda") and not config.fsdp,  # one kernel, several times faster
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_multiplier, config=config))
+        self.tis_cap = config.tis_weight_cap(low_precision_rollouts=self.rollout_policy is not model)
         self._share_prompts = share_prompts
-        self.step_count = 0  # training steps completed
-        self.history: list[dict] = []
+        # the policy is the module itself (generation, checkpoints); optimizer, schedule, step count
+        super().__init__(model, tokenizer, config, checkpoint_dir, self.dist, sharded=config.fsdp)
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -158,7 +126,7 @@ class GRPOTrainer:
         Returns the per-step metrics of this call.
         """
         problems = list(problems)
-        if resume and self.step_count == 0 and self.checkpoint_dir is not None:
+        if resume and self.step_count == 0:
             self.resume()
         history = []
         while self.step_count < self.config.total_steps:
@@ -166,12 +134,9 @@ class GRPOTrainer:
             batch = step_problems(problems, step, n, seed)
             refill = partial(_refill_problems, problems, step, n, seed)
             metrics, records = self.step(batch, refill)
-            history.append(metrics)
-            self.history.append(metrics)
             if self.on_step is not None and (self.dist.is_main or self.records_per_rank):
                 self.on_step(self.step_count, metrics, records)  # the step's rows before its resume point: a kill loses nothing
-            if self._checkpoint_due():
-                metrics["checkpoint"] = str(self.save_checkpoint())
+            history.append(self.record_step(metrics))  # and the step's checkpoint, when one is due
         return history
 
     def step(self, problems: list[dict], refill: Callable[[int], list[dict]] | None = None) -> tuple[dict, list[dict]]:
@@ -308,14 +273,10 @@ class GRPOTrainer:
                             old_logprobs=old_logprobs,
                         )
                         (loss * (0.0 if dummy else self.dist.world_size)).backward()
-                max_norm = config.max_grad_norm if config.max_grad_norm is not None else math.inf
-                grad_norm = torch.nn.utils.clip_grad_norm_(self._trainable(), max_norm)
-                grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                grad_norm = self.optimizer_step()
                 self._sync_rollout_policy()
                 stats["optimizer_steps"] += 1
-                stats["grad_norm"] += float(grad_norm)
+                stats["grad_norm"] += grad_norm
         sums = all_reduce_sum(torch.tensor([stats[k] for k in _TOKEN_STATS], dtype=torch.float64), self.dist)
         return stats | dict(zip(_TOKEN_STATS, sums.tolist()))
 
@@ -407,63 +368,14 @@ class GRPOTrainer:
             with self.policy.disable_adapter():
                 yield self.policy
 
-    def _trainable(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.policy.parameters() if p.requires_grad]
-
-    # --- checkpoints -----------------------------------------------------------------------------
-
-    def _checkpoint_due(self) -> bool:
-        if self.checkpoint_dir is None:
-            return False
-        every = self.config.checkpoint_every
-        return self.step_count == self.config.total_steps or (every > 0 and self.step_count % every == 0)
-
-    def save_checkpoint(self) -> Path | None:
-        """Write a checkpoint of the current step (rank 0 writes; every rank's RNG state goes in)."""
-        if self.checkpoint_dir is None:
-            raise ValueError("no checkpoint_dir given")
-        rng_states = all_gather_objects(ckpt.capture_rng_state(), self.dist)
-        model_state = optimizer_state = None
-        if self.config.fsdp and self.dist.enabled:  # GPU-only path, untested here: gather full state dicts
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            model_state, optimizer_state = get_state_dict(self.policy, self.optimizer, options=options)
-        path = None
-        if self.dist.is_main:
-            path = ckpt.save_checkpoint(
-                self.checkpoint_dir,
-                self.step_count,
-                self.policy,
-                self.tokenizer,
-                self.optimizer,
-                self.scheduler,
-                rng_states,
-                config=asdict(self.config),
-                keep=self.config.keep_checkpoints,
-                model_state=model_state,
-                optimizer_state=optimizer_state,
-            )
-        barrier(self.dist)
-        return path
+    # --- checkpoints ---------------------------------------------------------------------------
 
     def resume(self) -> bool:
-        """Load the latest checkpoint, if any: weights, optimizer, scheduler, step and RNG states."""
-        path = ckpt.latest_checkpoint(self.checkpoint_dir) if self.checkpoint_dir is not None else None
-        if path is None:
-            return False
-        if self.config.fsdp and self.dist.enabled:
-            raise NotImplementedError("resuming an FSDP run is not implemented; its checkpoints hold full weights")
-        state = ckpt.load_checkpoint(path, self.policy, self.optimizer, self.scheduler)
-        self._sync_rollout_policy()
-        self.step_count = int(state["step"])
-        rng = state["rng"]
-        if len(rng) != self.dist.world_size:  # each rank's sampling and data share depend on the world size
-            raise WorldSizeChanged(
-                f"checkpoint {path} was written by {len(rng)} rank(s) and this run has {self.dist.world_size}: it cannot resume; start it afresh"
-            )
-        ckpt.restore_rng_state(rng[self.dist.rank])
-        return True
+        """:meth:`TrainerLoop.resume`, then the low-precision rollout copy takes the loaded weights."""
+        resumed = super().resume()
+        if resumed:
+            self._sync_rollout_policy()
+        return resumed
 
     # --- metrics and records ---------------------------------------------------------------------
 
@@ -555,17 +467,6 @@ class GRPOTrainer:
         return records
 
 
-def lr_multiplier(step: int, config: GRPOConfig) -> float:
-    """Linear warmup over ``warmup_steps``, then cosine / linear decay to ``min_lr_ratio`` at ``total_steps``."""
-    if step < config.warmup_steps:
-        return (step + 1) / config.warmup_steps
-    if config.lr_decay == "constant":
-        return 1.0
-    progress = min(1.0, (step - config.warmup_steps) / max(1, config.total_steps - config.warmup_steps))
-    shape = 1.0 - progress if config.lr_decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-    return config.min_lr_ratio + (1.0 - config.min_lr_ratio) * shape
-
-
 def _refill_problems(problems: list[dict], step: int, prompts_per_step: int, seed: int, round_: int) -> list[dict]:
     """The problems that refill step ``step``'s groups without signal in dynamic-sampling round ``round_``."""
     return step_problems(problems, step, prompts_per_step, derive_seed(seed, _REFILL, round_))
@@ -576,31 +477,6 @@ def _micro_batches(rollouts: Rollouts, rows: torch.Tensor, size: int) -> list[to
     if len(rows) == 0:
         return []
     return list(rows[torch.argsort(rollouts.group_index[rows], stable=True)].split(size))
-
-
-class WorldSizeChanged(RuntimeError):
-    """A run's checkpoint was written by another number of processes than the run now has."""
-
-
-def float32_master_weights(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with float32 parameters, upcast (and said once in the log) when it was loaded in
-    bf16/fp16: AdamW on low-precision weights rounds away updates below their resolution (at lr 1e-6
-    most of them), so low precision belongs to the compute (``GRPOConfig.compute_dtype``), never to
-    the weights or the optimizer state."""
-    low = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32})
-    if not low:
-        return model
-    logger.warning("policy loaded in %s: upcast to float32 master weights for training (set GRPOConfig.compute_dtype for low-precision compute)", "/".join(low))
-    return model.float()
-
-
-def decay_param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only (nanoGPT): not on norms and biases."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
 
 
 def _reference_model(model: Any, ref_model: Any, config: GRPOConfig, device: torch.device) -> Any:

@@ -1,14 +1,10 @@
 """The update's forward over completion tokens without padding, through the model's own modules.
 
-A micro-batch's completions are right-padded to the longest; with the model's own forward every
-padding position goes through every layer's matrix products, and with answer stops many rows end
-early. Here the real completion tokens go through the decoder as one flat sequence (``position_ids``
-per token), the engine's way of running a model (``rlvr.generation.model_runner.ModelForward``): the
-model's own norms, projections, rotary embedding and MLP, adapters included, on real tokens only.
-Only attention, which must see each row's positions in order, scatters queries, keys and values into
-the padded layout, prepends the row's prompt keys and values (the caller's prompt pass, gradient
-attached) and gathers its output back (as verl's remove-padding does with variable-length flash
-attention). Values and gradients equal the padded forward's up to rounding; a test checks both.
+The real completion tokens go through the decoder as one flat sequence (``position_ids`` per token), as
+the engine runs a model (``rlvr.generation.model_runner.ModelForward``): norms, projections, rotary
+embedding and MLP, adapters included, see real tokens only. Attention alone scatters into the padded
+layout, after the row's prompt keys and values (gradient attached), and gathers back, as verl's
+remove-padding does. Values and gradients equal the padded forward's up to rounding; a test checks both.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Score completions in worker processes that can be killed, so no verifier can stall its caller.
 
-Rewards run arbitrary code over model-written text (sympy on ``9^{9^{9}}``, a big-integer power,
-a regular expression that backtracks): in a thread such work holds the GIL and cannot be stopped.
-Here each (sample, reward) job runs in one of ``workers`` processes (plain ``python`` subprocesses,
-so no caller's ``__main__`` is re-run, each in its own process group). A job still running
-``timeout_s`` after it started scores 0 with an error, and its worker, with whatever it started,
-is killed and replaced; a worker that dies (a crash, its ``memory_limit_bytes``) costs its job the
-same way. The caller never waits longer than one timeout per job in flight.
-
-A reward reaches the workers pickled (cloudpickle: by reference when its module can be imported
-with the caller's ``sys.path``, by value for lambdas and local functions), so any registered
-reward runs there.
+Rewards run arbitrary code over model-written text (sympy on ``9^{9^{9}}``, a backtracking regular
+expression), which in a thread holds the GIL and cannot be stopped. Here each (sample, reward) job runs
+in one of ``workers`` subprocesses; a job past ``timeout_s``, or whose worker dies, scores 0 with an
+error and its worker is killed and replaced. The caller never waits longer than one timeout per job in
+flight. Rewards reach the workers through cloudpickle (docs/architecture.md, "Rewards and the sandbox").
 """
 
 from __future__ import annotations
@@ -80,7 +74,7 @@ class RewardPool:
         jobs = [(i, name) for i in range(len(completions)) for name in composite.weights]
         workers = self._checkout(len(jobs))
         try:
-            results = self._run(jobs, workers, rewards, completions, references)
+            results = self._run_jobs(jobs, workers, rewards, completions, references)
         finally:
             self._checkin(workers)
         batch = []
@@ -101,7 +95,7 @@ class RewardPool:
 
     # --- scheduling ------------------------------------------------------------------------------
 
-    def _run(self, jobs, workers, rewards, completions, references) -> dict[tuple[int, str], RewardResult]:
+    def _run_jobs(self, jobs, workers, rewards, completions, references) -> dict[tuple[int, str], RewardResult]:
         pending, results = list(reversed(jobs)), {}
         while len(results) < len(jobs):
             for worker in workers:

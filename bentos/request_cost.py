@@ -1,4 +1,4 @@
-"""A request's cost on the loaded model, priced before it is queued: a 400 naming the field when a
+"""A request's cost on the loaded model, checked before it is queued: a 400 naming the field when a
 prompt is over ``MAX_PROMPT_TOKENS``, its new tokens over the model's context or sliding window, a token
 id outside the vocabulary, the KV cache of all its rows over the budget (``$RLVR_KV_CACHE_BUDGET_MIB``),
 or its work more than the engine's measured speed finishes within the request timeout
@@ -34,8 +34,8 @@ class CostFields(NamedTuple):
     templated: bool  # the prompt is counted in the chat template
 
 
-class Pricing:
-    """The service's pricing (a mixin of ``RlvrPolicy``: the loaded model's ``context_tokens``,
+class RequestCost:
+    """The service's request-cost checks (a mixin of ``RlvrPolicy``: the loaded model's ``context_tokens``,
     ``vocab_size``, ``kv_bytes_per_token``, ``kv_cache_budget_bytes``, ``prompt_tokenizer`` and ``environment``).
     A request's ``max_new_tokens`` bounds its rows' tokens, the environment's injected ones included."""
 
@@ -63,7 +63,7 @@ class Pricing:
             raise invalid_request(title, text_field, f"{text_field} refused by the prompt builder: {err}") from None
         return self.prompt_tokenizer(prompt, add_special_tokens=False).input_ids
 
-    def _priced_jobs(self, names: CostFields, prompts: list[list[int]], rows: int, max_new_tokens: int, **sampling) -> list[RolloutJob]:
+    def _jobs_within_limits(self, names: CostFields, prompts: list[list[int]], rows: int, max_new_tokens: int, **sampling) -> list[RolloutJob]:
         """One rollout job per prompt once the request's cost on the loaded model fits; else a 400 naming
         the field: each prompt within ``MAX_PROMPT_TOKENS`` and, with its new tokens, the model's context;
         the KV cache of all the request's rows within the budget."""

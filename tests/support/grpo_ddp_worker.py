@@ -1,4 +1,4 @@
-"""One rank of the two-process GRPO run in test_grpo_distributed (launched by torchrun, gloo on CPU).
+"""One rank of the two-process GRPO run in tests/test_grpo_distributed.py (launched by torchrun, gloo on CPU).
 
 Each rank starts from different random weights (DDP must sync them from rank 0), trains the
 copy-digit toy task on its half of each step's prompts, and writes its final weights, its
@@ -13,7 +13,7 @@ import torch
 
 from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig, GRPOTrainer
-from tiny_policy import COPY_DIGIT_CHARS, COPY_DIGIT_PROBLEMS, char_tokenizer, copy_digit_reward, tiny_llama
+from support.tiny_models import COPY_DIGIT_CHARS, COPY_DIGIT_PROBLEMS, char_tokenizer, copy_digit_reward, tiny_llama
 
 
 def main(out_dir: Path) -> None:

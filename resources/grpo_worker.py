@@ -1,17 +1,11 @@
-"""The GRPO training job the ``grpo_training`` asset launches through Dagster Pipes, under torchrun.
+"""The GRPO training job :class:`resources.launcher.TrainingLauncher` starts through Dagster Pipes.
 
-``torchrun --nproc_per_node N -m rlvr_assets.grpo_worker``: every rank trains (``train_grpo``) and
-writes its own rollouts, rewards and tool calls of each step as Parquet files in the run's scratch folder (the
-asset loads them into DuckDB afterwards: DuckDB keeps one writer); rank 0 streams per-step logs and
-metrics to the Dagster event log, keeps each step's metrics as ``steps/metrics-step<n>.json`` (the
-launcher streams them to MLflow; a resumed run keeps the whole curve) and exports the trained
-checkpoint. A step's rows and metrics are on disk before the trainer saves its resume point. A rank
-that fails leaves its traceback in ``<scratch>/errors/rank-<r>.txt`` for the asset to report
-(``rank-<r>.stopped`` when it was stopped by SIGTERM: torchrun after another rank failed, or the
-launcher); a finished rank leaves its weights digest. Every rank dies with torchrun (parent-death
-signal), so none outlives a killed run. The job is described by the
-Pipes extras (``resources.launcher.TrainingJob.extras`` writes them); its rewards arrive pickled and
-are registered here before training, its environment as a spec (``{"name", "options"}``) built here.
+``torchrun --nproc_per_node N -m resources.grpo_worker``: every rank trains (``train_grpo``) and writes
+its rows of each step as Parquet files in the run's scratch folder; rank 0 streams logs to the Dagster
+event log, keeps each step's metrics as ``steps/metrics-step<n>.json`` and exports the checkpoint. A
+step's rows and metrics are on disk before its resume point. A failed rank leaves its traceback in
+``errors/rank-<r>.txt`` (``.stopped`` when stopped by SIGTERM), a finished one its weights digest.
+Every rank dies with torchrun. The job comes as the Pipes extras (``TrainingJob.extras``).
 """
 
 from __future__ import annotations
@@ -27,14 +21,15 @@ from pathlib import Path
 from dagster_pipes import PipesContext, PipesDefaultContextLoader, PipesEnvVarParamsLoader, open_dagster_pipes
 
 from rlvr.environments import make_environment
+from rlvr.files import write_atomically
 from rlvr.grpo import GRPOConfig
 from rlvr.rewards import load_pickled_reward
-from rlvr.training_run import die_with_parent, train_grpo, training_tables
+from rlvr.training_run import start_training_process, train_grpo, training_tables
 
 
 def main() -> None:
     rank = int(os.environ.get("RANK", "0"))
-    die_with_parent()  # torchrun killed (its run worker killed): this rank goes too, no orphan trains on
+    start_training_process()  # torchrun killed (its run worker killed): this rank goes too, no orphan trains on
     signal.signal(signal.SIGTERM, _stopped)  # torchrun stops every rank when one fails: say so, not die silently
     if rank == 0:
         with open_dagster_pipes() as pipes:
@@ -65,7 +60,7 @@ def _run(job: dict, rank: int, pipes: PipesContext | None) -> None:
         errors = scratch / "errors"
         errors.mkdir(parents=True, exist_ok=True)
         stopped = isinstance(error, Stopped)  # ended because another rank failed, or the run was stopped: not to blame
-        _write_atomically(errors / f"rank-{rank}.{'stopped' if stopped else 'txt'}", traceback.format_exc().encode())
+        write_atomically(errors / f"rank-{rank}.{'stopped' if stopped else 'txt'}", traceback.format_exc())
         if pipes is not None and stopped:
             pipes.log.warning(f"rank {rank} stopped: {error}")
         elif pipes is not None:
@@ -86,13 +81,10 @@ def _train(job: dict, rank: int, scratch: Path, pipes: PipesContext | None) -> N
     def on_step(step: int, metrics: dict, records: list[dict]) -> None:
         rollouts, rewards, tool_calls = training_tables(records, job["run_id"], job["rewards"])
         for name, frame in (("rollouts", rollouts), ("rewards", rewards), ("tool_calls", tool_calls)):
-            path = steps / f"{name}-step{step:06d}-rank{rank:03d}.parquet"
-            tmp = path.with_suffix(".tmp")
-            frame.to_parquet(tmp, index=False)
-            os.replace(tmp, path)  # a reader sees a whole file or none
+            write_atomically(steps / f"{name}-step{step:06d}-rank{rank:03d}.parquet", frame.to_parquet(None, index=False))
         if rank == 0:  # the run's curve: the launcher streams it to MLflow, whole on a resumed run
             numbers = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-            _write_atomically(steps / f"metrics-step{step:06d}.json", json.dumps(numbers).encode())
+            write_atomically(steps / f"metrics-step{step:06d}.json", json.dumps(numbers))
         if pipes is not None:
             pipes.log.info(
                 f"step {step}/{config.total_steps}: reward {metrics['reward_mean']:.3f}, loss {metrics['loss']:.4f}, "
@@ -114,7 +106,7 @@ def _train(job: dict, rank: int, scratch: Path, pipes: PipesContext | None) -> N
     )
     digests = scratch / "digests"
     digests.mkdir(parents=True, exist_ok=True)
-    _write_atomically(digests / f"rank-{rank}.txt", weights_digest(trained.policy).encode())
+    write_atomically(digests / f"rank-{rank}.txt", weights_digest(trained.policy))
     if rank == 0:
         export = Path(job["export_dir"])
         tmp = export.with_name(export.name + ".tmp")
@@ -141,12 +133,6 @@ class Stopped(SystemExit):
 
 def _stopped(signum: int, frame) -> None:
     raise Stopped(f"stopped by signal {signum} (torchrun after another rank failed, or the launcher)")
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,23 @@
+"""Processes that never outlive their parent: Linux's parent-death signal (``prctl(PR_SET_PDEATHSIG)``)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
+    """Have Linux send ``sig`` to this process when its parent dies, so that it never outlives it.
+    ``parent``: the pid its parent must have (default: the parent it has when called); if it has another
+    one, the parent is gone already and ``sig`` is sent at once. A no-op off Linux."""
+    if not sys.platform.startswith("linux"):
+        return
+    expected = os.getppid() if parent is None else parent
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != expected:  # re-parented: the parent died before the request took effect
+        os.kill(os.getpid(), sig)
