@@ -17,7 +17,8 @@ from .loss import (
     zero_variance_groups,
 )
 from .sampler import gsm8k_prompts, step_problems
-from .trainer import GRPOTrainer, WorldSizeChanged
+from .trainer import GRPOTrainer
+from .trainer_loop import WorldSizeChanged
 
 __all__ = [
     "GRPOConfig",

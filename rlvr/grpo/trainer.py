@@ -50,7 +50,6 @@ from .loss import (
 from .sampler import step_problems
 from .scoring import CompletionScorer, completion_logprobs, pack_rows
 from .trainer_loop import TrainerLoop, float32_master_weights
-from .trainer_loop import WorldSizeChanged as WorldSizeChanged  # raised by resume; rlvr.grpo exports it from here
 
 _REFILL = 1  # derive_seed tag of the problems that refill a step (dynamic sampling)
 
