@@ -76,12 +76,14 @@ class Evaluator(ConfigurableResource):
     warehouse: Warehouse
     compute: ComputeResource
 
-    def evaluate(self, policy: str, policy_version: str, path: Path, protocol: EvalProtocol, problems: list[dict], log=None, reuse: bool = True) -> Evaluation:
+    def evaluate(
+        self, policy: str, policy_version: str, path: Path, protocol: EvalProtocol, problems: list[dict], log=None, reuse: bool = True, task=None
+    ) -> Evaluation:
         """``policy_version`` of the stored ``policy`` (its model-store name; checkpoint at ``path``) under
         ``protocol``, in the policy's environment (``EvalProtocol.environment_of``): from ``eval_results``
         when stored (unless ``reuse`` is off), else computed now and stored, replacing the stored rows.
         Another process computing the same evaluation is waited for. A ValueError names an environment
-        that cannot be built."""
+        that cannot be built. ``task`` (``rlvr.tasks``; None: GSM8k) grades the problems; its name is on every row."""
         environment = build_environment(protocol.environment_of(path), f"{policy} {policy_version}")
         spec = environment_spec(environment)
         key = eval_id(policy_version, protocol, problems, spec)
@@ -94,8 +96,9 @@ class Evaluator(ConfigurableResource):
             model, tokenizer = self.compute.inference_policy(path)
             if log and spec["name"] != SINGLE_TURN["name"]:
                 log.info(f"{policy}: evaluating {policy_version} in its environment {spec}")
-            results = evaluate_policy(model, tokenizer, problems, protocol.to_core(), _progress_logger(policy, log), environment)
+            results = evaluate_policy(model, tokenizer, problems, protocol.to_core(), _progress_logger(policy, log), environment, task)
             frame = pd.DataFrame(results).assign(
+                task=task.name if task is not None else "gsm8k",
                 eval_id=key,
                 policy_role=policy,
                 policy_version=policy_version,

@@ -88,7 +88,7 @@ def _train(job: dict, rank: int, scratch: Path, pipes: PipesContext | None) -> N
         if pipes is not None:
             pipes.log.info(
                 f"step {step}/{config.total_steps}: reward {metrics['reward_mean']:.3f}, loss {metrics['loss']:.4f}, "
-                f"zero-variance groups {metrics['frac_zero_variance_groups']:.0%}, {metrics['tokens_per_s']:.0f} tok/s"
+                f"zero-variance groups {metrics['frac_zero_variance_groups']:.0%}, {metrics['tokens_per_s']:.0f} tok/s{task_summary(metrics)}"
             )
 
     spec = job.get("environment") or {"name": "single_turn", "options": {}}
@@ -103,6 +103,7 @@ def _train(job: dict, rank: int, scratch: Path, pipes: PipesContext | None) -> N
         on_step,
         records_per_rank=True,
         environment=environment,
+        tasks=job.get("tasks"),
     )
     digests = scratch / "digests"
     digests.mkdir(parents=True, exist_ok=True)
@@ -114,6 +115,19 @@ def _train(job: dict, rank: int, scratch: Path, pipes: PipesContext | None) -> N
             shutil.rmtree(stale, ignore_errors=True)
         trained.export(tmp)
         os.replace(tmp, export)
+
+
+def task_summary(metrics: dict) -> str:
+    """A mixture step's per-task results for the event log ('' for a single task): groups, reward, accuracy."""
+    tasks = sorted({key.split("/")[1] for key in metrics if key.startswith("task/")})
+    if len(tasks) < 2:
+        return ""
+    parts = []
+    for task in tasks:
+        accuracy = metrics.get(f"task/{task}/accuracy")
+        found = f"{task}: {metrics[f'task/{task}/groups']} groups, reward {metrics[f'task/{task}/reward_mean']:.3f}"
+        parts.append(found + (f", accuracy {accuracy:.0%}" if accuracy is not None else ""))
+    return "; " + "; ".join(parts)
 
 
 def weights_digest(model) -> str:

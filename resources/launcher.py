@@ -74,6 +74,7 @@ class TrainingJob:
     scratch: Path  # the run's folder: checkpoints/, steps/, errors/, digests/, export/ (kept until the run completes)
     device: str | None = None  # one process: this device; several: torchrun's (cuda:LOCAL_RANK or cpu)
     environment: dict | None = None  # the rollouts' environment spec ({"name", "options"}); None: single-turn
+    tasks: dict | None = None  # a task mixture (task name -> weight; rows name their task); None: GSM8k rows and ``rewards``
 
     def extras(self) -> dict:
         """The worker's Pipes extras (JSON): paths, the config as a dict, the rewards pickled (a reward
@@ -89,6 +90,7 @@ class TrainingJob:
             "rewards": dict(self.rewards),
             "device": self.device,
             "environment": self.environment,
+            "tasks": self.tasks,
             "scratch": str(self.scratch),
             "checkpoint_dir": str(self.scratch / "checkpoints"),
             "export_dir": str(self.scratch / "export"),

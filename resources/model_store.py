@@ -47,6 +47,12 @@ class ModelStore(ConfigurableResource):
             return None
         return StoredModel(name, version, path, json.loads(manifest.read_text()))
 
+    def versions(self, name: str) -> list[StoredModel]:
+        """Every stored version of ``name``, oldest first (by the time its folder was renamed into place)."""
+        parent = Path(self.root) / name
+        folders = sorted((p for p in parent.iterdir() if (p / MANIFEST).is_file()), key=lambda p: p.stat().st_mtime) if parent.is_dir() else []
+        return [stored for p in folders if (stored := self.get(name, p.name)) is not None]
+
     def latest(self, name: str) -> StoredModel | None:
         pointer = Path(self.root) / name / "LATEST"
         return self.get(name, pointer.read_text().strip()) if pointer.is_file() else None

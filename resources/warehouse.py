@@ -26,6 +26,7 @@ from dagster import Failure, get_dagster_logger
 from dagster_duckdb import DuckDBResource
 from pydantic import Field
 
+from rlvr.tasks import normalized_text_hash
 from rlvr.traffic import TRAFFIC_COLUMNS, TrafficBatch, day_prefix, traffic_row
 
 SCHEMAS = {
@@ -194,9 +195,41 @@ class Warehouse(DuckDBResource):
             raise Failure(description=f"gsm8k_problems has no rows in split {split!r}: materialize gsm8k_problems first")
         return frame.to_dict(orient="records")
 
-    def reference_questions(self, size: int) -> list[str]:
-        """``size`` train questions in a fixed pseudo-random order (by hash of the problem id): the drift reference."""
-        return self.query("SELECT question FROM gsm8k_problems WHERE split = 'train' ORDER BY hash(problem_id) LIMIT ?", [size])["question"].tolist()
+    def task_problems(self, task: str, split: str, limit: int | None = None) -> list[dict]:
+        """Rows of one task in ``split``, ordered by id (the first ``limit`` when given): GSM8k's from
+        ``gsm8k_problems``, every other task's from ``task_problems`` (its partition)."""
+        if task == "gsm8k":
+            return self.problems(split, limit)
+        if not self.table_exists("task_problems"):
+            raise Failure(description=f"task_problems does not exist: materialize its partition {task!r} first")
+        frame = self.query(
+            f"SELECT * FROM task_problems WHERE task = ? AND split = ? ORDER BY problem_id {f'LIMIT {int(limit)}' if limit else ''}", [task, split]
+        )
+        if frame.empty:
+            raise Failure(description=f"task_problems has no rows of task {task!r} in split {split!r}: materialize its partition {task!r} first")
+        return frame.to_dict(orient="records")
+
+    def held_out_question_hashes(self) -> set[str]:
+        """The normalized-question hashes of every held-out (test) problem of every task: what training never sees."""
+        hashes = set()
+        if self.table_exists("task_problems"):
+            hashes |= set(self.query("SELECT DISTINCT question_hash FROM task_problems WHERE split = 'test'")["question_hash"])
+        if self.table_exists("gsm8k_problems"):
+            hashes |= {normalized_text_hash(q) for q in self.query("SELECT question FROM gsm8k_problems WHERE split = 'test'")["question"]}
+        return hashes
+
+    def reference_questions(self, size: int, tasks: Mapping[str, float] | None = None) -> list[str]:
+        """About ``size`` train questions in a fixed pseudo-random order (by hash of the problem id): the drift
+        reference. With a policy's training ``tasks`` (name -> weight), each task's share by its weight."""
+        if not tasks or set(tasks) == {"gsm8k"}:
+            return self.query("SELECT question FROM gsm8k_problems WHERE split = 'train' ORDER BY hash(problem_id) LIMIT ?", [size])["question"].tolist()
+        questions, total = [], sum(tasks.values())
+        for task, weight in tasks.items():
+            table, where = ("gsm8k_problems", "") if task == "gsm8k" else ("task_problems", "AND task = ?")
+            if self.table_exists(table):
+                sql = f"SELECT question FROM {table} WHERE split = 'train' {where} ORDER BY hash(problem_id) LIMIT ?"
+                questions += self.query(sql, ([task] if where else []) + [max(1, round(size * weight / total))])["question"].tolist()
+        return questions
 
     def eval_results(self, eval_id: str) -> pd.DataFrame | None:
         """The stored per-problem rows of one evaluation (ordered by problem), or None."""

@@ -112,3 +112,19 @@ def curves_figure(curves: dict[str, list[tuple[int, float]]], title: str = "trai
     axes[0, 0].set_title(title, fontsize=10)
     axes[-1, 0].set_xlabel("step")
     return fig
+
+
+def task_comparison_figure(rows: list[dict], title: str = "pass@1 per task, base vs trained (95% CI)"):
+    """Grouped bars per task (and the macro average): base and trained pass@1 with their CIs; ``rows``
+    are the cross-task table's (``task``, ``base``, ``base_ci_low``, ..., ``trained_ci_high``)."""
+    fig, ax = plt.subplots(figsize=(max(5, 1.3 * len(rows)), 3))
+    for offset, name, shade in ((-0.2, "base", "#8c8c8c"), (0.2, "trained", "#4c72b0")):
+        values = [r[name] for r in rows]
+        errors = [[max(0.0, r[name] - r[f"{name}_ci_low"]) for r in rows], [max(0.0, r[f"{name}_ci_high"] - r[name]) for r in rows]]
+        ax.bar([x + offset for x in range(len(rows))], values, width=0.4, yerr=errors, capsize=3, color=shade, label=name)
+    ax.set_xticks(range(len(rows)), [r["task"] for r in rows], rotation=20, ha="right", fontsize=8)
+    ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -4,7 +4,8 @@ Each run is a fresh ``python -I -S`` process in its own session, confined before
 line: resource limits, a fresh uid when the grader is root, a private tmpfs root and no network where
 namespaces are allowed (docs/architecture.md, "Rewards and the sandbox": each layer, its fallback).
 ``SandboxResult.isolation`` lists the layers a run actually had. Tests are ``(stdin, expected stdout)``
-pairs; expected outputs never leave the grader.
+pairs; expected outputs never leave the grader. ``SandboxProcess`` is one such run for a caller that
+talks to it over pipes while it runs (``rlvr.function_tests``).
 """
 
 from __future__ import annotations
@@ -173,66 +174,113 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None, 
     ``use_namespaces=False`` skips the mount/network namespaces (to test the fallback, or on hosts
     that forbid them); the uid drop and resource limits still apply.
     """
-    limits = limits or SandboxLimits()
-    as_root = os.geteuid() == 0
-    uid = random.randrange(*_SANDBOX_UIDS) if as_root else None
-    workdir = tempfile.mkdtemp(prefix="rlvr-sandbox-")
-    status_read, status_write = os.pipe()
-    try:
-        code_path = os.path.join(workdir, "main.py")
-        with open(code_path, "w", encoding="utf-8", errors="replace") as f:
-            f.write(code)
-        root = os.path.join(workdir, "root")
-        os.mkdir(root, 0o700)
-        if uid is not None:
-            os.chown(root, uid, uid)
-        args = [
-            "-" if uid is None else str(uid),
-            "1" if use_namespaces else "0",
-            str(status_write),
-            code_path,
-            root,
-            str(math.ceil(limits.cpu_time_s)),
-            str(limits.memory_mb << 20),
-            str(limits.file_size_mb << 20),
-            str(limits.disk_mb),
-            str(limits.max_processes),
-            str(limits.max_open_files),
-            ",".join(_STDLIB_PRELOAD),
-        ]
-        with tempfile.TemporaryFile() as stdin_file, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            stdin_file.write(stdin.encode("utf-8", "replace"))
-            stdin_file.seek(0)
-            start = time.monotonic()
-            process = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", _CHILD, *args],
-                stdin=stdin_file,
-                stdout=out,
-                stderr=err,
-                cwd=workdir,
-                env=_child_env(),
-                start_new_session=True,
-                pass_fds=(status_write,),
-            )
-            os.close(status_write)
-            status_write = -1
+    process = SandboxProcess(code, stdin, limits, use_namespaces)
+    process.wait(process.limits.wall_time_s)
+    return process.finish()
+
+
+class SandboxProcess:
+    """One sandboxed run, started now: :func:`run_python` for callers that talk to it while it runs.
+
+    ``pass_fds`` are inherited by the child under the same numbers (pipes to the caller); ``preload``
+    names stdlib modules to import before the uid drop on top of the usual ones (fallback mode only).
+    :meth:`wait` for it, then :meth:`finish` (always: it kills what is left and removes its directory).
+    """
+
+    def __init__(
+        self,
+        code: str,
+        stdin: str = "",
+        limits: SandboxLimits | None = None,
+        use_namespaces: bool = True,
+        pass_fds: tuple[int, ...] = (),
+        preload: tuple[str, ...] = (),
+    ):
+        self.limits = limits = limits or SandboxLimits()
+        self.uid = random.randrange(*_SANDBOX_UIDS) if os.geteuid() == 0 else None
+        self.workdir = tempfile.mkdtemp(prefix="rlvr-sandbox-")
+        self._files, self._status_read, self._result, self.ended = [], -1, None, None
+        status_write = -1
+        try:
+            self._status_read, status_write = os.pipe()
+            code_path = os.path.join(self.workdir, "main.py")
+            with open(code_path, "w", encoding="utf-8", errors="replace") as f:
+                f.write(code)
+            root = os.path.join(self.workdir, "root")
+            os.mkdir(root, 0o700)
+            if self.uid is not None:
+                os.chown(root, self.uid, self.uid)
+            args = [
+                "-" if self.uid is None else str(self.uid),
+                "1" if use_namespaces else "0",
+                str(status_write),
+                code_path,
+                root,
+                str(math.ceil(limits.cpu_time_s)),
+                str(limits.memory_mb << 20),
+                str(limits.file_size_mb << 20),
+                str(limits.disk_mb),
+                str(limits.max_processes),
+                str(limits.max_open_files),
+                ",".join(dict.fromkeys(_STDLIB_PRELOAD + tuple(preload))),
+            ]
+            self._out, self._err = self._files = [tempfile.TemporaryFile() for _ in range(2)]
+            with tempfile.TemporaryFile() as stdin_file:  # closed here once the child holds it
+                stdin_file.write(stdin.encode("utf-8", "replace"))
+                stdin_file.seek(0)
+                self.started = time.monotonic()
+                self.process = subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-c", _CHILD, *args],
+                    stdin=stdin_file,
+                    stdout=self._out,
+                    stderr=self._err,
+                    cwd=self.workdir,
+                    env=_child_env(),
+                    start_new_session=True,
+                    pass_fds=(status_write, *pass_fds),
+                )
+        except BaseException:
+            self._release()
+            raise
+        finally:
+            if status_write >= 0:
+                os.close(status_write)
+
+    def wait(self, timeout_s: float | None) -> bool:
+        """Wait up to ``timeout_s`` for the child to end; whether it has."""
+        if self.ended is None:
             try:
-                returncode, timed_out = process.wait(timeout=limits.wall_time_s), False
+                self.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                _kill_group(process.pid)
-                returncode, timed_out = process.wait(), True
-            wall_time_s = time.monotonic() - start
-            _kill_group(process.pid)
-            if uid is not None and (timed_out or limits.max_processes > 1):
-                _kill_uid(uid)
-            stdout, stderr = (_read_back(f, limits.max_output_chars) for f in (out, err))
-        isolation = tuple(filter(None, os.read(status_read, 4096).decode().split(",")))
-    finally:
-        for fd in (status_read, status_write):
-            if fd >= 0:
-                os.close(fd)
-        shutil.rmtree(workdir, ignore_errors=True)
-    return SandboxResult(stdout=stdout, stderr=stderr, returncode=returncode, timed_out=timed_out, wall_time_s=wall_time_s, isolation=isolation)
+                return False
+            self.ended = time.monotonic()
+        return True
+
+    def finish(self) -> SandboxResult:
+        """Kill the child and what it started if still running (then ``timed_out``); its result. Idempotent."""
+        if self._result is not None:
+            return self._result
+        try:
+            timed_out = self.process.poll() is None and self.ended is None
+            _kill_group(self.process.pid)
+            returncode = self.process.wait()
+            wall_time_s = (self.ended or time.monotonic()) - self.started
+            if self.uid is not None and (timed_out or self.limits.max_processes > 1):
+                _kill_uid(self.uid)
+            stdout, stderr = (_read_back(f, self.limits.max_output_chars) for f in (self._out, self._err))
+            isolation = tuple(filter(None, os.read(self._status_read, 4096).decode().split(",")))
+            self._result = SandboxResult(stdout=stdout, stderr=stderr, returncode=returncode, timed_out=timed_out, wall_time_s=wall_time_s, isolation=isolation)
+        finally:
+            self._release()
+        return self._result
+
+    def _release(self) -> None:
+        for file in self._files:
+            file.close()
+        if self._status_read >= 0:
+            os.close(self._status_read)
+            self._status_read = -1
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
 
 def _child_env() -> dict[str, str]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 DEFAULT_GSM8K_DIR = Path(__file__).resolve().parent / "data" / "gsm8k"  # the official files, shipped in the package
 LAUNCHERS = ("local", "k8s")
+DEFAULT_TASKS = ("gsm8k", "humaneval", "math", "reasoning_gym:basic_arithmetic", "reasoning_gym:spell_backward")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,12 @@ class Settings:
             if not (os.environ.get("RLVR_HOME") or os.environ.get("RLVR_TRAFFIC_DIR")):
                 raise ValueError("set RLVR_HOME (or RLVR_TRAFFIC_DIR) to an absolute path: where the traffic logs go")
         return cls(Path(os.environ.get("RLVR_HOME", ".rlvr")).expanduser().resolve())
+
+    @property
+    def tasks(self) -> list[str]:
+        """The tasks the UI offers as partitions (``RLVR_TASKS``, comma-separated; GSM8k always first)."""
+        named = [name.strip() for name in os.environ.get("RLVR_TASKS", ",".join(DEFAULT_TASKS)).split(",") if name.strip()]
+        return ["gsm8k", *dict.fromkeys(name for name in named if name != "gsm8k")]
 
     @property
     def dagster_home(self) -> Path:

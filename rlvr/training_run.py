@@ -21,6 +21,8 @@ from rlvr.policy import load_policy, write_environment
 from rlvr.process_lifetime import die_with_parent
 from rlvr.prompts import system_prompt_for
 from rlvr.rewards import RewardPool
+from rlvr.tasks import TaskMixture, get_task
+from rlvr.tasks.mixture import mixture_sampling, training_records
 
 REWARD_WORKERS = 2
 
@@ -52,6 +54,7 @@ def train_grpo(
     on_step: Callable[[int, dict, list[dict]], None] | None = None,
     records_per_rank: bool = False,
     environment: Any = None,
+    tasks: Mapping[str, float] | None = None,
 ) -> TrainedPolicy:
     """Train the checkpoint at ``start`` with GRPO on problem ``rows`` (question + reference fields),
     rewarded by the weighted ``rewards``; resumes from the latest checkpoint in ``checkpoint_dir``.
@@ -59,15 +62,19 @@ def train_grpo(
     instructions join the system prompt and it is recorded with the exported checkpoint.
 
     ``on_step`` runs on rank 0 with every rank's records, or with ``records_per_rank`` on every
-    rank with its own (each rank then writes its rows itself)."""
+    rank with its own (each rank then writes its rows itself). ``tasks`` (task name -> weight) trains on
+    a mixture: rows name their task, each group is one task's, each task rewarded by its own rewards."""
     model, tokenizer = load_policy(start, device)  # float32 master weights (GRPOConfig.compute_dtype: mixed precision)
     if environment is not None:
         config = replace(config, sampling=replace(config.sampling, environment=environment))
-    problems = gsm8k_prompts(rows, tokenizer, system_prompt_for(environment))
+    if tasks:
+        config = replace(config, sampling=replace(config.sampling, **mixture_sampling(list(tasks))))
+        problems = TaskMixture(training_records(rows, tokenizer, environment), tasks)
+    else:
+        problems = gsm8k_prompts(rows, tokenizer, system_prompt_for(environment))
     with RewardPool(workers=REWARD_WORKERS) as pool:
-        trainer = GRPOTrainer(
-            model, tokenizer, config, pool.reward_fn(rewards), checkpoint_dir=checkpoint_dir, on_step=on_step, records_per_rank=records_per_rank
-        )
+        reward_fn = pool.reward_fn_by_task({name: get_task(name).rewards for name in tasks}) if tasks else pool.reward_fn(rewards)
+        trainer = GRPOTrainer(model, tokenizer, config, reward_fn, checkpoint_dir=checkpoint_dir, on_step=on_step, records_per_rank=records_per_rank)
         history = trainer.train(problems)
     return TrainedPolicy(trainer.policy, tokenizer, history, trainer.step_count, environment)
 
@@ -103,6 +110,7 @@ def training_tables(records: list[dict], run_id: str, weights: Mapping[str, floa
                 "completion_id": completion_id,
                 "step": r["step"],
                 "problem_id": r["problem_id"],
+                "task": r.get("task") or "gsm8k",  # the single-task path trains GSM8k rows
                 "group_index": r["group_index"],
                 "sample_index": r["sample_index"],
                 "temperature": r["temperature"],
@@ -138,6 +146,7 @@ def training_tables(records: list[dict], run_id: str, weights: Mapping[str, floa
                     "run_id": run_id,
                     "completion_id": completion_id,
                     "step": r["step"],
+                    "task": r.get("task") or "gsm8k",  # the single-task path trains GSM8k rows
                     "reward_name": name,
                     "value": value,
                     "weight": weights.get(name, 1.0),

@@ -2,8 +2,6 @@
 
 import pandas as pd
 from dagster import (
-    AssetCheckResult,
-    AssetCheckSeverity,
     AssetCheckSpec,
     AssetExecutionContext,
     Failure,
@@ -16,6 +14,9 @@ from resources import WRITER_POOL, Warehouse, config_from
 from rlvr import gsm8k
 from rlvr.plots import histogram_markdown
 from rlvr.problem_source import ProblemSource, load_problems
+from rlvr.tasks import GSM8K
+from rlvr.tasks.gsm8k_task import gsm8k_task_problem
+from rlvr_assets.checks import blocking_checks
 
 CHECKS = {
     "row_counts": "Rows per split match the source (7,473 train / 1,319 test for full GSM8k).",
@@ -39,7 +40,8 @@ class GSM8kSourceConfig(config_from(ProblemSource)):
 )
 def gsm8k_problems(context: AssetExecutionContext, config: GSM8kSourceConfig, duckdb: Warehouse):
     """GSM8k problems, one row per problem: id, split, question, reference solution, normalized
-    final answer (text and number), reasoning-step count, source and content hash.
+    final answer (text and number), reasoning-step count, source and content hash; as every task's
+    problems, also its ``task`` (``gsm8k``) and the ``reference`` its rewards grade against (JSON).
 
     The table is validated before it is written and replaced in one transaction: a failed check or
     a bad source leaves the previous table untouched.
@@ -48,23 +50,8 @@ def gsm8k_problems(context: AssetExecutionContext, config: GSM8kSourceConfig, du
         problems, expected = load_problems(config.to_core())
     except gsm8k.DataSourceError as err:
         raise Failure(description=f"gsm8k_problems: {err}") from None
-    outcomes = gsm8k.validate_problems(problems, expected)
-    results = [
-        AssetCheckResult(
-            check_name=o.name,
-            passed=o.passed,
-            severity=AssetCheckSeverity.ERROR,
-            description=o.description,
-            metadata=o.metadata,
-        )
-        for o in outcomes
-    ]
-    failed = [o for o in outcomes if not o.passed]
-    if failed:
-        for result in results:
-            yield result
-        raise Failure(description="gsm8k_problems failed its checks, the previous table was kept: " + "; ".join(f"{o.name}: {o.description}" for o in failed))
-    frame = pd.DataFrame([p.as_row() for p in problems])
+    results = yield from blocking_checks(gsm8k.validate_problems(problems, expected), "gsm8k_problems")
+    frame = pd.DataFrame([{**p.as_row(), "task": GSM8K.name, "reference": gsm8k_task_problem(p).as_row()["reference"]} for p in problems])
     duckdb.replace_tables({"gsm8k_problems": frame})
     counts = frame.groupby("split").size().to_dict()
     context.log.info(f"gsm8k_problems: {counts} from source {config.source!r}")

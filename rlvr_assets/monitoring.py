@@ -10,7 +10,7 @@ import numpy as np
 from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
 from pydantic import Field
 
-from resources import WRITER_POOL, Settings, Warehouse, config_from
+from resources import WRITER_POOL, ModelStore, Settings, Warehouse, config_from
 from rlvr import plots
 from rlvr.drift import DriftThresholds, history_curves, traffic_drift
 from rlvr.embeddings import embed_texts
@@ -100,7 +100,7 @@ class DriftConfig(config_from(DriftThresholds)):
     partitions_def=traffic_days,
     pool=WRITER_POOL,
 )
-def drift_report(context: AssetExecutionContext, config: DriftConfig, duckdb: Warehouse) -> MaterializeResult:
+def drift_report(context: AssetExecutionContext, config: DriftConfig, duckdb: Warehouse, model_store: ModelStore) -> MaterializeResult:
     """Drift of the day's last ``window`` requests from the training reference. Inputs: PSI and KS of prompt
     features against train questions, and embedding distance (MMD, mean cosine). Outputs against
     the served policy's last evaluation: format compliance, completion length, verified reward
@@ -112,8 +112,9 @@ def drift_report(context: AssetExecutionContext, config: DriftConfig, duckdb: Wa
             metadata={"drifted": False, "requests": len(current), "status": f"insufficient traffic: {len(current)} < {config.min_requests} requests"}
         )
     served = next(iter(current["model_version"].mode()), None)  # the policy most of the window was served by
+    trained = model_store.get("grpo_checkpoint", served) if served else None  # its training mixture is the input reference
     report = traffic_drift(
-        duckdb.reference_questions(config.reference_size),
+        duckdb.reference_questions(config.reference_size, trained.manifest.get("tasks") if trained else None),
         current,
         previous,
         duckdb.latest_evaluation(served),

@@ -1,9 +1,9 @@
-"""Partitions where the data is partitioned: serving traffic by UTC day, evaluations by policy version."""
+"""Partitions where the data is partitioned: serving traffic by UTC day, evaluations by policy version, tasks by name."""
 
 from datetime import date, datetime, timedelta, timezone
 from pathlib import Path
 
-from dagster import DailyPartitionsDefinition, DynamicPartitionsDefinition
+from dagster import DailyPartitionsDefinition, DynamicPartitionsDefinition, MultiPartitionsDefinition, StaticPartitionsDefinition
 
 from resources import Settings
 from rlvr.traffic import FILE_PREFIX, FILE_SUFFIX, file_day
@@ -48,3 +48,11 @@ def parse_policy_key(key: str) -> tuple[str, str]:
 def add_policy_version(instance, name: str, version: str) -> None:
     """Give a newly stored policy its ``policy_versions`` partition (its evaluation can then run)."""
     instance.add_dynamic_partitions(policy_versions.name, [policy_key(name, version)])  # a known key is left as it is
+
+
+# One partition per task the UI offers (``RLVR_TASKS``; rlvr.settings): each task's problems, and its
+# evaluations of each stored policy (task x policy version: the base-vs-trained matrix).
+TASKS = Settings.from_env().tasks
+task_names = StaticPartitionsDefinition(TASKS)
+problem_tasks = StaticPartitionsDefinition([name for name in TASKS if name != "gsm8k"])  # GSM8k's problems: gsm8k_problems
+task_policy_versions = MultiPartitionsDefinition({"task": task_names, "policy": policy_versions})

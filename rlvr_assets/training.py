@@ -7,7 +7,7 @@ are produced by one step (a multi-asset) while the graph still reads rollouts ->
 import functools
 import json
 from dataclasses import asdict
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from dagster import AssetExecutionContext, AssetSpec, Config, DagsterInstance, Failure, MaterializeResult, MetadataValue, multi_asset
 from pydantic import Field
@@ -31,6 +31,7 @@ from rlvr.grpo import GRPOConfig
 from rlvr.grpo.profiles import PROFILES, build_config
 from rlvr.policy import environment_spec, stored_environment
 from rlvr.rewards import DEFAULT_GSM8K_REWARD, CompositeReward
+from rlvr.tasks import TaskError, TaskMixture, get_task, normalized_text_hash
 from rlvr.training_run import problems_hash, sample_completions
 from rlvr_assets.metadata import metrics_table, percent, rounded
 from rlvr_assets.partitions import add_policy_version
@@ -73,6 +74,11 @@ class GRPORunConfig(Config):
     sample_completions: int = Field(default=64, description="completions logged to MLflow as a table")
     nproc: str = Field(default="1", description="training processes under torchrun: 'auto' (one per visible GPU, else 1) or an integer (CPU processes too)")
     restart: bool = Field(default=False, description="drop this run's resume points first (needed to re-execute it with another nproc)")
+    tasks: Optional[dict[str, float]] = Field(
+        default=None,
+        description="train on a task mixture, task name -> weight, e.g. {gsm8k: 0.5, 'reasoning_gym:basic_arithmetic': 0.5}: each group from one "
+        "task drawn by weight, each task rewarded by its own rewards (``rewards`` is then unused); unset: GSM8k with ``rewards``",
+    )
     environment: Optional[EnvironmentConfig] = Field(
         default=None,
         description="where rollouts happen, e.g. {name: calculator, max_calls: 8}; unset: the start policy's own (single_turn for the base policy). "
@@ -131,23 +137,24 @@ def grpo_training(
 ):
     """Train the base policy with GRPO on the train split, in a torchrun job launched through Dagster
     Pipes (``nproc`` processes); resumable from its last checkpoint when the Dagster run is re-executed."""
+    run_id = untrained_run_id(context, model_store)  # the root run's: every re-execution trains (and resumes) the same run
     try:
         grpo_config, nproc, env_spec = config.grpo_config(), launcher.processes(config.nproc), config.environment_spec()
     except (ValueError, TypeError) as err:
         raise Failure(description=f"grpo_training: bad run config: {err}") from None
-    base = model_store.require("base_policy")
-    start = start_policy(config.init_from, base, model_store, mlflow)
+    start = start_policy(config.init_from, base := model_store.require("base_policy"), model_store, mlflow)
     env_spec = env_spec or stored_environment(start.path)  # unset: the start policy's own
-    rows, run_id = duckdb.problems(config.split, config.limit), context.run.root_run_id or context.run.run_id
+    rows = training_rows(context, config, duckdb)
     lineage = {"base_policy_version": base.version, "parent_version": start.version, "parent_name": start.name, "data_hash": problems_hash(rows)}
     tags = {"rlvr.kind": "training", TRAINING_RUN_TAG: run_id, "dagster.run_id": context.run.run_id, "rlvr.init_from": config.init_from}
     tags |= {"rlvr.profile": config.profile, "rlvr.nproc": str(nproc), "rlvr.environment": env_spec["name"], **{f"rlvr.{k}": v for k, v in lineage.items()}}
     work_dir, device = f"grpo-runs/{run_id}", str(compute.torch_device()) if nproc == 1 else None  # work_dir: resume points, rows, export
-    job = TrainingJob(run_id, start.path, rows, grpo_config, config.rewards, model_store.work_dir(work_dir), device, env_spec)
+    rewards = mixture_rewards(config.tasks) if config.tasks else config.rewards
+    job = TrainingJob(run_id, start.path, rows, grpo_config, rewards, model_store.work_dir(work_dir), device, env_spec, config.tasks)
     for ended in mlflow.end_abandoned_runs(TRAINING_RUN_TAG, run_id, functools.partial(run_ended, context.instance)):  # killed before it could
         context.log.warning(f"MLflow run {ended} of an earlier attempt of this run, whose Dagster run has ended, was left RUNNING: marked KILLED")
     with mlflow.start_run(run_name("grpo", None, context.run.run_id), tags) as run:  # named by its policy version once stored
-        run.log_params(flat_params({"grpo": asdict(grpo_config), "rewards": config.rewards, "nproc": nproc, "environment": env_spec}))
+        run.log_params(flat_params({"grpo": asdict(grpo_config), "rewards": rewards, "nproc": nproc, "environment": env_spec, "tasks": config.tasks or {}}))
         try:  # each step's metrics reach MLflow as it ends; a resumed run's curve starts with the earlier attempts' steps
             history = launcher.train(context, job, nproc, restart=config.restart, on_step=lambda step, metrics: run.log_metrics(metrics, step=step))
         finally:  # one writer: every rank's rows, also those of a failed run's finished steps (keyed: no duplicates)
@@ -161,13 +168,14 @@ def grpo_training(
                 **lineage,
                 "data_source": rows[0]["source"],
                 "training_config": asdict(grpo_config),
-                "rewards": config.rewards,
+                "rewards": rewards,
+                "tasks": config.tasks or {"gsm8k": 1.0},
                 "environment": env_spec,
                 "steps": grpo_config.total_steps,
                 "nproc": nproc,
                 "final_metrics": history[-1][1] if history else {},
                 "mlflow_run_id": run.run_id,
-                "dagster_run_id": context.run.run_id,
+                **{"dagster_run_id": context.run.run_id, "root_run_id": run_id},
             },
         )
         run.log_policy(stored.path, {POLICY_VERSION_TAG: stored.version})  # the MLflow model the registry registers
@@ -177,7 +185,39 @@ def grpo_training(
     model_store.remove_work_dir(work_dir)
     add_policy_version(context.instance, "grpo_checkpoint", stored.version)
 
-    yield from materializations(duckdb, run_id, config.rewards, stored, base, grpo_config, nproc, mlflow.links().run(run.run_id), history, env_spec)
+    yield from materializations(duckdb, run_id, rewards, stored, base, grpo_config, nproc, mlflow.links().run(run.run_id), history, env_spec)
+
+
+def checkpoint_of_run(model_store: ModelStore, run_id: str, root_of: Callable[[str], str | None]) -> StoredModel | None:
+    """The ``grpo_checkpoint`` an attempt of the run whose root run is ``run_id`` already stored, or None:
+    by the manifest's ``root_run_id``, else (older manifests) the root run of its ``dagster_run_id``."""
+    for stored in reversed(model_store.versions("grpo_checkpoint")):
+        manifest = stored.manifest
+        root = manifest.get("root_run_id") or (root_of(manifest["dagster_run_id"]) if manifest.get("dagster_run_id") else None)
+        if root == run_id:
+            return stored
+    return None
+
+
+def untrained_run_id(context: AssetExecutionContext, model_store: ModelStore) -> str:
+    """This run's training run id (its root run's id), or a Failure naming the checkpoint an attempt of it already stored."""
+    run_id = context.run.root_run_id or context.run.run_id
+    if (done := checkpoint_of_run(model_store, run_id, functools.partial(root_run_of, context.instance))) is not None:
+        raise Failure(description=already_trained(done, run_id), allow_retries=False)
+    return run_id
+
+
+def root_run_of(instance: DagsterInstance, dagster_run_id: str) -> str | None:
+    run = instance.get_run_by_id(dagster_run_id)
+    return (run.root_run_id or run.run_id) if run is not None else None
+
+
+def already_trained(stored: StoredModel, run_id: str) -> str:
+    return (
+        f"grpo_training: run {stored.manifest.get('dagster_run_id')} (of root run {run_id}) already completed this training and stored "
+        f"grpo_checkpoint {stored.version} ({stored.path}); this re-execution trains nothing. Its rows are in the warehouse under run_id "
+        f"{run_id}; launch a new run (not a re-execution) to train again."
+    )
 
 
 def materializations(
@@ -244,6 +284,41 @@ def tool_use_metadata(summary: dict, completions: int, table: str) -> dict:
         "tool call errors (%)": percent(summary["tool_errors"] / calls) if calls else 0.0,
         "tool_calls_table": table,
     }
+
+
+def training_rows(context: AssetExecutionContext, config: GRPORunConfig, duckdb: Warehouse) -> list[dict]:
+    """The problems a run trains on: GSM8k's split, or each task's of a mixture. A test split or a test-set
+    task is refused; a problem whose question is in any task's held-out split is dropped (and counted)."""
+    if config.split == "test":
+        raise Failure(description="grpo_training: split 'test' is held out for evaluation and never feeds training")
+    if not config.tasks:
+        return duckdb.problems(config.split, config.limit)
+    try:
+        tasks = [get_task(name) for name in config.tasks]
+        TaskMixture([{"task": t.name} for t in tasks], config.tasks)  # weights checked before any work
+    except TaskError as err:
+        raise Failure(description=f"grpo_training: bad run config: {err}") from None
+    held_out = [t.name for t in tasks if t.eval_only]
+    if held_out:
+        raise Failure(description=f"grpo_training: {held_out} are test sets (evaluation only) and cannot be trained on")
+    rows = [row for task in tasks for row in duckdb.task_problems(task.name, config.split, config.limit)]
+    held_out_questions = duckdb.held_out_question_hashes()
+    kept = [row for row in rows if normalized_text_hash(row["question"]) not in held_out_questions]
+    if len(kept) < len(rows):
+        context.log.warning(f"grpo_training: {len(rows) - len(kept)} training problems also appear in a task's held-out split: left out")
+    for task in tasks:
+        if not any(row["task"] == task.name for row in kept):
+            raise Failure(description=f"grpo_training: task {task.name!r} has no training problems left after removing held-out questions")
+    return kept
+
+
+def mixture_rewards(tasks: dict[str, float]) -> dict[str, float]:
+    """Every reward a mixture's tasks use, with its weight in the first task that has it (the rewards rows' ``weight``)."""
+    rewards: dict[str, float] = {}
+    for name in tasks:
+        for reward, weight in get_task(name).rewards.items():
+            rewards.setdefault(reward, weight)
+    return rewards
 
 
 def run_ended(instance: DagsterInstance, dagster_run_id: str) -> bool:

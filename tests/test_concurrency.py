@@ -19,7 +19,17 @@ from rlvr_assets.definitions import defs
 from support.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
-WRITERS = {"gsm8k_problems", "baseline_eval", "eval_report", "policy_evaluation", "serving_traffic", "drift_report"}
+WRITERS = {
+    "gsm8k_problems",
+    "baseline_eval",
+    "eval_report",
+    "policy_evaluation",
+    "serving_traffic",
+    "drift_report",
+    "task_problems",
+    "task_evaluation",
+    "cross_task_report",
+}
 
 # Materializes gsm8k_problems alone (no run tag: a single-asset materialization) on the instance in argv[1];
 # with argv[4], its write first says it is in the step (argv[4]) and waits for argv[4].release.

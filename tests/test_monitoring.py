@@ -9,7 +9,7 @@ import duckdb
 import pytest
 from dagster import DagsterInstance, RunRequest, SensorResult, SkipReason, build_sensor_context, materialize
 
-from resources import CHAMPION, MLflowResource, Warehouse
+from resources import CHAMPION, MLflowResource, ModelStore, Upsert, Warehouse
 from rlvr.traffic import TrafficLog
 from rlvr_assets import data, monitoring
 from sensors import drift_sensor, traffic_sensor
@@ -65,7 +65,7 @@ def env(tmp_path, gsm8k_dir, monkeypatch):
     monkeypatch.setenv("RLVR_HOME", str(tmp_path))
     traffic = tmp_path / "traffic"
     mlflow = MLflowResource(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_location=str(tmp_path / "mlartifacts"))
-    resources = {"duckdb": Warehouse(database=str(tmp_path / "rlvr.duckdb")), "mlflow": mlflow}
+    resources = {"duckdb": Warehouse(database=str(tmp_path / "rlvr.duckdb")), "mlflow": mlflow, "model_store": ModelStore(root=str(tmp_path / "models"))}
     with DagsterInstance.ephemeral() as instance:
         assert materialize(
             [data.gsm8k_problems],
@@ -202,8 +202,10 @@ def test_each_day_is_its_own_partition_and_a_backfill_rebuilds_one(env):
     assert count_rows(env) == 120  # only that day's files were read
     clean = ingest_and_report(env, day=DAY)
     assert clean["drifted"] is False and clean["requests"] == 120 and count_rows(env) == 240
-    with duckdb.connect(str(env["db"])) as conn:  # a day's rows damaged: a backfill with reread restores them
-        conn.execute(f"UPDATE serving_traffic SET well_formed = NULL WHERE starts_with(source_file, 'traffic-{DAY.replace('-', '')}T')")
+    warehouse = env["resources"]["duckdb"]  # a day's rows damaged: a backfill with reread restores them
+    damaged = warehouse.query(f"SELECT * FROM serving_traffic WHERE starts_with(source_file, 'traffic-{DAY.replace('-', '')}T')")
+    warehouse.write(Upsert("serving_traffic", damaged.assign(well_formed=None), "record_id"))
+    assert count_rows(env) == 240 and warehouse.query("SELECT count(well_formed) AS n FROM serving_traffic")["n"].iloc[0] == 120
     config = {"ops": {"serving_traffic": {"config": {"folder": str(env["traffic"]), "reread": True}}}}
     rebuilt = materialize([monitoring.serving_traffic], resources=env["resources"], run_config=config, instance=env["instance"], partition_key=DAY)
     assert rebuilt.asset_materializations_for_node("serving_traffic")[0].metadata["new_rows"].value == 120

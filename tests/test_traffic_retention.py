@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from dagster import DagsterInstance, build_sensor_context, materialize
 
-from resources import Upsert, Warehouse
+from resources import ModelStore, Upsert, Warehouse
 from resources.warehouse import Delete
 from rlvr.traffic import RETENTION_DAYS_ENV, TrafficLog, delete_expired_files, file_day, first_kept_day
 from rlvr_assets import monitoring
@@ -52,7 +52,7 @@ def monitor(env, day: str, raise_on_error: bool = True, **traffic_config):
     }
     result = materialize(
         [monitoring.serving_traffic, monitoring.drift_report],
-        resources={"duckdb": env["duckdb"]},
+        resources={"duckdb": env["duckdb"], "model_store": ModelStore(root=str(env["traffic"].parent / "models"))},
         run_config=config,
         instance=env["instance"],
         partition_key=day,

@@ -20,8 +20,9 @@ from rlvr.evaluation.estimators import maj_at_k, majority_vote, pass_at_k_per_pr
 from rlvr.evaluation.intervals import accuracy_by_group, bootstrap_ci
 from rlvr.evaluation.significance import mcnemar_test, paired_bootstrap
 from rlvr.generation import SamplingConfig, stream_rollouts
-from rlvr.prompts import render_prompt, system_prompt_for
+from rlvr.prompts import render_messages, render_prompt, system_prompt_for, with_instructions
 from rlvr.rewards import DEFAULT_GSM8K_REWARD, RewardPool
+from rlvr.tasks.base import problem_record
 
 
 @dataclass
@@ -52,49 +53,24 @@ def evaluate_policy(
     config: EvalConfig,
     progress: Callable[[int, int], None] | None = None,
     environment: Any = None,
+    task: Any = None,
 ) -> list[dict]:
     """One result dict per problem (problems need ``problem_id``, ``question``, ``answer_value``).
 
     ``progress(done, total)`` is called after each decoded chunk, counting completions.
     ``environment``: the policy's (None: single-turn); its instructions join the system prompt.
+    ``task`` (``rlvr.tasks``; None: GSM8k) other than GSM8k is graded by :func:`evaluate_task`.
     """
+    if task is not None and task.name != "gsm8k":
+        return evaluate_task(model, tokenizer, task, problems, config, progress, environment)
     if not problems:
         raise ValueError("no problems to evaluate")
     system_prompt = system_prompt_for(environment)
-    prompts = [render_prompt(tokenizer, p["question"], system_prompt) for p in problems]
-    environment_name = environment.name if environment is not None else "single_turn"
-    total = len(problems) * (1 + config.num_samples)
-    done = 0
-
-    def decode(num_samples: int, temperature: float) -> tuple[list[str], list[str], list[int], list[list]]:
-        nonlocal done
-        sampling = SamplingConfig(
-            max_new_tokens=config.max_new_tokens,
-            temperatures=[temperature],
-            top_p=config.top_p,
-            seed=config.seed,
-            max_batch_rows=config.batch_rows,
-            environment=environment,
-        )
-        texts, reasons, lengths, calls = [], [], [], []
-        for chunk in stream_rollouts(model, tokenizer, prompts, num_samples, sampling):
-            texts += chunk.texts
-            reasons += chunk.finish_reasons
-            lengths += chunk.completion_lengths.tolist()
-            calls += chunk.tool_calls
-            done += len(chunk)
-            if progress:
-                progress(done, total)
-        return texts, reasons, lengths, calls
-
-    greedy_texts, greedy_reasons, greedy_lengths, greedy_calls = decode(1, 0.0)
+    decoder = _Decoder(model, tokenizer, [render_prompt(tokenizer, p["question"], system_prompt) for p in problems], config, environment, progress)
+    greedy = decoder.decode(1, 0.0)
     with RewardPool(workers=2) as pool:
-        scored = pool.score_batch(config.reward_weights, greedy_texts, problems)
-    samples: list[list[str]] = [[] for _ in problems]
-    if config.num_samples:
-        sampled_texts, _, _, _ = decode(config.num_samples, config.sample_temperature)
-        for i, text in enumerate(sampled_texts):
-            samples[i // config.num_samples].append(text)
+        scored = pool.score_batch(config.reward_weights, greedy.texts, problems)
+    samples = decoder.decode(config.num_samples, config.sample_temperature).per_problem() if config.num_samples else [[] for _ in problems]
 
     results = []
     for i, problem in enumerate(problems):
@@ -102,20 +78,125 @@ def evaluate_policy(
         row = {
             "problem_id": problem["problem_id"],
             "num_steps": problem.get("num_steps"),
-            **grade_completion(greedy_texts[i], gold),
-            **grade_lm_eval(greedy_texts[i], str(problem.get("answer_text") or format_number(gold))),
-            "completion_tokens": int(greedy_lengths[i]),
-            "finish_reason": greedy_reasons[i],
-            "truncated": greedy_reasons[i] == "length",
-            "environment": environment_name,
-            "tool_calls": len(greedy_calls[i]),
-            "tool_errors": sum(call.error is not None for call in greedy_calls[i]),
+            **grade_completion(greedy.texts[i], gold),
+            **grade_lm_eval(greedy.texts[i], str(problem.get("answer_text") or format_number(gold))),
+            **greedy.row(i, decoder.environment_name),
             **{f"reward_{name}": result.value for name, result in scored[i].items()},
         }
         if config.num_samples:
             row.update(grade_samples(samples[i], gold, config.ks))
         results.append(row)
     return results
+
+
+def evaluate_task(
+    model: Any,
+    tokenizer: Any,
+    task: Any,
+    problems: list[dict],
+    config: EvalConfig,
+    progress: Callable[[int, int], None] | None = None,
+    environment: Any = None,
+) -> list[dict]:
+    """One result dict per problem of ``task``, graded by the task's own rewards: ``correct_strict`` is
+    its binary ``correctness`` reward (``correct_flexible`` the same), ``score`` its partial credit,
+    ``well_formed`` its format reward; sampled completions count toward pass@k. A grader that failed
+    scores 0 with its error in ``grading_error``."""
+    if not problems:
+        raise ValueError("no problems to evaluate")
+    records = [problem_record(p) for p in problems]
+    prompts = [render_messages(tokenizer, with_instructions(task.messages(r), environment)) + task.completion_prefix for r in records]
+    sampling = {"stop_at_final_answer": task.stop_at_final_answer, "stop_strings": task.stop_strings}
+    decoder = _Decoder(model, tokenizer, prompts, config, environment, progress, sampling)
+    greedy = decoder.decode(1, 0.0)
+    weights = {**task.rewards, **{name: 0.0 for name in (task.partial_credit, task.format_reward) if name and name not in task.rewards}}
+    with RewardPool(workers=2) as pool:
+        scored = pool.score_batch(weights, greedy.texts, records)
+        sampled = decoder.decode(config.num_samples, config.sample_temperature) if config.num_samples else None
+        correct_samples = pool.score_batch({task.correctness: 1.0}, sampled.texts, [r for r in records for _ in range(config.num_samples)]) if sampled else []
+
+    results = []
+    for i, record in enumerate(records):
+        correct = scored[i][task.correctness].value >= 1.0
+        errors = [result.details["error"] for result in scored[i].values() if "error" in result.details]
+        row = {
+            "problem_id": record["problem_id"],
+            "task": task.name,
+            "num_steps": record.get("num_steps"),
+            "completion": greedy.texts[i],
+            "correct_strict": correct,
+            "correct_flexible": correct,
+            "well_formed": scored[i][task.format_reward].value >= 0.5 if task.format_reward else True,
+            "score": scored[i][task.partial_credit].value if task.partial_credit else float(correct),
+            "grading_error": "; ".join(errors) or None,
+            **greedy.row(i, decoder.environment_name),
+            **{f"reward_{name}": result.value for name, result in scored[i].items()},
+        }
+        if config.num_samples:
+            verdicts = [
+                scored_sample[task.correctness].value >= 1.0 for scored_sample in correct_samples[i * config.num_samples : (i + 1) * config.num_samples]
+            ]
+            row |= {"num_samples": config.num_samples, "num_correct_samples": int(sum(verdicts))}
+        results.append(row)
+    return results
+
+
+@dataclass
+class _Decoded:
+    """What one decoding pass produced, completion by completion (problem-major)."""
+
+    texts: list[str]
+    reasons: list[str]
+    lengths: list[int]
+    calls: list[list]
+    per_problem_count: int = 1
+
+    def row(self, i: int, environment_name: str) -> dict:
+        """The generation columns of completion ``i``: tokens, finish reason, tool use."""
+        return {
+            "completion_tokens": int(self.lengths[i]),
+            "finish_reason": self.reasons[i],
+            "truncated": self.reasons[i] == "length",
+            "environment": environment_name,
+            "tool_calls": len(self.calls[i]),
+            "tool_errors": sum(call.error is not None for call in self.calls[i]),
+        }
+
+    def per_problem(self) -> list[list[str]]:
+        n = self.per_problem_count
+        return [self.texts[i : i + n] for i in range(0, len(self.texts), n)]
+
+
+class _Decoder:
+    """Decodes the evaluation's prompts with the rollout engine, reporting progress over every pass."""
+
+    def __init__(self, model, tokenizer, prompts, config: EvalConfig, environment, progress, sampling: dict | None = None):
+        self.model, self.tokenizer, self.prompts, self.config, self.environment = model, tokenizer, prompts, config, environment
+        self.progress, self.sampling, self.done = progress, sampling or {}, 0
+        self.total = len(prompts) * (1 + config.num_samples)
+        self.environment_name = environment.name if environment is not None else "single_turn"
+
+    def decode(self, num_samples: int, temperature: float) -> _Decoded:
+        config = self.config
+        sampling = SamplingConfig(
+            max_new_tokens=config.max_new_tokens,
+            temperatures=[temperature],
+            top_p=config.top_p,
+            seed=config.seed,
+            max_batch_rows=config.batch_rows,
+            environment=self.environment,
+            **self.sampling,
+        )
+        decoded = _Decoded([], [], [], [], num_samples)
+        for chunk in stream_rollouts(self.model, self.tokenizer, self.prompts, num_samples, sampling):
+            decoded.texts += chunk.texts
+            decoded.reasons += chunk.finish_reasons
+            decoded.lengths += chunk.completion_lengths.tolist()
+            decoded.calls += chunk.tool_calls
+            self.done += len(chunk)
+            if self.progress:
+                self.progress(self.done, self.total)
+        return decoded
 
 
 def grade_completion(text: str, gold: float) -> dict:
@@ -166,6 +247,10 @@ def summarize(results: list[dict], config: EvalConfig) -> dict:
         low, high = bootstrap_ci(values, confidence=config.confidence, seed=config.seed)
         metrics[name] = float(values.mean())
         metrics[f"{name}_ci_low"], metrics[f"{name}_ci_high"] = low, high
+    if all(r.get("score") is not None and r["score"] == r["score"] for r in results):  # a task's partial credit
+        values = np.array([r["score"] for r in results], dtype=float)
+        metrics["mean_score"] = float(values.mean())
+        metrics["mean_score_ci_low"], metrics["mean_score_ci_high"] = bootstrap_ci(values, confidence=config.confidence, seed=config.seed)
     metrics["format_compliance"] = float(np.mean([r["well_formed"] for r in results]))
     metrics["truncation_rate"] = float(np.mean([r["truncated"] for r in results]))
     metrics["mean_completion_tokens"] = float(np.mean([r["completion_tokens"] for r in results]))
@@ -176,10 +261,13 @@ def summarize(results: list[dict], config: EvalConfig) -> dict:
     if config.num_samples:
         n = np.array([r["num_samples"] for r in results])
         c = np.array([r["num_correct_samples"] for r in results])
+        voted = all(r.get("vote_share") is not None for r in results)  # tasks without a final answer to vote on have no maj@k
         for k in config.ks:
             metrics[f"pass@{k}"] = float(pass_at_k_per_problem(n, c, k).mean())
-            metrics[f"maj@{k}"] = float(np.mean([r[f"maj_at_{k}"] for r in results]))
-        metrics["mean_vote_share"] = float(np.mean([r["vote_share"] for r in results]))
+            if voted:
+                metrics[f"maj@{k}"] = float(np.mean([r[f"maj_at_{k}"] for r in results]))
+        if voted:
+            metrics["mean_vote_share"] = float(np.mean([r["vote_share"] for r in results]))
     by_steps = accuracy_by_group([r["correct_strict"] for r in results], [r["num_steps"] or 0 for r in results], config.confidence)
     metrics["accuracy_by_steps"] = by_steps.to_dict(orient="records")
     return metrics

@@ -47,7 +47,7 @@ from .loss import (
     truncated_importance_weights,
     zero_variance_groups,
 )
-from .sampler import step_problems
+from .sampler import ProblemWalk
 from .scoring import CompletionScorer, completion_logprobs, pack_rows
 from .trainer_loop import TrainerLoop, float32_master_weights
 
@@ -121,17 +121,18 @@ class GRPOTrainer(TrainerLoop):
         """Train until ``config.total_steps``; a fresh trainer first resumes from the latest
         checkpoint when there is one.
 
-        ``problems`` are dicts with a rendered ``prompt`` and the reference fields the reward needs.
-        Returns the per-step metrics of this call.
+        ``problems`` are dicts with a rendered ``prompt`` and the reference fields the reward needs, or
+        a schedule with ``step_problems(step, n, seed)`` (``rlvr.tasks.TaskMixture``). Returns the
+        per-step metrics of this call.
         """
-        problems = list(problems)
+        schedule = problems if hasattr(problems, "step_problems") else ProblemWalk(problems)
         if resume and self.step_count == 0:
             self.resume()
         history = []
         while self.step_count < self.config.total_steps:
             step, n, seed = self.step_count, self.config.prompts_per_step, self.config.seed
-            batch = step_problems(problems, step, n, seed)
-            refill = partial(_refill_problems, problems, step, n, seed)
+            batch = schedule.step_problems(step, n, seed)
+            refill = partial(_refill_problems, schedule, step, n, seed)
             metrics, records = self.step(batch, refill)
             if self.on_step is not None and (self.dist.is_main or self.records_per_rank):
                 self.on_step(self.step_count, metrics, records)  # the step's rows before its resume point: a kill loses nothing
@@ -190,6 +191,8 @@ class GRPOTrainer(TrainerLoop):
             "tool_errors": [sum(call.error is not None for call in calls) for calls in rollouts.tool_calls],
             "finish": rollouts.finish_reasons,
             "zero_variance": zero_variance.tolist(),
+            "group_tasks": [problem.get("task") for problem in local],
+            "row_correct": [_correct(problem, per_reward, i) for i, problem in enumerate(problem_of_rows(rollouts, local))],
             "trained": int(trained.sum()),
             "groups": (kept_groups, len(local)),  # (trained on, generated)
         }
@@ -229,8 +232,7 @@ class GRPOTrainer(TrainerLoop):
                 copies[name].copy_(param)
 
     def _score(self, rollouts: Rollouts, problems: list[dict]) -> tuple[torch.Tensor, dict[str, list[float]]]:
-        problem_of_row = [problems[int(g)] for g in rollouts.group_index]
-        totals, per_reward = self.reward_fn(rollouts.texts, problem_of_row)
+        totals, per_reward = self.reward_fn(rollouts.texts, problem_of_rows(rollouts, problems))
         if len(totals) != len(rollouts):
             raise ValueError(f"reward_fn returned {len(totals)} rewards for {len(rollouts)} completions")
         return torch.tensor(totals, dtype=torch.float32), {k: list(map(float, v)) for k, v in per_reward.items()}
@@ -404,8 +406,10 @@ class GRPOTrainer(TrainerLoop):
         metrics["clip_frac"] = metrics["clip_frac_low"] + metrics["clip_frac_high"]
         for name in ranks[0]["per_reward"]:
             values = torch.tensor([v for rank in ranks for v in rank["per_reward"][name]])
-            metrics[f"reward_{name}_mean"] = values.mean().item()
-            metrics[f"reward_{name}_std"] = values.std().item() if len(values) > 1 else 0.0
+            values = values[~values.isnan()]  # a mixture's rows of tasks without this reward
+            if len(values):
+                metrics[f"reward_{name}_mean"] = values.mean().item()
+                metrics[f"reward_{name}_std"] = values.std().item() if len(values) > 1 else 0.0
         metrics |= {
             "frac_zero_variance_groups": sum(zero_variance) / len(zero_variance),
             "groups_generated": sum(rank["groups"][1] for rank in ranks),
@@ -419,6 +423,7 @@ class GRPOTrainer(TrainerLoop):
             "step_time_s": wall,
             **timing,
         }
+        metrics |= per_task_metrics(ranks, self.config.group_size)
         calls = sum(n for rank in ranks for n in rank["tool_calls"])
         if calls:
             metrics["tool_calls_mean"] = calls / len(lengths)  # per completion
@@ -446,6 +451,7 @@ class GRPOTrainer(TrainerLoop):
                     "policy_version": self.step_count - 1,  # updates applied to the policy that sampled this
                     "rank": self.dist.rank,
                     "problem_id": problem.get("problem_id", problem.get("id")),
+                    "task": problem.get("task"),
                     "group_index": group_ids[int(rollouts.group_index[i])],
                     "sample_index": int(rollouts.sample_index[i]),
                     "temperature": float(rollouts.temperatures[i]),
@@ -458,7 +464,7 @@ class GRPOTrainer(TrainerLoop):
                     "tool_calls": [call.as_dict() for call in rollouts.tool_calls[i]],
                     "finish_reason": rollouts.finish_reasons[i],
                     "reward": float(rewards[i]),
-                    "rewards": {name: values[i] for name, values in per_reward.items()},
+                    "rewards": {name: values[i] for name, values in per_reward.items() if values[i] == values[i]},  # NaN: not this task's reward
                     "advantage": float(advantages[i]),
                     "trained": bool(trained[i]),
                 }
@@ -466,9 +472,48 @@ class GRPOTrainer(TrainerLoop):
         return records
 
 
-def _refill_problems(problems: list[dict], step: int, prompts_per_step: int, seed: int, round_: int) -> list[dict]:
+def problem_of_rows(rollouts: Rollouts, problems: list[dict]) -> list[dict]:
+    """The problem each completion answers (its group's)."""
+    return [problems[int(g)] for g in rollouts.group_index]
+
+
+def _correct(problem: dict, per_reward: dict[str, list[float]], row: int) -> float:
+    """The row's correctness (its task's ``correctness`` reward), NaN where the problem names none."""
+    values = per_reward.get(problem.get("correctness") or "")
+    return float(values[row]) if values is not None else float("nan")
+
+
+def per_task_metrics(ranks: list[dict], group_size: int) -> dict:
+    """Per task (problems that name one): reward mean, accuracy, zero-advantage fraction, response length,
+    groups; keys ``task/<name>/<metric>``. Empty when no problem names its task."""
+    rows: dict[str, dict[str, list]] = {}
+    for rank in ranks:
+        for g, task in enumerate(rank["group_tasks"]):
+            if task is None:
+                continue
+            found = rows.setdefault(task, {"rewards": [], "correct": [], "lengths": [], "zero_variance": []})
+            span = slice(g * group_size, (g + 1) * group_size)
+            found["rewards"] += rank["rewards"][span]
+            found["correct"] += rank["row_correct"][span]
+            found["lengths"] += rank["lengths"][span]
+            found["zero_variance"].append(rank["zero_variance"][g])
+    metrics = {}
+    for task, found in sorted(rows.items()):
+        correct = torch.tensor(found["correct"], dtype=torch.float64)
+        metrics |= {
+            f"task/{task}/groups": len(found["zero_variance"]),
+            f"task/{task}/reward_mean": float(torch.tensor(found["rewards"]).mean()),
+            f"task/{task}/frac_zero_variance_groups": sum(found["zero_variance"]) / len(found["zero_variance"]),
+            f"task/{task}/completion_len_mean": float(torch.tensor(found["lengths"], dtype=torch.float32).mean()),
+        }
+        if not correct.isnan().all():
+            metrics[f"task/{task}/accuracy"] = float(correct.nanmean())
+    return metrics
+
+
+def _refill_problems(schedule: Any, step: int, prompts_per_step: int, seed: int, round_: int) -> list[dict]:
     """The problems that refill step ``step``'s groups without signal in dynamic-sampling round ``round_``."""
-    return step_problems(problems, step, prompts_per_step, derive_seed(seed, _REFILL, round_))
+    return schedule.step_problems(step, prompts_per_step, derive_seed(seed, _REFILL, round_))
 
 
 def _micro_batches(rollouts: Rollouts, rows: torch.Tensor, size: int) -> list[torch.Tensor]:

@@ -10,6 +10,7 @@ flight. Rewards reach the workers through cloudpickle (docs/architecture.md, "Re
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import signal
 import socket
@@ -90,6 +91,28 @@ class RewardPool:
         def rewards(completions: Sequence[str], problems: Sequence[Mapping]) -> tuple[list[float], dict[str, list[float]]]:
             batch = self.score_batch(reward_weights, completions, problems)
             return [b[TOTAL].value for b in batch], {name: [b[name].value for b in batch] for name in reward_weights}
+
+        return rewards
+
+    def reward_fn_by_task(self, weights_by_task: Mapping[str, Mapping[str, float]]):
+        """The trainer's reward callback for a task mixture: each completion scored by its problem's
+        ``task``'s weights; a reward another task has but this one lacks is NaN in that row."""
+        for weights in weights_by_task.values():
+            CompositeReward(weights)
+        names = list(dict.fromkeys(name for weights in weights_by_task.values() for name in weights))
+
+        def rewards(completions: Sequence[str], problems: Sequence[Mapping]) -> tuple[list[float], dict[str, list[float]]]:
+            unknown = {problem["task"] for problem in problems} - set(weights_by_task)
+            if unknown:
+                raise ValueError(f"completions of task(s) {sorted(unknown)} have no reward weights")
+            totals, per_reward = [0.0] * len(completions), {name: [math.nan] * len(completions) for name in names}
+            for task, weights in weights_by_task.items():
+                rows = [i for i, problem in enumerate(problems) if problem["task"] == task]
+                for i, scored in zip(rows, self.score_batch(weights, [completions[i] for i in rows], [problems[i] for i in rows])):
+                    totals[i] = scored[TOTAL].value
+                    for name in weights:
+                        per_reward[name][i] = scored[name].value
+            return totals, per_reward
 
         return rewards
 

@@ -1,0 +1,37 @@
+"""Verifiable tasks by name: GSM8k, HumanEval, MATH-style symbolic math, reasoning-gym's datasets, yours.
+
+``get_task(name)`` resolves a name (``rlvr.tasks.registry``); a :class:`Task` says where its problems
+come from, how one becomes a prompt and how a completion is graded (``rlvr.tasks.base``);
+``TaskMixture`` draws each training step's groups from several tasks by weight.
+"""
+
+from rlvr.tasks.base import SPLITS, Task, TaskError, TaskProblem, normalized_text_hash, problem_record
+from rlvr.tasks.gsm8k_task import GSM8K
+from rlvr.tasks.humaneval import HUMANEVAL
+from rlvr.tasks.math_task import MATH
+from rlvr.tasks.mixture import TaskMixture
+from rlvr.tasks.reasoning_gym_task import reasoning_gym_task
+from rlvr.tasks.registry import ENTRY_POINT_GROUP, get_task, register_task, register_task_family, task_names
+
+for _task in (GSM8K, HUMANEVAL, MATH):
+    register_task(_task)
+register_task_family("reasoning_gym", reasoning_gym_task)
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "GSM8K",
+    "HUMANEVAL",
+    "MATH",
+    "SPLITS",
+    "Task",
+    "TaskError",
+    "TaskMixture",
+    "TaskProblem",
+    "get_task",
+    "normalized_text_hash",
+    "problem_record",
+    "reasoning_gym_task",
+    "register_task",
+    "register_task_family",
+    "task_names",
+]
