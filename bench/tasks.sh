@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # docs/benchmarks.md, "Tasks": the embedded model on each shipped task (base policy), a short GRPO run on a
-# mixture of three tasks, and the cross-task report of base vs trained, in .rlvr-tasks (about 45 minutes
+# mixture of three tasks, and the cross-task report of base vs trained, in .rlvr-tasks (about 40 minutes
 # on 2 CPU cores). Prints the table (bench/tasks_table.py).
 #   bash bench/tasks.sh
 set -euo pipefail
@@ -19,8 +19,9 @@ for task in reasoning_gym:basic_arithmetic reasoning_gym:spell_backward; do
 done
 base="base_policy/$(cat "$RLVR_HOME/models/base_policy/LATEST")"
 for task in ${RLVR_TASKS//,/ }; do
-  $dg launch --assets task_evaluation --partition "policy=$base|task=$task" --config bench/tasks/protocol.yaml
+  $dg launch --assets task_evaluation --partition "$base|$task" --config bench/tasks/protocol.yaml  # <policy>|<task>
 done
-$dg launch --assets rollouts,rewards,grpo_checkpoint,cross_task_report --config bench/tasks/mixture.yaml
+$dg launch --assets rollouts,rewards,grpo_checkpoint --config bench/tasks/mixture.yaml
+$dg launch --assets cross_task_report --config bench/tasks/report.yaml
 echo "wall time: $(( $(date +%s) - started )) s"
 .venv/bin/python bench/tasks_table.py
