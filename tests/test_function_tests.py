@@ -92,7 +92,7 @@ def test_program_without_the_function_or_hanging_at_import_fails():
 
 def test_candidate_answering_out_of_turn_fails():
     program = (
-        "import os\nfor fd in range(3, 20):\n    try:\n        os.write(fd, b'{\"value\": [6, [2.0]]}\\n' * 5)\n"
+        "import os\nfor fd in range(3, 4096):\n    try:\n        os.write(fd, b'{\"value\": [6, [2.0]]}\\n' * 5)\n"
         "    except OSError:\n        pass\ndef f(x, scale):\n    return 0"
     )
     report = run_function_tests(program, TEST, "f", limits=FAST)

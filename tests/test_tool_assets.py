@@ -111,9 +111,9 @@ def test_a_calculator_run_stores_its_tool_calls_lineage_and_evaluation(home, gsm
         assert rollouts_meta["completions calling a tool (%)"].value == 100.0
         assert rollouts_meta["tool call errors (%)"].value == pytest.approx(round(100 * errors / len(calls), 1))
 
-        # the README's query: how often the policy used the calculator and whether its calls were right
-        readme = (ROOT / "README.md").read_text()
-        sql = readme.split("were its calls right, by step:\n\n```sql\n", 1)[1].split("```", 1)[0]
+        # the documented query (docs/configuration.md): how often the policy used the calculator and whether its calls were right
+        doc = (ROOT / "docs" / "configuration.md").read_text()
+        sql = doc.split("how often rightly, by step:\n\n```sql\n", 1)[1].split("```", 1)[0]
         by_step = query(home, sql)
         assert len(by_step) == 2 and all(r[1] == 1.0 and r[2] >= 2 * 4 for r in by_step)  # every completion of a step calls
         assert sum(r[2] for r in by_step) == len(calls)
