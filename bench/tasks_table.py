@@ -34,7 +34,7 @@ def main() -> None:
         table = cross_task_table({task: (rows.to_dict("records"), rows.to_dict("records"))})[0]
         print(
             f"| {task} | {len(rows)} | {table['base']:.1%} [{table['base_ci_low']:.1%}, {table['base_ci_high']:.1%}] | "
-            f"{rows.score.mean():.3f} | {int(rows.grading_error.notna().sum())} |"
+            f"{rows.score.mean():.3f} | {int(rows.grading_error.notna().sum())} |".replace("nan", "-")
         )
         if trained is not None:
             after = frame[(frame.policy_version == trained.version) & (frame.task == task)]
@@ -55,7 +55,8 @@ def training_curves(run_id: str, settings: Settings, grading_per_s: float | None
     client = MLflowResource(tracking_uri=settings.mlflow_tracking_uri).client()
     run = client.get_run(run_id)
     tasks = sorted({key.split("/")[1] for key in run.data.metrics if key.startswith("task/")})
-    print(f"\nmixture run {run_id}: {run.data.params.get('tasks')}")
+    mixture = {k.removeprefix("tasks."): float(v) for k, v in run.data.params.items() if k.startswith("tasks.")}
+    print(f"\nmixture run {run_id}: {mixture}")
     for task in tasks:
         for metric in ("groups", "accuracy", "reward_mean"):
             history = client.get_metric_history(run_id, f"task/{task}/{metric}")
