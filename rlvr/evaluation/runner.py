@@ -20,7 +20,7 @@ from rlvr.evaluation.estimators import maj_at_k, majority_vote, pass_at_k_per_pr
 from rlvr.evaluation.intervals import accuracy_by_group, bootstrap_ci
 from rlvr.evaluation.significance import mcnemar_test, paired_bootstrap
 from rlvr.generation import SamplingConfig, stream_rollouts
-from rlvr.prompts import render_messages, render_prompt, system_prompt_for, with_instructions
+from rlvr.prompts import render_prompt, system_prompt_for
 from rlvr.rewards import DEFAULT_GSM8K_REWARD, RewardPool
 from rlvr.tasks.base import problem_record
 
@@ -105,7 +105,7 @@ def evaluate_task(
     if not problems:
         raise ValueError("no problems to evaluate")
     records = [problem_record(p) for p in problems]
-    prompts = [render_messages(tokenizer, with_instructions(task.messages(r), environment)) + task.completion_prefix for r in records]
+    prompts = [task.render_prompt(tokenizer, r, environment) for r in records]
     sampling = {"stop_at_final_answer": task.stop_at_final_answer, "stop_strings": task.stop_strings}
     decoder = _Decoder(model, tokenizer, prompts, config, environment, progress, sampling)
     greedy = decoder.decode(1, 0.0)

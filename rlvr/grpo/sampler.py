@@ -41,9 +41,6 @@ class ProblemWalk:
     def __init__(self, problems: Sequence[Any]):
         self.problems = list(problems)
 
-    def __len__(self) -> int:
-        return len(self.problems)
-
     def step_problems(self, step: int, prompts_per_step: int, seed: int) -> list[Any]:
         return step_problems(self.problems, step, prompts_per_step, seed)
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
 from rlvr.gsm8k import question_hash as normalized_text_hash  # one normalization for every task: case and whitespace
-from rlvr.prompts import render_messages
+from rlvr.prompts import render_messages, with_instructions
 
 SPLITS = ("train", "test")
 
@@ -92,7 +92,6 @@ class Task:
     completion_prefix: str = ""
     max_new_tokens: int = 256  # the evaluation's default budget
     prompt_messages: Callable[[TaskProblem | Mapping], list[dict]] | None = None
-    options: dict = field(default_factory=dict)  # the options this task was built with (reasoning_gym:<name> families)
 
     def __post_init__(self) -> None:
         if not self.name or self.name != self.name.strip():
@@ -110,9 +109,10 @@ class Task:
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [*system, {"role": "user", "content": question}]
 
-    def render_prompt(self, tokenizer: Any, problem: TaskProblem | Mapping) -> str:
-        """The prompt the policy continues: the messages under the chat template, then ``completion_prefix``."""
-        return render_messages(tokenizer, self.messages(problem)) + self.completion_prefix
+    def render_prompt(self, tokenizer: Any, problem: TaskProblem | Mapping, environment: Any = None) -> str:
+        """The prompt the policy continues: the messages (with ``environment``'s instructions) under the chat
+        template, then ``completion_prefix``. Training and evaluation both render here."""
+        return render_messages(tokenizer, with_instructions(self.messages(problem), environment)) + self.completion_prefix
 
     def load_problems(self, options: dict | None = None) -> list[TaskProblem]:
         """The task's problems, checked (ids unique, splits known), each named by this task's name."""

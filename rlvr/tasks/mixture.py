@@ -44,9 +44,6 @@ class TaskMixture:
         self.weights = np.array([float(weights[n]) for n in self.names]) / sum(float(w) for w in weights.values())
         self.by_task = {name: by_task[name] for name in self.names}
 
-    def __len__(self) -> int:
-        return sum(len(rows) for rows in self.by_task.values())
-
     def draws(self, slots: int, seed: int) -> np.ndarray:
         """The task index of each of the run's first ``slots`` groups."""
         uniforms = np.random.default_rng(derive_seed(seed, _DRAW)).random(slots)
@@ -68,20 +65,18 @@ class TaskMixture:
 def training_records(rows: Sequence[Mapping], tokenizer, environment=None) -> list[dict]:
     """Training records of problems-table rows: the rendered ``prompt`` (the row's task's, with
     ``environment``'s instructions), the reference fields spread on top, and the task's ``correctness``."""
-    from rlvr.prompts import render_messages, with_instructions
     from rlvr.tasks.base import problem_record
     from rlvr.tasks.registry import get_task
 
     tasks, records = {}, []
     for row in rows:
         task = tasks.get(row["task"]) or tasks.setdefault(row["task"], get_task(row["task"]))
-        record = problem_record(row)
         reference = json.loads(row["reference"]) if isinstance(row.get("reference"), str) else row.get("reference") or {}
         taken = sorted(set(reference) & TRAINING_FIELDS)
         if taken:
             raise TaskError(f"task {task.name!r}: reference field(s) {taken} collide with the training record's own; rename them to train on it")
-        prompt = render_messages(tokenizer, with_instructions(task.messages(record), environment)) + task.completion_prefix
-        records.append({**record, "prompt": prompt, "correctness": task.correctness})
+        record = problem_record({**row, "reference": reference})
+        records.append({**record, "prompt": task.render_prompt(tokenizer, record, environment), "correctness": task.correctness})
     return records
 
 

@@ -44,7 +44,6 @@ def reasoning_gym_task(dataset: str) -> Task:
         format_reward="answer_tags",
         stop_strings=("</answer>",),
         max_new_tokens=512,
-        options={"dataset": dataset},
     )
 
 
