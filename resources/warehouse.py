@@ -1,9 +1,10 @@
 """The shared DuckDB file: the tables assets read, and atomic writes (one transaction per ``write``).
 
 Tables with declared columns are created from :data:`SCHEMAS` (older files gain later columns through
-:data:`MIGRATIONS`); the others from the first frame written to them. Readers never fail writers:
-every committed ``write`` also publishes a read-only copy, ``<name>.snapshot.duckdb``, for SQL sessions
-(``make sql``: :func:`main`), and a connection that finds the file held by another process waits
+:data:`MIGRATIONS`); the others from the first frame written to them. The big, growing tables are views
+over Parquet parts (:mod:`resources.table_parts`), so a write costs the rows it writes. Readers never fail
+writers: every committed ``write`` also publishes a read-only copy, ``<name>.snapshot.duckdb``, for SQL
+sessions (``make sql``: :func:`main`), and a connection that finds the file held by another process waits
 (``lock_wait_s``), naming the holder.
 """
 
@@ -26,6 +27,7 @@ from dagster import Failure, get_dagster_logger
 from dagster_duckdb import DuckDBResource
 from pydantic import Field
 
+from resources.table_parts import PART_TABLES, SMALL_PART_BYTES, PartTables, partition_dir, parts_root, write_parquet
 from rlvr.tasks import normalized_text_hash
 from rlvr.traffic import TRAFFIC_COLUMNS, TrafficBatch, day_prefix, traffic_row
 
@@ -97,6 +99,9 @@ class Warehouse(DuckDBResource):
 
     lock_wait_s: float = Field(default=900.0, description="how long a connection waits while another process holds the file, then fails naming it")
     publish_snapshot: bool = Field(default=True, description="after every committed write, publish the read-only copy SQL sessions open")
+    part_grace_s: float = Field(
+        default=3600.0, description="how long a Parquet part a write or compaction replaced is kept for readers of older snapshots, then deleted"
+    )
 
     # --- transactions and writes ---------------------------------------------------------------
 
@@ -112,6 +117,10 @@ class Warehouse(DuckDBResource):
         waits, up to ``lock_wait_s``, saying which process that is."""
         conn = self._connect()
         try:
+            if self._parts(conn) is not None and self._parts(conn).upgrade(Path(self.database)):
+                shrink(conn, Path(self.database))  # the moved tables' space, once: so the snapshot copies the small file only
+                conn.close()
+                conn = self._connect()
             yield conn
         finally:
             conn.close()
@@ -135,6 +144,16 @@ class Warehouse(DuckDBResource):
                     told = holder
                 time.sleep(0.25)
 
+    @property
+    def parts_root(self) -> Path:
+        """Where the part tables' Parquet files live: ``rlvr.duckdb`` -> ``rlvr.parts/``."""
+        return parts_root(self.database)
+
+    def _parts(self, conn) -> PartTables | None:
+        if self.database == ":memory:":  # no folder for parts: the part tables are DuckDB tables
+            return None
+        return PartTables(conn, self.parts_root, SCHEMAS, MIGRATIONS, self.part_grace_s)
+
     @contextmanager
     def transaction(self) -> Iterator:
         """A connection inside one transaction: committed when the block ends, rolled back if it raises."""
@@ -146,24 +165,77 @@ class Warehouse(DuckDBResource):
         """Apply every write, in order, in one transaction: all of them land, or none does; then publish the
         snapshot (still holding the file, so it is exactly what was committed). An empty upsert or
         append changes nothing and is skipped (an empty frame's columns have no types to compare), but
-        creates its table when it is declared (:data:`SCHEMAS`), so queries of it find it, empty."""
+        creates its table when it is declared (:data:`SCHEMAS`), so queries of it find it, empty. A part
+        table's new files are written before the commit and listed by it; a rolled-back write deletes them."""
         with self.get_connection() as conn:
-            with _transaction(conn):
-                for index, op in enumerate(writes):
-                    if isinstance(op, Delete):
-                        _delete(conn, op)
-                    elif not isinstance(op, Replace) and not len(op.frame):
-                        if op.table in SCHEMAS:
-                            conn.execute(SCHEMAS[op.table])
-                    else:
-                        view = f"_incoming_{index}"
-                        conn.register(view, op.frame)
-                        try:
-                            _apply(conn, op, view)
-                        finally:
-                            conn.unregister(view)
+            parts = self._parts(conn)
+            try:
+                with _transaction(conn):
+                    for index, op in enumerate(writes):
+                        _apply_one(conn, parts if op.table in PART_TABLES else None, op, index)
+                    if parts is not None:
+                        parts.finish()
+            except BaseException:
+                if parts is not None:
+                    parts.discard()
+                raise
             if self.publish_snapshot:
                 publish_snapshot(conn, Path(self.database))
+            if parts is not None:
+                parts.collect_garbage()
+
+    def compact(self, table: str | None = None) -> int:
+        """Merge each partition's small parts into one; returns the parts merged away. The merge reads and
+        writes files without holding the DuckDB file (a live run goes on writing); one short transaction then
+        swaps the catalog for the partitions whose parts are still those merged. Replaced files go after
+        ``part_grace_s``, as do files a killed write or compaction left unlisted."""
+        with self.get_connection() as conn:
+            parts = self._parts(conn)
+            if parts is None:
+                return 0
+            parts.sweep_orphans()
+            plan = []
+            for name in [table] if table else PART_TABLES:
+                by_partition: dict[str, list[str]] = {}
+                for path, partition, size in parts.live(name):
+                    if size < SMALL_PART_BYTES:
+                        by_partition.setdefault(partition, []).append(path)
+                width = len(parts.columns(name))
+                plan += [(name, p, paths, parts.relation(name, paths), width) for p, paths in by_partition.items() if len(paths) > 1]
+        merged = []
+        with duckdb.connect() as memory:  # outside the writer's file
+            for name, partition, paths, relation, width in plan:
+                final, rows = write_parquet(memory, relation, self.parts_root / name / partition_dir(partition), name)
+                merged.append((name, partition, paths, final, rows, width))
+        swapped = 0
+        with self.get_connection() as conn:
+            parts = self._parts(conn)
+            with _transaction(conn):
+                for name, partition, paths, final, rows, width in merged:
+                    live = {p for p, _, _ in parts.live(name, partition)}
+                    if set(paths) <= live and final is not None:
+                        parts.add(name, partition, final, rows, width)
+                        parts.retire(paths)
+                        swapped += len(paths)
+                    elif final is not None:
+                        final.unlink(missing_ok=True)  # a write rewrote the partition meanwhile: this merge is stale
+                for name in sorted({t for t, _ in parts.touched}):
+                    parts.refresh_view(name, {p for t, p in parts.touched if t == name})
+            if self.publish_snapshot:
+                publish_snapshot(conn, Path(self.database))
+        return swapped
+
+    def drop_partition(self, table: str, partition: str) -> int:
+        """Retire every part of one partition (a run's rows, a traffic day's), also unreadable ones; returns the parts dropped."""
+        with self.get_connection() as conn:
+            parts = self._parts(conn)
+            with _transaction(conn):
+                dropped = [p for p, _, _ in parts.live(table, partition)]
+                parts.retire(dropped)
+                parts.refresh_view(table, {partition})
+            if self.publish_snapshot:
+                publish_snapshot(conn, Path(self.database))
+        return len(dropped)
 
     def replace_tables(self, tables: Mapping[str, pd.DataFrame]) -> None:
         """Replace each named table by its DataFrame in one transaction."""
@@ -366,6 +438,21 @@ def publish_snapshot(conn, database: Path) -> None:
     os.replace(tmp, target)
 
 
+def shrink(conn, database: Path) -> None:
+    """Rewrite the file without its free blocks (DuckDB keeps a dropped table's space): copied into a new
+    file renamed over it while this connection still holds the old one, after a checkpoint (no write-ahead log)."""
+    conn.execute("CHECKPOINT")
+    (catalog,) = conn.execute("SELECT current_database()").fetchone()
+    tmp = database.with_name(f".{database.name}.{os.getpid()}.shrink")
+    tmp.unlink(missing_ok=True)
+    conn.execute(f"ATTACH '{tmp}' AS shrunk")
+    try:
+        conn.execute(f'COPY FROM DATABASE "{catalog}" TO shrunk')
+    finally:
+        conn.execute("DETACH shrunk")
+    os.replace(tmp, database)
+
+
 LOCK_HOLDER = re.compile(r"Conflicting lock is held in (?P<program>.*?) \(PID (?P<pid>\d+)\)")
 
 
@@ -380,6 +467,26 @@ def lock_holder(error: str) -> str | None:
     except OSError:
         command = match["program"]
     return f"PID {pid} ({command[:200]})"
+
+
+def _apply_one(conn, parts: PartTables | None, op: Write, index: int) -> None:
+    """One write of a ``write`` call, inside its transaction: into a part table through ``parts``, else a DuckDB table."""
+    if isinstance(op, Delete):
+        parts.delete(op.table, op.where, op.params) if parts is not None else _delete(conn, op)
+    elif not isinstance(op, Replace) and not len(op.frame):
+        if op.table in SCHEMAS:
+            parts.declare(op.table) if parts is not None else conn.execute(SCHEMAS[op.table])
+    else:
+        view = f"_incoming_{index}"
+        conn.register(view, op.frame)
+        try:
+            if parts is None:
+                _apply(conn, op, view)
+            else:
+                mode = "replace" if isinstance(op, Replace) else "upsert" if isinstance(op, Upsert) else "append"
+                parts.apply(mode, op.table, view, index, getattr(op, "key", None))
+        finally:
+            conn.unregister(view)
 
 
 def _delete(conn, op: Delete) -> None:
@@ -428,13 +535,20 @@ def sql_session(snapshot: Path) -> None:
 
 
 def main() -> None:
-    """``make sql``: a SQL session on the snapshot of the DuckDB file in argv[1] (default: $RLVR_HOME's)."""
+    """``make sql``: a SQL session on the snapshot of the DuckDB file in argv[1] (default: $RLVR_HOME's);
+    ``compact <db>``: merge the part tables' small parts; ``drop-partition <db> <table> <partition>``: retire one."""
     from rlvr.settings import Settings
 
-    try:
-        sql_session(snapshot_path(sys.argv[1] if len(sys.argv) > 1 else Settings.from_env().duckdb_path))
-    except (EOFError, KeyboardInterrupt):
-        print()
+    args = sys.argv[1:]
+    if args[:1] == ["compact"] and len(args) == 2:
+        print(f"{Warehouse(database=args[1]).compact()} parts merged away")
+    elif args[:1] == ["drop-partition"] and len(args) == 4:
+        print(f"{Warehouse(database=args[1]).drop_partition(args[2], args[3])} parts of {args[2]} partition {args[3]} dropped")
+    else:
+        try:
+            sql_session(snapshot_path(args[0] if args else Settings.from_env().duckdb_path))
+        except (EOFError, KeyboardInterrupt):
+            print()
 
 
 if __name__ == "__main__":
