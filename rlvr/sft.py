@@ -22,8 +22,8 @@ import torch
 
 from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.attention import use_fast_attention
-from rlvr.fastpaths.eligibility import use_float32_attention, use_keep_freed_memory
 from rlvr.fastpaths.heap import keep_freed_memory
+from rlvr.fastpaths.plan import log_plan, plan_backend
 from rlvr.grpo.sampler import step_problems
 from rlvr.grpo.scoring import CompletionScorer, PackedRows
 from rlvr.grpo.trainer_loop import TrainerLoop, float32_master_weights
@@ -170,12 +170,14 @@ class SFTTrainer(TrainerLoop):
         self, model: Any, tokenizer: Any, config: SFTConfig, checkpoint_dir: str | Path | None = None, on_step: Callable[[int, dict], None] | None = None
     ):
         self.on_step = on_step
-        fast, device = config.fast_paths, next(model.parameters()).device
-        if use_keep_freed_memory(device, fast):
+        device = next(model.parameters()).device
+        self.plan = plan_backend(model, config.fast_paths, dtype=torch.float32)  # decided once (float32 master weights)
+        log_plan(self.plan, "SFT")
+        if self.plan.keep_freed_memory:
             keep_freed_memory()
         model = float32_master_weights(model)
-        policy = use_fast_attention(model, use_float32_attention(model, fast)).train()
-        self.scorer = CompletionScorer(policy, share_prompts=True, fast=fast)
+        policy = use_fast_attention(model, self.plan.fast_attention).train()
+        self.scorer = CompletionScorer(policy, share_prompts=True, plan=self.plan)
         compute_dtype = getattr(torch, config.compute_dtype)
         self._autocast = partial(torch.autocast, device.type, compute_dtype, enabled=compute_dtype != torch.float32)
         self.device = device

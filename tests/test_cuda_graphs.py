@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rlvr.fastpaths import FastPaths
-from rlvr.fastpaths.eligibility import use_cuda_graphs
+from rlvr.fastpaths.plan import plan_backend
 from rlvr.generation import Engine, EngineRequest, SamplingConfig, generate_rollouts
 from rlvr.generation.cuda_graphs import BUCKETS, GraphedDecode, row_bucket
 from support.tiny_models import char_tokenizer, tiny_causal_lm
@@ -50,7 +50,7 @@ def test_the_bucketed_step_gives_the_engines_completions(family, rows):
 def test_replayed_graphs_equal_eager_steps_for_every_bucket(rows):
     tokenizer = char_tokenizer()
     model = tiny_causal_lm("llama", len(tokenizer), seed=1).requires_grad_(False).cuda()
-    assert use_cuda_graphs(model, FastPaths()) and not use_cuda_graphs(model, FastPaths(cuda_graphs=False))
+    assert plan_backend(model, FastPaths()).cuda_graphs and not plan_backend(model, FastPaths(cuda_graphs=False)).cuda_graphs
     assert _completions(model, tokenizer, rows, graphed=True, device="cuda") == _completions(model, tokenizer, rows, graphed=False)
 
 

@@ -1,20 +1,12 @@
 """FastPaths: one switch per speed-up, carried by the sampling and training configs; the rules of
-where each applies live in rlvr.fastpaths.eligibility."""
+where each applies live in rlvr.fastpaths.eligibility, asked through rlvr.fastpaths.plan.plan_backend."""
 
 import pytest
 import torch
 
 from rlvr.fastpaths import FastPaths
-from rlvr.fastpaths.eligibility import (
-    output_head,
-    use_float32_attention,
-    use_fused_decode,
-    use_keep_freed_memory,
-    use_layer_kernels,
-    use_packed_linears,
-    use_slot_attention,
-    use_unpadded_update,
-)
+from rlvr.fastpaths.eligibility import output_head
+from rlvr.fastpaths.plan import FUSED_DECODER, plan_backend
 from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig
 from support.tiny_models import tiny_llama, tiny_qwen2
@@ -45,19 +37,23 @@ def test_training_refuses_greedy_rows():
 
 def test_each_switch_turns_its_speed_up_off_where_it_would_apply():
     model, on = tiny_llama(20), FastPaths()
-    assert use_fused_decode(model, on) and use_unpadded_update(model, on, sharded=False)
-    assert use_float32_attention(model, on) and use_keep_freed_memory(torch.device("cpu"), on)
+    plan = plan_backend(model, on)
+    assert plan.runner == FUSED_DECODER and plan.unpadded_update and plan.chunked_head
+    assert plan.fast_attention and plan.keep_freed_memory
     assert output_head(model, on) is model.lm_head
-    assert use_packed_linears(model, on) == bool(torch.backends.mkldnn.is_available())
-    assert not use_fused_decode(model, FastPaths(fused_decode=False))
-    assert not use_packed_linears(model, FastPaths(packed_linears=False))
-    assert not use_float32_attention(model, FastPaths(float32_attention=False))
-    assert not use_keep_freed_memory(torch.device("cpu"), FastPaths(keep_freed_memory=False))
+    # the fused decoder packs its own weights: the model's linears are packed only outside it
+    assert not plan.packed_linears
+    unfused = plan_backend(model, FastPaths(fused_decode=False))
+    assert unfused.runner != FUSED_DECODER and unfused.packed_linears == bool(torch.backends.mkldnn.is_available())
+    assert not plan_backend(model, FastPaths(fused_decode=False, packed_linears=False)).packed_linears
+    assert not plan_backend(model, FastPaths(float32_attention=False)).fast_attention
+    assert not plan_backend(model, FastPaths(keep_freed_memory=False)).keep_freed_memory
     assert output_head(model, FastPaths(chunked_head=False)) is None
-    assert not use_unpadded_update(model, FastPaths(unpadded_update=False), sharded=False)
-    assert not use_unpadded_update(model, FastPaths(chunked_head=False), sharded=False)  # it needs the head
-    assert not use_unpadded_update(model, on, sharded=True)  # FSDP
-    assert not use_keep_freed_memory(torch.device("meta"), on)
+    assert not plan_backend(model, FastPaths(chunked_head=False)).chunked_head
+    assert not plan_backend(model, FastPaths(unpadded_update=False)).unpadded_update
+    assert not plan_backend(model, FastPaths(chunked_head=False)).unpadded_update  # it needs the head
+    assert not plan_backend(model, on, sharded=True).unpadded_update  # FSDP
+    assert not plan_backend(model, on, device="meta").keep_freed_memory
 
 
 def test_the_float32_cpu_kernels_apply_where_their_rules_say():
@@ -66,15 +62,18 @@ def test_the_float32_cpu_kernels_apply_where_their_rules_say():
     model, threads = tiny_llama(20), torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert use_slot_attention(model, FastPaths()) and use_layer_kernels(model, FastPaths())
-        assert not use_slot_attention(model, FastPaths(slot_attention=False))
-        assert not use_layer_kernels(model, FastPaths(layer_kernels=False))
+        plan = plan_backend(model, FastPaths())
+        assert plan.slot_attention and plan.layer_kernels
+        assert not plan_backend(model, FastPaths(slot_attention=False)).slot_attention
+        assert not plan_backend(model, FastPaths(layer_kernels=False)).layer_kernels
         model.to(torch.bfloat16)
-        assert not use_slot_attention(model, FastPaths()) and not use_layer_kernels(model, FastPaths())
+        plan = plan_backend(model, FastPaths())
+        assert not plan.slot_attention and not plan.layer_kernels
         model.float()
         torch.set_num_threads(3)
-        assert not use_slot_attention(model, FastPaths())
-        assert use_layer_kernels(model, FastPaths())
+        plan = plan_backend(model, FastPaths())
+        assert not plan.slot_attention
+        assert plan.layer_kernels
     finally:
         torch.set_num_threads(threads)
 
@@ -82,7 +81,8 @@ def test_the_float32_cpu_kernels_apply_where_their_rules_say():
 def test_models_outside_the_rules_take_the_plain_paths():
     sliding = tiny_qwen2(20, use_sliding_window=True, sliding_window=4, max_window_layers=0)
     # the engine runs it (refusing requests longer than its window); the update's unpadded path does not
-    assert use_fused_decode(sliding, FastPaths()) and not use_unpadded_update(sliding, FastPaths(), sharded=False)
+    plan = plan_backend(sliding, FastPaths())
+    assert plan.runner == FUSED_DECODER and not plan.unpadded_update
     eager = tiny_llama(20)
     eager.set_attn_implementation("eager")
-    assert not use_float32_attention(eager, FastPaths())
+    assert not plan_backend(eager, FastPaths()).fast_attention

@@ -9,7 +9,6 @@ import torch
 import rlvr.grpo.trainer as trainer_module
 from rlvr.environments.base import ToolCall
 from rlvr.fastpaths import FastPaths
-from rlvr.fastpaths.eligibility import use_unpadded_update
 from rlvr.generation import SamplingConfig, generate_rollouts
 from rlvr.grpo import GRPOConfig, GRPOTrainer
 from rlvr.grpo.loss import POLICY_LOSSES, aggregate_loss, group_advantages, kl_k3
@@ -118,7 +117,7 @@ def advantages_for(rollouts):
 @pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
 def test_masked_loss_and_gradients_equal_those_of_the_policy_tokens_alone(path, aggregation):
     trainer, tokenizer = make_trainer(aggregation, path)
-    assert use_unpadded_update(trainer.policy, trainer.config.fast_paths, False) == (path == "unpadded")
+    assert trainer.plan.unpadded_update == (path == "unpadded")
     rollouts = tool_rollouts(trainer, tokenizer)
     advantages = advantages_for(rollouts)
     loss, grads, stats, ref_logprobs = trainer_loss(trainer, rollouts, advantages)

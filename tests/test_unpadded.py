@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from rlvr.fastpaths import FastPaths
-from rlvr.fastpaths.eligibility import use_unpadded_update
+from rlvr.fastpaths.plan import plan_backend
 from rlvr.grpo.scoring import PackedRows, completion_logprobs
 from support.tiny_models import tiny_causal_lm, tiny_llama
 
@@ -29,7 +29,7 @@ def uneven_batch(vocab: int, width: int = 9) -> PackedRows:
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_values_and_gradients_equal_the_padded_forward(family, autocast):
     model = tiny_causal_lm(family, 60, seed=2).train()
-    assert use_unpadded_update(model, FastPaths(), sharded=False)
+    assert plan_backend(model, FastPaths()).unpadded_update
     batch = uneven_batch(60)
     weights = torch.linspace(-1, 1, batch.targets.numel()).view_as(batch.targets)
     results = []

@@ -1,7 +1,8 @@
 """The engine's speed-ups, each behind one switch of :class:`FastPaths`.
 
 Every speed-up computes what the plain path computes (tests hold each against it) and applies only
-where :mod:`rlvr.fastpaths.eligibility` says so, the one place with those rules. The plain path is
+where :mod:`rlvr.fastpaths.eligibility` says so, the one place with those rules, asked once per engine
+or training run by :func:`rlvr.fastpaths.plan.plan_backend`. The plain path is
 always there: turn a switch off in the sampling or training config (``fast_paths``) to use it.
 """
 

@@ -46,8 +46,8 @@ AttentionMaskInterface.register(NAME, sdpa_mask)  # the masks SDPA takes (unregi
 
 def use_fast_attention(model: Any, enabled: bool = True) -> Any:
     """Switch a transformers model that uses ``"sdpa"`` to ``"rlvr_sdpa"`` (back to ``"sdpa"`` when not
-    ``enabled``; models on other implementations are left alone). The rollout engine does this to the
-    model it decodes with, the GRPO trainer to the policy, as ``rlvr.fastpaths.eligibility`` decides."""
+    ``enabled``; models on other implementations are left alone). The GRPO and SFT trainers do this to the
+    policy as their plan's ``fast_attention`` says (``rlvr.fastpaths.plan``)."""
     current = getattr(getattr(model, "config", None), "_attn_implementation", None)
     wanted = NAME if enabled else "sdpa"
     if current in ("sdpa", NAME) and current != wanted and hasattr(model, "set_attn_implementation"):

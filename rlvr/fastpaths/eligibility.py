@@ -1,7 +1,8 @@
 """Where each speed-up of :class:`~rlvr.fastpaths.FastPaths` applies: the rules, in one place.
 
-A speed-up runs only when its switch is on and the model qualifies; the rollout engine and the
-GRPO trainer ask here and take the plain path otherwise.
+A speed-up runs only when its switch is on and the model qualifies. Only
+:func:`rlvr.fastpaths.plan.plan_backend` asks these rules, once per engine, training or SFT run; everything
+else reads the :class:`~rlvr.fastpaths.plan.BackendPlan` it returns.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 
 from rlvr.fastpaths import FastPaths, jit
+from rlvr.fastpaths.attention import LOW_PRECISION
 from rlvr.fastpaths.packed_linear import packing_dtypes
 
 # architectures whose logits are exactly lm_head(last hidden state): no soft-capping or scaling
@@ -40,53 +42,75 @@ FUSED_DECODE_MODELS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
 
 def use_fused_decode(model: Any, fast: FastPaths) -> bool:
     """The engine's steps through ``rlvr.fastpaths.fused_decode``: Llama, Qwen2, Qwen3 and Mistral causal
-    LMs with SiLU MLPs, on any device."""
+    LMs with SiLU MLPs whose projections are plain ``nn.Linear`` layers (and Qwen3's query/key norms plain
+    RMSNorms), on any device."""
     config = getattr(model, "config", None)
     if not fast.fused_decode or FUSED_DECODE_MODELS.get(type(model).__name__) != getattr(config, "model_type", None):
         return False
-    return getattr(config, "hidden_act", None) in ("silu", "swish")
+    return getattr(config, "hidden_act", None) in ("silu", "swish") and _plain_layers(model)
+
+
+def _plain_layers(model: Any) -> bool:
+    linears = [model.lm_head]
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        if getattr(attention, "q_norm", None) is not None and not _plain_rms_norms(attention):
+            return False
+        linears += [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+    return all(type(linear) is torch.nn.Linear for linear in linears)
+
+
+def _plain_rms_norms(attention: Any) -> bool:
+    return all(hasattr(norm, "variance_epsilon") and hasattr(norm, "weight") for norm in (attention.q_norm, attention.k_norm))
 
 
 SLOT_ATTENTION_MAX_THREADS = 2  # measured faster than SDPA at 1 and 2 threads; SDPA runs rows and heads in parallel beyond
 
 
-def use_slot_attention(model: Any, fast: FastPaths) -> bool:
+def use_slot_attention(fast: FastPaths, device: torch.device, dtype: torch.dtype, threads: int) -> bool:
     """The continuous engine's decode attention through ``rlvr.fastpaths.slot_attention``: float32 on
-    CPU, numba importable, at most ``SLOT_ATTENTION_MAX_THREADS`` PyTorch threads (the kernel runs on one)."""
-    return fast.slot_attention and _float32_cpu_kernels(model) and torch.get_num_threads() <= SLOT_ATTENTION_MAX_THREADS
+    CPU, numba importable, at most ``SLOT_ATTENTION_MAX_THREADS`` PyTorch ``threads`` (the kernel runs on one)."""
+    return fast.slot_attention and _float32_cpu_kernels(device, dtype) and threads <= SLOT_ATTENTION_MAX_THREADS
 
 
-def use_layer_kernels(model: Any, fast: FastPaths) -> bool:
-    """The fused decoder's RMSNorms and rotary embeddings through ``rlvr.fastpaths.layer_kernels``:
-    float32 on CPU, numba importable (a few rows' work: one thread serves any thread count)."""
-    return fast.layer_kernels and _float32_cpu_kernels(model)
+def use_layer_kernels(fast: FastPaths, device: torch.device, dtype: torch.dtype, fused: bool) -> bool:
+    """The fused decoder's (``fused``: the runner) RMSNorms and rotary embeddings through
+    ``rlvr.fastpaths.layer_kernels``: float32 on CPU, numba importable (a few rows' work: one thread serves
+    any thread count)."""
+    return fast.layer_kernels and fused and _float32_cpu_kernels(device, dtype)
 
 
-def _float32_cpu_kernels(model: Any) -> bool:
-    parameter = next(model.parameters())
-    return jit.available() and parameter.device.type == "cpu" and parameter.dtype == torch.float32
+def _float32_cpu_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    return jit.available() and device.type == "cpu" and dtype == torch.float32
 
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inverse frequencies fixed at load time
 
 
-def use_cuda_graphs(model: Any, fast: FastPaths) -> bool:
-    """The engine's decode-only steps replayed from CUDA graphs (``rlvr.generation.cuda_graphs``): models
-    the fused decoder takes, on CUDA, whose rotary frequencies do not change with the sequence length."""
-    if not (fast.cuda_graphs and _device(model).type == "cuda" and use_fused_decode(model, fast)):
+def use_cuda_graphs(model: Any, fast: FastPaths, device: torch.device, fused: bool) -> bool:
+    """The engine's decode-only steps replayed from CUDA graphs (``rlvr.generation.cuda_graphs``): on CUDA,
+    when the runner is the fused decoder (``fused``) and the rotary frequencies do not change with the
+    sequence length."""
+    if not (fast.cuda_graphs and device.type == "cuda" and fused):
         return False
     return getattr(model.model.rotary_emb, "rope_type", "default") in STATIC_ROPE_TYPES
 
 
-def use_packed_linears(model: Any, fast: FastPaths) -> bool:
-    """Decode steps of other models on packed weights: CPU, with oneDNN (layers of other dtypes stay plain)."""
-    return fast.packed_linears and _device(model).type == "cpu" and bool(packing_dtypes())
+def use_packed_linears(fast: FastPaths, device: torch.device, fused: bool) -> bool:
+    """Decode steps of models outside the fused decoder (``fused``: the runner) on packed weights: CPU,
+    with oneDNN (layers of other dtypes stay plain)."""
+    return fast.packed_linears and not fused and device.type == "cpu" and bool(packing_dtypes())
 
 
-def use_float32_attention(model: Any, fast: FastPaths) -> bool:
+def use_rlvr_sdpa(model: Any, fast: FastPaths) -> bool:
     """``rlvr_sdpa`` (float32 attention for bf16/fp16 on CPU, plain SDPA elsewhere) for models that use SDPA."""
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
     return fast.float32_attention and implementation in ("sdpa", "rlvr_sdpa")
+
+
+def use_float32_attention(fast: FastPaths, device: torch.device, dtype: torch.dtype) -> bool:
+    """The engine's own attention (``fused_decode.gqa_attention``) in float32: bf16/fp16 on CPU."""
+    return fast.float32_attention and device.type == "cpu" and dtype in LOW_PRECISION
 
 
 def use_keep_freed_memory(device: torch.device, fast: FastPaths) -> bool:
@@ -103,7 +127,3 @@ def use_unpadded_update(model: Any, fast: FastPaths, sharded: bool) -> bool:
     """Completions' per-token work without padding (``rlvr.grpo.unpadded``: the model's own modules over
     real tokens): models with a plain head whose every layer attends over the whole sequence, unsharded."""
     return fast.unpadded_update and not sharded and output_head(model, fast) is not None and attention_window(model.config) is None
-
-
-def _device(model: Any) -> torch.device:
-    return next(model.parameters()).device

@@ -2,10 +2,10 @@
 
 :class:`FusedDecoder` computes what the model's forward computes for a decode step (RMSNorm, rotary
 embedding, grouped-query attention over the cache, SiLU-gated MLP) in fewer, larger operations: fused
-projections on weights packed once per rollout, attention in float32. ``llama``, ``qwen2``, ``qwen3`` and
-``mistral`` models with plain linear layers qualify (``eligibility.use_fused_decode``); for any other
-:func:`fused_decoder` returns None and the engine runs the model's own forward. ``bench/cpu_kernels.py``
-times it against that forward (docs/architecture.md, "Fast paths").
+projections on weights packed once per rollout, attention in float32 for bf16 / fp16 where the plan says.
+``llama``, ``qwen2``, ``qwen3`` and ``mistral`` models with plain linear layers qualify (the plan's
+``runner``, ``rlvr.fastpaths.plan``); for any other :func:`fused_decoder` returns None and the engine runs
+the model's own forward. ``bench/cpu_kernels.py`` times it against that forward (docs/architecture.md, "Fast paths").
 """
 
 from __future__ import annotations
@@ -21,47 +21,35 @@ from transformers import DynamicCache
 
 from rlvr.fastpaths import FastPaths, layer_kernels
 from rlvr.fastpaths.attention import LOW_PRECISION
-from rlvr.fastpaths.eligibility import use_fused_decode, use_layer_kernels
 from rlvr.fastpaths.packed_linear import fused_linear
+from rlvr.fastpaths.plan import BackendPlan, plan_backend
 
 
-def fused_decoder(model: Any, rows: int, fast: FastPaths = FastPaths()) -> FusedDecoder | None:
-    """A :class:`FusedDecoder` for ``model`` (weights packed for ``rows`` rows), or None when the model does
-    not qualify (``eligibility.use_fused_decode``, then a layer that is not a plain linear); call without
-    gradients. A frozen model keeps its decoder while none of its weights changes (tensor version counters),
-    so repeated rollouts skip the packing; a trainable one gets a fresh decoder each time, so no kept copy
-    doubles its weights' memory through the update."""
-    if not use_fused_decode(model, fast):
+def fused_decoder(model: Any, rows: int, plan: BackendPlan | FastPaths = FastPaths()) -> FusedDecoder | None:
+    """A :class:`FusedDecoder` for ``model`` (weights packed for ``rows`` rows), or None where ``plan`` (a
+    :class:`~rlvr.fastpaths.plan.BackendPlan`, or switches to plan with) runs the model's own forward; call
+    without gradients. A frozen model keeps its decoder while none of its weights changes (tensor version
+    counters), so repeated rollouts skip the packing; a trainable one gets a fresh decoder each time, so no
+    kept copy doubles its weights' memory through the update."""
+    if not isinstance(plan, BackendPlan):
+        plan = plan_backend(model, plan)
+    if not plan.fused:
         return None
-    kernels = use_layer_kernels(model, fast)
+    kernels = plan.layer_kernels
     parameters = list(model.parameters())
     if any(p.requires_grad for p in parameters):
-        return _build(model, rows, kernels)
+        return FusedDecoder(model, rows, kernels)
     state = [(p, p._version) for p in parameters]  # the tensors themselves: a swapped-in module is a change
     kept = _FROZEN.get(model)
     if kept is None or len(kept[0]) != len(state) or any(a is not b or u != v for (a, u), (b, v) in zip(kept[0], state)):
         # packed for at least 8 rows: it serves later rollouts of any size, and a float32 weight
         # packed for 1 row (a service's warm-up) runs markedly slower on 4 or more
-        kept = _FROZEN[model] = (state, _build(model, max(rows, 8), kernels))
+        kept = _FROZEN[model] = (state, FusedDecoder(model, max(rows, 8), kernels))
     decoder = kept[1]
-    if decoder is not None and decoder.kernels != kernels:  # the same packed weights, the other switch
+    if decoder.kernels != kernels:  # the same packed weights, the other switch
         decoder = copy.copy(decoder)
         decoder.kernels = kernels
     return decoder
-
-
-def _build(model: Any, rows: int, kernels: bool) -> FusedDecoder | None:
-    decoder = model.model
-    linears = [model.lm_head]
-    for layer in decoder.layers:
-        if getattr(layer.self_attn, "q_norm", None) is not None and not _plain_rms_norms(layer.self_attn):
-            return None
-        attention, mlp = layer.self_attn, layer.mlp
-        linears += [attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj]
-        linears += [mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-    if any(type(linear) is not nn.Linear for linear in linears):
-        return None
-    return FusedDecoder(model, rows, kernels)
 
 
 _FROZEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # frozen model -> ((parameter, version)s, decoder)
@@ -139,28 +127,32 @@ class FusedDecoder:
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
-def cached_attention(cache: Any, key_mask: torch.Tensor | None) -> Attend:
+def cached_attention(cache: Any, key_mask: torch.Tensor | None, upcast: bool = True) -> Attend:
     """Decode attention of one new token per row: its key and value go into ``cache`` (its layers'
     ``update``, which returns each row's keys and values so far), its query attends over them
-    (``key_mask`` [rows, 1, 1, keys]: True where it may; None: everywhere)."""
+    (``key_mask`` [rows, 1, 1, keys]: True where it may; None: everywhere; ``upcast``: as in
+    :func:`gqa_attention`)."""
 
     def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
         keys, values = cache.layers[index].update(keys.unsqueeze(2), values.unsqueeze(2))
-        return gqa_attention(queries.unsqueeze(2), keys, values, key_mask, scaling).view(len(queries), -1)
+        return gqa_attention(queries.unsqueeze(2), keys, values, key_mask, scaling, upcast).view(len(queries), -1)
 
     return attend
 
 
-def gqa_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+def gqa_attention(
+    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float, upcast: bool = True
+) -> torch.Tensor:
     """Grouped-query attention [batch, heads, queries, head dim] over keys and values [batch, KV heads, keys,
-    head dim] (``mask``: True where a query may attend), in float32 for bf16 / fp16, SDPA called directly.
+    head dim] (``mask``: True where a query may attend), SDPA called directly; ``upcast``: in float32 for
+    bf16 / fp16 (the engine passes its plan's ``float32_attention``: on CPU, under the switch).
 
     On CPU a decode step's one query per head is packed by KV head (a group's queries become one KV head's
     query positions): the same sums. ``bench/cpu_kernels.py`` times it against SDPA's ``enable_gqa`` (its
     "packed by KV head" rows in docs/benchmarks.md: faster at 1,500 keys, slower at 150).
     """
     dtype = queries.dtype
-    if dtype in LOW_PRECISION:
+    if upcast and dtype in LOW_PRECISION:
         queries, keys, values = queries.float(), keys.float(), values.float()
     batch, heads, length, head_dim = queries.shape
     kv_heads = keys.shape[1]
@@ -170,10 +162,6 @@ def gqa_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
         attended = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=scaling)
         return attended.reshape(batch, heads, 1, head_dim).to(dtype)
     return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True).to(dtype)
-
-
-def _plain_rms_norms(attention: nn.Module) -> bool:
-    return all(hasattr(norm, "variance_epsilon") and hasattr(norm, "weight") for norm in (attention.q_norm, attention.k_norm))
 
 
 def _compiled_rms_norm(hidden: torch.Tensor, norm: nn.Module) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 In a step that streams every weight from memory, a layer's few small PyTorch operations for these cost
 far more than their arithmetic. The fused decoder calls these instead where
-``eligibility.use_layer_kernels`` says (float32 on CPU, numba importable): the formulas of the model's
+its plan's ``layer_kernels`` says (``rlvr.fastpaths.plan``: float32 on CPU, numba importable): the formulas of the model's
 ``LlamaRMSNorm`` and ``rotate_half``, summed in another order (float32 rounding apart, the same values),
 compiled by numba (``rlvr.fastpaths.jit``), one thread, the GIL released (docs/architecture.md, "Fast paths").
 """

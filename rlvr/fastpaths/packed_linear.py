@@ -51,17 +51,40 @@ def packed_linears(model: nn.Module, rows: int) -> Iterator[int]:
     with a CPU weight of a packable dtype runs on a copy of its weight packed for ``rows`` input
     rows (a hint: any number of rows works). Yields how many layers were packed; the layers are
     restored on exit, also after an error."""
-    if torch.is_grad_enabled():
-        raise RuntimeError("packed_linears computes no gradients: enter it under torch.no_grad() or torch.inference_mode()")
-    dtypes = packing_dtypes()
-    patched: list[nn.Linear] = []
-    try:
-        for module in model.modules():
-            if type(module) is not nn.Linear or module.weight.device.type != "cpu" or module.weight.dtype not in dtypes:
-                continue
-            module.forward = fused_linear([module], rows)  # type: ignore[method-assign]
-            patched.append(module)
-        yield len(patched)
-    finally:
-        for module in patched:  # pop: a concurrent rollout on the same model may have restored it already
-            vars(module).pop("forward", None)
+    with PackedLinears(model, rows).applied() as count:
+        yield count
+
+
+class PackedLinears:
+    """``model``'s plain CPU ``nn.Linear`` layers of a packable dtype, packed for ``rows`` rows at the first
+    :meth:`applied` and kept while their weights stay the same (tensor version counters): the engine's
+    model-forward runner packs once and runs each step on the packed copies."""
+
+    def __init__(self, model: nn.Module, rows: int):
+        self.model, self.rows = model, rows
+        self._state: list[tuple[nn.Linear, torch.Tensor, int]] = []
+        self._forwards: list[Callable[[torch.Tensor], torch.Tensor]] = []
+
+    @contextmanager
+    def applied(self) -> Iterator[int]:
+        """Within the block (entered without gradients) the layers run on their packed weights (packed
+        afresh where a weight changed); yields how many; restored on exit, also after an error."""
+        if torch.is_grad_enabled():
+            raise RuntimeError("packed_linears computes no gradients: enter it under torch.no_grad() or torch.inference_mode()")
+        dtypes = packing_dtypes()
+        state = [
+            (module, module.weight, module.weight._version)
+            for module in self.model.modules()
+            if type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype in dtypes
+        ]
+        if len(state) != len(self._state) or any(a is not b or w is not v or i != j for (a, w, i), (b, v, j) in zip(state, self._state)):
+            self._state, self._forwards = state, [fused_linear([module], self.rows) for module, _, _ in state]
+        patched: list[nn.Linear] = []
+        try:
+            for (module, _, _), forward in zip(self._state, self._forwards):
+                module.forward = forward  # type: ignore[method-assign]
+                patched.append(module)
+            yield len(patched)
+        finally:
+            for module in patched:  # pop: a concurrent rollout on the same model may have restored it already
+                vars(module).pop("forward", None)

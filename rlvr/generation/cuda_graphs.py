@@ -27,10 +27,11 @@ def row_bucket(rows: int) -> int | None:
 
 class GraphedDecode:
     """Decode steps of ``runner`` (a ``forward(tokens, positions, attend, logits_at)``) over a lane's slot
-    cache; ``graphs``: captured as CUDA graphs and replayed (else run eagerly, for CPU tests)."""
+    cache; ``graphs``: captured as CUDA graphs and replayed (else run eagerly, for CPU tests);
+    ``float32_attention``: attention of bf16 / fp16 in float32 (the engine's plan)."""
 
-    def __init__(self, runner: Any, device: torch.device, graphs: bool):
-        self.runner, self.device, self.graphs = runner, device, graphs
+    def __init__(self, runner: Any, device: torch.device, graphs: bool, float32_attention: bool = True):
+        self.runner, self.device, self.graphs, self.float32_attention = runner, device, graphs, float32_attention
         self.tokens = torch.zeros(BUCKETS[-1], dtype=torch.long, device=device)
         self.positions = torch.zeros(BUCKETS[-1], dtype=torch.long, device=device)
         self.rows = torch.arange(BUCKETS[-1], device=device)
@@ -87,7 +88,7 @@ class GraphedDecode:
             layer = cache.layers[index]
             layer.keys[rows, :, positions] = keys.to(layer.keys.dtype)
             layer.values[rows, :, positions] = values.to(layer.values.dtype)
-            attended = gqa_attention(queries.unsqueeze(2), layer.keys[:bucket], layer.values[:bucket], mask, scaling)
+            attended = gqa_attention(queries.unsqueeze(2), layer.keys[:bucket], layer.values[:bucket], mask, scaling, self.float32_attention)
             return attended.reshape(bucket, -1)
 
         return self.runner.forward(tokens, positions, attend, None)

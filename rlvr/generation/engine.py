@@ -25,8 +25,9 @@ from rlvr.cpu_threads import tune_threads
 from rlvr.environments.base import Environment, Injection, ToolCall
 from rlvr.environments.driver import EpisodeDriver, TokenTexts, drives_episodes
 from rlvr.fastpaths import FastPaths
-from rlvr.fastpaths.eligibility import attention_window, use_cuda_graphs, use_slot_attention
+from rlvr.fastpaths.eligibility import attention_window
 from rlvr.fastpaths.fused_decode import Attend, cached_attention, gqa_attention
+from rlvr.fastpaths.plan import BackendPlan, log_plan, plan_backend
 from rlvr.fastpaths.slot_attention import slot_attention
 from rlvr.generation.cuda_graphs import GraphedDecode
 from rlvr.generation.kv_cache import SlotCache, kv_cache_bytes_per_token, quantized
@@ -134,7 +135,9 @@ class Lane:
 
 class Engine:
     """Continuous batching over ``model`` (see the module docstring). :meth:`submit` from any thread;
-    :meth:`run` (or :meth:`step`) on the one thread that owns the model."""
+    :meth:`run` (or :meth:`step`) on the one thread that owns the model. ``plan``: what runs
+    (``rlvr.fastpaths.plan``); by default planned here from ``fast_paths`` after tuning this thread's torch
+    threads, so every caller (rollouts, evaluation, the service) gets the same backend for the same model."""
 
     def __init__(
         self,
@@ -150,15 +153,21 @@ class Engine:
         fast_paths: FastPaths = FastPaths(),
         stop_token_ids: list[int] | None = None,
         max_requests: int | None = None,
+        plan: BackendPlan | None = None,
     ):
         self.model, self.tokenizer = model, tokenizer
         self.max_rows, self.step_tokens, self.kv_budget_bytes, self.max_share = max_rows, step_tokens, kv_budget_bytes, max_share
         self.max_requests = max_requests  # None: any number run at once; else the oldest that many
-        self.runner = model_runner(model, max_rows, fast_paths)
+        if plan is None:
+            tune_threads()  # the thread count the steps run at (they re-tune it), before slot attention is decided
+            plan = plan_backend(model, fast_paths)
+            log_plan(plan, "engine")
+        self.plan = plan
+        self.runner = model_runner(model, max_rows, plan)  # packs the linear layers where the plan says so
         self.window = attention_window(model.config)
         self.device = next(model.parameters()).device
-        self.graphed = GraphedDecode(self.runner, self.device, graphs=True) if use_cuda_graphs(model, fast_paths) else None
-        self.slot_kernel = use_slot_attention(model, fast_paths)  # decode attention to each row's own length
+        self.graphed = GraphedDecode(self.runner, self.device, graphs=True, float32_attention=plan.float32_attention) if plan.cuda_graphs else None
+        self.slot_kernel = plan.slot_attention  # decode attention to each row's own length
         self.bytes_per_token = kv_cache_bytes_per_token(model.config, model.dtype)
         self.prefixes = PrefixCache(self.bytes_per_token, kv_budget_bytes // 8 if prefix_cache_bytes is None else prefix_cache_bytes)
         self.stops = StopChecker(model, tokenizer, stop_token_ids)
@@ -407,14 +416,14 @@ class Engine:
             lane_positions = cache.lengths[:rows].clone()
             tokens.append(lane.next_tokens)
             positions.append(lane_positions)
-            segments.append((start, start + rows, _slot_attention(cache, lane_positions, self.device, self.slot_kernel)))
+            segments.append((start, start + rows, _slot_attention(cache, lane_positions, self.device, self.slot_kernel, self.plan.float32_attention)))
             logits_at += [start + i for i in live]  # parked rows ride along; their outputs are dropped
             decoding.append((lane, live))
         for request, begin, end in chunks:
             start = sum(map(len, tokens))
             tokens.append(torch.tensor(request.prompt_ids[begin:end]))
             positions.append(torch.arange(begin, end))
-            segments.append((start, start + end - begin, _prompt_attention(request._cache, begin, end, self.device)))
+            segments.append((start, start + end - begin, _prompt_attention(request._cache, begin, end, self.device, self.plan.float32_attention)))
             logits_at.append(start + end - begin - 1)
         if not segments:
             return
@@ -598,11 +607,11 @@ def _wake() -> None:
     """Posted when a parked row's observation is back: wakes an engine waiting for work."""
 
 
-def _slot_attention(cache: SlotCache, positions: torch.Tensor, device: torch.device, kernel: bool) -> Attend:
+def _slot_attention(cache: SlotCache, positions: torch.Tensor, device: torch.device, kernel: bool, upcast: bool) -> Attend:
     """A lane's decode attention: each row's new key and value go into its slot at its position, and
     its query attends over its slot up to there (``kernel``: through ``rlvr.fastpaths.slot_attention``,
     which writes them and reads each slot to that position only; else SDPA over the lane's longest
-    row, masked)."""
+    row, masked; ``upcast``: in float32 for bf16 / fp16)."""
     if kernel:
 
         def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -611,17 +620,18 @@ def _slot_attention(cache: SlotCache, positions: torch.Tensor, device: torch.dev
 
         return attend
     key_mask = (torch.arange(cache.step_length).unsqueeze(0) <= positions.unsqueeze(1))[:, None, None, :]
-    return cached_attention(cache, None if bool(key_mask.all()) else key_mask.to(device))
+    return cached_attention(cache, None if bool(key_mask.all()) else key_mask.to(device), upcast)
 
 
-def _prompt_attention(cache: DynamicCache, begin: int, end: int, device: torch.device) -> Attend:
+def _prompt_attention(cache: DynamicCache, begin: int, end: int, device: torch.device, upcast: bool) -> Attend:
     """A prompt chunk's attention (positions ``begin`` .. ``end`` - 1): its keys and values are appended
-    to the prompt's cache, each query attends causally over the prompt so far."""
+    to the prompt's cache, each query attends causally over the prompt so far (``upcast``: in float32
+    for bf16 / fp16)."""
     mask = (torch.arange(end).unsqueeze(0) <= torch.arange(begin, end).unsqueeze(1)).to(device)  # [chunk, end]
 
     def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
         keys, values = cache.layers[index].update(keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0))
-        attended = gqa_attention(queries.transpose(0, 1).unsqueeze(0), keys, values, mask, scaling)
+        attended = gqa_attention(queries.transpose(0, 1).unsqueeze(0), keys, values, mask, scaling, upcast)
         return attended[0].transpose(0, 1).reshape(len(queries), -1)
 
     return attend

@@ -21,6 +21,8 @@ from transformers import AttentionInterface
 
 from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.fused_decode import Attend, fused_decoder
+from rlvr.fastpaths.packed_linear import PackedLinears
+from rlvr.fastpaths.plan import BackendPlan, plan_backend
 
 ENGINE_ATTENTION = "rlvr_engine"  # the attention implementation routed_attention switches a model to
 Routed = Callable[..., torch.Tensor]  # (module, queries [T, heads, d], keys, values [T, KV heads, d], **kwargs) -> [T, heads, d]
@@ -44,24 +46,29 @@ class ModelRunner(Protocol):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend, logits_at: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
-def model_runner(model: Any, rows: int, fast: FastPaths = FastPaths()) -> ModelRunner:
-    """The fused decoder where the model qualifies (``eligibility.use_fused_decode``), else the model's own forward."""
-    return fused_decoder(model, rows, fast) or ModelForward(model)
+def model_runner(model: Any, rows: int, plan: BackendPlan | FastPaths = FastPaths()) -> ModelRunner:
+    """The runner ``plan`` names (a :class:`~rlvr.fastpaths.plan.BackendPlan`, or switches to plan with): the
+    fused decoder, else the model's own forward (on packed linear weights where the plan packs them)."""
+    if not isinstance(plan, BackendPlan):
+        plan = plan_backend(model, plan)
+    return fused_decoder(model, rows, plan) or ModelForward(model, PackedLinears(model, rows) if plan.packed_linears else None)
 
 
 class ModelForward:
     """Any transformers causal LM through its own modules: the flat batch goes in as one sequence of
     ``len(tokens)`` positions (``position_ids`` per token, no cache, no mask), and each attention layer's
-    call (queries, keys and values with the model's own rotary or none) goes to ``attend``."""
+    call (queries, keys and values with the model's own rotary or none) goes to ``attend``. ``packed``:
+    its linear layers run on those packed weights (forwards without gradients only)."""
 
-    def __init__(self, model: Any):
-        self.model = model
+    def __init__(self, model: Any, packed: PackedLinears | None = None):
+        self.model, self.packed = model, packed
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend, logits_at: torch.Tensor | None = None) -> torch.Tensor:
         def attention(module: Any, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, **kwargs: Any) -> torch.Tensor:
             return attend(module.layer_idx, queries, keys, values, kwargs.get("scaling") or queries.shape[-1] ** -0.5)
 
-        with routed_attention(self.model.config, attention):
+        packing = self.packed.applied() if self.packed is not None else contextlib.nullcontext()
+        with routed_attention(self.model.config, attention), packing:
             keep = logits_at if logits_at is not None else 0
             return self.model(input_ids=tokens[None], position_ids=positions[None], use_cache=False, logits_to_keep=keep).logits[0]
 

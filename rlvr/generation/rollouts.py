@@ -10,7 +10,6 @@ tokens are marked in ``Rollouts.environment_mask`` with log-prob 0.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -18,8 +17,6 @@ import torch
 
 from rlvr.environments.base import Environment, ToolCall
 from rlvr.fastpaths import FastPaths
-from rlvr.fastpaths.eligibility import use_fused_decode, use_packed_linears
-from rlvr.fastpaths.packed_linear import packed_linears
 from rlvr.generation.engine import SHORT_LANE_TOKENS, Engine, EngineRequest
 from rlvr.generation.kv_cache import kv_cache_bytes_per_token, quantized
 
@@ -142,10 +139,7 @@ def stream_rollouts(
     ]
     finished: set[int] = set()
     next_prompt = 0
-    packing = contextlib.nullcontext()
-    if use_packed_linears(model, config.fast_paths) and not use_fused_decode(model, config.fast_paths):
-        packing = packed_linears(model, max_rows)
-    with torch.inference_mode(), packing:
+    with torch.inference_mode():  # the engine's plan packs the linear layers where it says so
         for request in engine.run_requests(requests):
             if request.error is not None:
                 raise request.error

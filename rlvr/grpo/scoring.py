@@ -2,7 +2,7 @@
 
 :func:`pack_rows` lays rollout rows out for one forward; :func:`completion_logprobs` computes
 log π(o_t | q, o_<t) over the policy's own completion tokens (an environment's tokens are context
-only), through the speed-ups that ``rlvr.fastpaths.eligibility`` allows (one prompt pass per group,
+only), through the speed-ups its :class:`~rlvr.fastpaths.plan.BackendPlan` names (one prompt pass per group,
 the unpadded update, the chunked output layer); :class:`CompletionScorer` is that forward as the
 module DDP / FSDP wrap.
 """
@@ -16,7 +16,8 @@ import torch
 from transformers import DynamicCache
 
 from rlvr.fastpaths import FastPaths
-from rlvr.fastpaths.eligibility import output_head, use_unpadded_update
+from rlvr.fastpaths.eligibility import plain_output_head
+from rlvr.fastpaths.plan import BackendPlan, plan_backend
 from rlvr.generation import Rollouts
 
 from .head import head_logprobs
@@ -74,14 +75,16 @@ def pack_rows(rollouts: Rollouts, rows: torch.Tensor, device: torch.device | str
 
 class CompletionScorer(torch.nn.Module):
     """The update's forward as one module, which DDP / FSDP wrap: :func:`completion_logprobs` of
-    ``policy`` (so that DDP sees one forward, prompt pass included, per backward)."""
+    ``policy`` (so that DDP sees one forward, prompt pass included, per backward), on ``plan`` (default:
+    planned here once from ``fast`` and ``sharded``)."""
 
-    def __init__(self, policy: Any, share_prompts: bool = True, fast: FastPaths = FastPaths(), sharded: bool = False):
+    def __init__(self, policy: Any, share_prompts: bool = True, fast: FastPaths = FastPaths(), sharded: bool = False, plan: BackendPlan | None = None):
         super().__init__()
-        self.policy, self.share_prompts, self.fast, self.sharded = policy, share_prompts, fast, sharded
+        self.policy, self.share_prompts = policy, share_prompts
+        self.plan = plan or plan_backend(policy, fast, sharded=sharded)
 
     def forward(self, batch: PackedRows, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return completion_logprobs(self.policy, batch, self.share_prompts, with_entropy, self.fast, self.sharded)
+        return completion_logprobs(self.policy, batch, self.share_prompts, with_entropy, plan=self.plan)
 
 
 def completion_logprobs(
@@ -91,17 +94,19 @@ def completion_logprobs(
     with_entropy: bool = False,
     fast: FastPaths = FastPaths(),
     sharded: bool = False,
+    plan: BackendPlan | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log π(o_t | q, o_<t) for every policy token of ``batch`` ([rows, width], 0 on padding and on the
     environment's tokens, which are only context), and π's entropy there when asked (no gradient).
 
     ``share_prompts`` runs each distinct prompt once and reuses its KV cache (gradient attached) for all
     its completions; without it, one forward over [prompt | completion] per row (gradient checkpointing
-    drops the cache). ``eligibility.use_unpadded_update`` and ``eligibility.output_head`` decide whether the
-    completions skip their padding and whether the chunked output head replaces the model's logits
-    (docs/architecture.md, "GRPO").
+    drops the cache). ``plan`` (default: planned from ``fast`` and ``sharded``) says whether the completions
+    skip their padding and whether the chunked output head replaces the model's logits (docs/architecture.md,
+    "GRPO"); both need the plain head the model still has (adapters may wrap it after planning).
     """
-    head = output_head(model, fast)
+    plan = plan or plan_backend(model, fast, sharded=sharded)
+    head = plain_output_head(model) if plan.chunked_head else None
     real, scored = batch.mask.bool(), batch.policy_mask.bool()
     targets = batch.targets[scored]
     temperatures = batch.temperatures.unsqueeze(1).expand_as(batch.targets)[scored]
@@ -122,7 +127,7 @@ def completion_logprobs(
             use_cache=True,
             **last,
         )
-        if use_unpadded_update(model, fast, sharded):
+        if plan.unpadded_update and head is not None:
             features = unpadded_completion_features(model, batch, first[:, -1], cache)[scored[real]]
             logprobs, entropy = head_logprobs(features, head.weight, targets, temperatures, with_entropy)
             return _scatter_rows(logprobs, entropy, scored)

@@ -23,8 +23,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from rlvr.fastpaths.attention import use_fast_attention
-from rlvr.fastpaths.eligibility import use_float32_attention, use_keep_freed_memory
 from rlvr.fastpaths.heap import keep_freed_memory
+from rlvr.fastpaths.plan import BackendPlan, log_plan, plan_backend
 from rlvr.generation import Rollouts, concat_rollouts, generate_rollouts
 from rlvr.generation.sampler import derive_seed
 
@@ -91,11 +91,16 @@ class GRPOTrainer(TrainerLoop):
         if config.prompts_per_step < self.dist.world_size:
             raise ValueError(f"prompts_per_step ({config.prompts_per_step}) < world size ({self.dist.world_size})")
         fast = config.fast_paths
-        if use_keep_freed_memory(self.dist.device, fast):
+        # the update's backend, decided once (float32 master weights; rollouts plan their own engine)
+        self.plan = plan_backend(model, fast, device=self.dist.device, dtype=torch.float32, sharded=config.fsdp)
+        log_plan(self.plan, "GRPO training")
+        if self.plan.keep_freed_memory:
             keep_freed_memory()  # the update's large temporaries would otherwise be page-faulted in every step
         model = float32_master_weights(model).to(self.dist.device)
-        model = use_fast_attention(model, use_float32_attention(model, fast))  # bf16 autocast attention in float32 on CPU
+        model = use_fast_attention(model, self.plan.fast_attention)  # bf16 autocast attention in float32 on CPU
         self.ref_model = _reference_model(model, ref_model, config, self.dist.device)  # before adapters / sharding
+        reference = self.ref_model if self.ref_model is not None else model
+        self._reference_plan = self.plan if reference is model and not config.fsdp else plan_backend(reference, fast, device=self.dist.device)
         if config.lora is not None:
             model = _apply_lora(model, config.lora)
         if config.gradient_checkpointing:
@@ -104,7 +109,7 @@ class GRPOTrainer(TrainerLoop):
         mixed = compute_dtype != torch.float32  # weights and optimizer state are float32 (float32_master_weights)
         # the update's forwards run through this (DDP / FSDP when distributed; DDP syncs rank 0's weights)
         share_prompts = config.share_prompt_forward and not config.gradient_checkpointing
-        scorer = CompletionScorer(model, share_prompts, fast, sharded=config.fsdp)
+        scorer = CompletionScorer(model, share_prompts, plan=self.plan)
         self.model = wrap_model(scorer, self.dist, fsdp=config.fsdp, param_dtype=compute_dtype if mixed else None)
         autocast = mixed and not config.fsdp
         self._autocast = partial(torch.autocast, self.dist.device.type, compute_dtype, enabled=autocast)
@@ -340,23 +345,23 @@ class GRPOTrainer(TrainerLoop):
     def _reference_logprobs(self, rollouts: Rollouts, rows: torch.Tensor) -> torch.Tensor:
         """log π_ref of the policy tokens of ``rows`` (zeros elsewhere), at the sampling temperature."""
         with self._reference() as reference:
-            return self._scored_logprobs(reference, rollouts, rows)
+            return self._scored_logprobs(reference, rollouts, rows, self._reference_plan)
 
     def _old_logprobs(self, rollouts: Rollouts, rows: torch.Tensor) -> torch.Tensor:
         """log π_old of the policy tokens of ``rows`` (zeros elsewhere): the policy before the step's
         first update, scored as the update scores (for a step of several optimizer steps)."""
         gather = gathered_parameters(self.model) if self.config.fsdp else contextlib.nullcontext()
         with gather:  # FSDP: ranks may score different numbers of micro-batches
-            return self._scored_logprobs(self.policy, rollouts, rows, sharded=self.config.fsdp)
+            return self._scored_logprobs(self.policy, rollouts, rows, self.plan)
 
     @torch.no_grad()
-    def _scored_logprobs(self, model: Any, rollouts: Rollouts, rows: torch.Tensor, sharded: bool = False) -> torch.Tensor:
-        """``model``'s log-probs of the policy tokens of ``rows`` (zeros elsewhere), no gradient, at the sampling temperature."""
+    def _scored_logprobs(self, model: Any, rollouts: Rollouts, rows: torch.Tensor, plan: BackendPlan) -> torch.Tensor:
+        """``model``'s log-probs of the policy tokens of ``rows`` (zeros elsewhere) on ``plan``, no gradient, at the sampling temperature."""
         out = torch.zeros_like(rollouts.logprobs)
         for micro in _micro_batches(rollouts, rows, self.config.micro_batch_size):
             batch = pack_rows(rollouts, micro, self.dist.device)
             with self._autocast():
-                logprobs, _ = completion_logprobs(model, batch, self._share_prompts, fast=self.config.fast_paths, sharded=sharded)
+                logprobs, _ = completion_logprobs(model, batch, self._share_prompts, plan=plan)
             out[micro, : batch.width] = (logprobs.float() * batch.policy_mask).cpu()
         return out
 
