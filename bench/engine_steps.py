@@ -53,8 +53,8 @@ def run_ours(checkpoint: str, data: dict, mixes: list[tuple[int, int]], step_tok
 
     model, tokenizer = load_policy(checkpoint)
     model.requires_grad_(False)
-    engine = Engine(model, tokenizer, max_rows=64, step_tokens=step_tokens, kv_budget_bytes=2**31, prefix_cache_bytes=0)
-    engine.stop_ids = set()  # every row runs to its budget, as vLLM's ignore_eos
+    # No stop tokens: every row runs to its budget, as vLLM's ignore_eos.
+    engine = Engine(model, tokenizer, max_rows=64, step_tokens=step_tokens, kv_budget_bytes=2**31, prefix_cache_bytes=0, stop_token_ids=[])
 
     def generate(batch: list[list[int]], new_tokens: int) -> float:
         requests = [EngineRequest(prompt_ids=list(p), num_samples=1, temperatures=(0.0,), max_new_tokens=new_tokens, stop_at_final_answer=False) for p in batch]

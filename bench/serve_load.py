@@ -35,7 +35,7 @@ from typing import IO
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bentos.build import bentoml_cli, bentoml_env, build_bento, store_policy  # noqa: E402
-from bentos.schemas import MAX_COMPLETION_TOKENS, MAX_NEW_TOKENS  # noqa: E402
+from bentos.limits import MAX_COMPLETION_TOKENS, MAX_NEW_TOKENS  # noqa: E402
 from rlvr.settings import Settings  # noqa: E402
 from rlvr.traffic import read_traffic  # noqa: E402
 

@@ -1,9 +1,11 @@
 """The BentoML service of the trained policy.
 
-``schemas`` holds the request/response models and every validation limit, ``service`` the
-``RlvrPolicy`` service (``/generate``, ``/solve``, the OpenAI-compatible ``/v1`` endpoints, probes,
-metrics, traffic logs), ``openai_api`` OpenAI's wire format (errors, choices, streamed chunks) and ``build``
-the functions the Dagster ``bento`` asset calls to store a checkpoint and build a Bento.
+``service`` holds the ``RlvrPolicy`` service (``/generate``, ``/solve``, the OpenAI-compatible ``/v1``
+endpoints, probes, metrics, traffic logs); ``limits`` every bound it enforces; ``native_models``,
+``openai_models`` and ``tokenizer_models`` its request/response models; ``openapi`` the document built from
+its routes; ``serving_engine`` its side of the generation engine; ``openai_api`` OpenAI's wire format
+(errors, choices, streamed chunks); ``build`` the functions the Dagster ``bento`` asset calls to store a
+checkpoint and build a Bento.
 Imports only the core library ``rlvr`` (never Dagster, DuckDB or MLflow).
 """
 

@@ -24,8 +24,8 @@ from starlette.responses import JSONResponse
 from bentos import SERVICE_NAME, openai_api
 from bentos.api_keys import PROBES, Access, Refusal
 from bentos.json_body import lone_surrogate_field
+from bentos.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES
 from bentos.metrics import REQUESTS
-from bentos.schemas import BODY_TIMEOUT_S, MAX_BODY_BYTES
 
 OPENAI_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")  # errors in OpenAI's shape
 PUBLIC_ENDPOINTS = ("/generate", "/solve", *OPENAI_ENDPOINTS)

@@ -17,14 +17,7 @@ from typing import AsyncGenerator, Callable, Sequence
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response
 
-from bentos.schemas import (
-    ChatLogprobs,
-    CompletionLogprobs,
-    OpenAIError,
-    OpenAIErrorResponse,
-    TokenLogprob,
-    Usage,
-)
+from bentos.openai_models import ChatLogprobs, CompletionLogprobs, OpenAIError, OpenAIErrorResponse, TokenLogprob, Usage
 
 SSE_DONE = b"data: [DONE]\n\n"
 

@@ -1,7 +1,7 @@
 """The OpenAI-compatible API (``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``) and vLLM's
 tokenizer endpoints (``/tokenize``, ``/detokenize``, ``/tokenizer_info``), as a mixin of ``RlvrPolicy``:
-validated and cost-checked before any work (400 naming the field, in OpenAI's error shape), one rollout job
-per prompt scheduled with all others, stopped when the client hangs up or its time runs out, logged
+validated and cost-checked before any work (400 naming the field, in OpenAI's error shape), one engine request
+per prompt batched with all others, stopped when the client hangs up or its time runs out, logged
 in the traffic log. ``bentos.openai_api`` speaks the wire format; ``echo`` and ``logprobs: k`` score
 prompt and completion in one forward pass on the model thread (``rlvr.generation.score_tokens``).
 """
@@ -25,11 +25,8 @@ from starlette.routing import Route
 
 from bentos import openai_api
 from bentos.admission import EXCHANGE, request_timeout_s
-from bentos.request_cost import CostFields, invalid_request
-from bentos.scheduler import RolloutJob, RolloutResult
-from bentos.schemas import (
-    MAX_COMPLETION_TOKENS,
-    MAX_SAMPLES,
+from bentos.limits import MAX_COMPLETION_TOKENS, MAX_SAMPLES
+from bentos.openai_models import (
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -38,17 +35,16 @@ from bentos.schemas import (
     Completion,
     CompletionChoice,
     CompletionRequest,
-    DetokenizeRequest,
-    DetokenizeResponse,
     ModelCard,
     ModelList,
-    TokenizeRequest,
-    TokenizeResponse,
-    TokenizerInfo,
 )
+from bentos.openapi import documented
+from bentos.request_cost import CostFields, invalid_request
+from bentos.serving_engine import RolloutResult
+from bentos.tokenizer_models import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, TokenizerInfo
 from bentos.traffic_log import generation_fields
 from rlvr.evaluation import majority_vote
-from rlvr.generation import TokenScores, score_tokens
+from rlvr.generation import EngineRequest, TokenScores, score_tokens
 from rlvr.prompts import ControlTokensError, render_messages, with_instructions
 
 logger = logging.getLogger("bentoml.rlvr_policy")
@@ -73,7 +69,7 @@ class StreamTimedOut(Exception):
 
 
 class OpenAIProtocol:
-    """The ``/v1`` and tokenizer endpoints of ``RlvrPolicy`` (its model, tokenizers, request cost, jobs, traffic log)."""
+    """The ``/v1`` and tokenizer endpoints of ``RlvrPolicy`` (its model, tokenizers, request cost, engine, traffic log)."""
 
     def openai_models(self) -> ModelList:
         return ModelList(
@@ -82,8 +78,8 @@ class OpenAIProtocol:
 
     async def openai_completions(self, request: Request, chat: bool) -> Response:
         """``POST /v1/chat/completions`` (``chat``) or ``/v1/completions``: validated and cost-checked before any
-        work (400 naming the field, in OpenAI's error shape), one rollout job per prompt batched with all
-        others, stopped when the client hangs up or its time runs out, logged in the traffic log."""
+        work (400 naming the field, in OpenAI's error shape), one engine request per prompt batched
+        with all others, stopped when the client hangs up or its time runs out, logged in the traffic log."""
         started, endpoint = time.perf_counter(), request.url.path
         response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         schema = ChatCompletionRequest if chat else CompletionRequest
@@ -108,7 +104,7 @@ class OpenAIProtocol:
                     "max_tokens",
                     f"prompts x n x max_tokens = {len(prompts)} x {body.n} x {max_tokens}; at most {MAX_COMPLETION_TOKENS} completion tokens",
                 )
-            jobs = self._jobs_within_limits(
+            engine_requests = self._requests_within_limits(
                 CostFields(schema.__name__, "messages" if chat else "prompt", rows, "max_tokens", chat),
                 prompts,
                 body.n,
@@ -130,14 +126,14 @@ class OpenAIProtocol:
             record.update(prompt=shown[0], **({"prompts": shown} if len(shown) > 1 else {}))
         reply = OpenAIReply(chat, response_id, int(time.time()), self.model_version, body, prompt_tokens=sum(len(ids) for ids in prompts))
         if body.stream:
-            return openai_api.EventStream(self._openai_stream(reply, jobs, started, record))
+            return openai_api.EventStream(self._openai_stream(reply, engine_requests, started, record))
         async with self._traffic_record(response_id, started, record):
-            results = await asyncio.gather(*(self._rollouts(job) for job in jobs))
+            results = await asyncio.gather(*(self._rollouts(engine_request) for engine_request in engine_requests))
             scores = None
             if not chat and body.logprobs is not None and (body.echo or body.logprobs):  # prompt log-probs, alternatives: one scoring pass
-                sequences = [list(job.prompt_ids) + ids for job, result in zip(jobs, results) for ids in result.token_ids]
+                sequences = [list(engine_request.prompt_ids) + ids for engine_request, result in zip(engine_requests, results) for ids in result.token_ids]
                 scores = await self._on_model(score_tokens, self.model, sequences, [body.temperature] * len(sequences), body.logprobs or 0)
-            response = self._openai_response(reply, results, record, [job.prompt_ids for job in jobs], scores)
+            response = self._openai_response(reply, results, record, [engine_request.prompt_ids for engine_request in engine_requests], scores)
             return JSONResponse(response.model_dump(mode="json"))  # serialised here: a failure is logged as the 500 it is
 
     async def tokenize(self, request: Request, detokenize: bool) -> Response:
@@ -206,7 +202,7 @@ class OpenAIProtocol:
         return self.prompt_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
 
     def _openai_response(
-        self, reply: OpenAIReply, results: list[RolloutResult], record: dict, prompts: list[tuple[int, ...]], scores: list[TokenScores] | None = None
+        self, reply: OpenAIReply, results: list[RolloutResult], record: dict, prompts: list[list[int]], scores: list[TokenScores] | None = None
     ):
         """The whole answer, its choices in order (prompt index x n + sample index), and the traffic record's
         generation fields (texts as the client got them; without an echoed prompt). ``scores``: each
@@ -282,20 +278,20 @@ class OpenAIProtocol:
             offsets = vocabulary.text_offsets(list(prompt_ids)) + [len(echoed) + offset for offset in offsets]
         return openai_api.completion_logprobs(tokens, logprobs, offsets, top)
 
-    async def _openai_stream(self, reply: OpenAIReply, jobs: list[RolloutJob], started: float, record: dict) -> AsyncIterator[bytes]:
+    async def _openai_stream(self, reply: OpenAIReply, engine_requests: list[EngineRequest], started: float, record: dict) -> AsyncIterator[bytes]:
         """Server-sent events: each choice's text as its tokens are sampled (held back while it could still
         become a stop string), its finish reason, the usage when asked, ``[DONE]``. A stream past the request
         timeout ends with an error event (504 in the log and the metrics)."""
         loop, arrived = asyncio.get_running_loop(), asyncio.Queue()
         n = reply.body.n
-        streams = [openai_api.TextStream(self._decode, reply.body.stop) for _ in range(len(jobs) * n)]
-        for i, job in enumerate(jobs):
-            job.on_tokens = lambda pairs, i=i: loop.call_soon_threadsafe(arrived.put_nowait, (i, pairs))
+        streams = [openai_api.TextStream(self._decode, reply.body.stop) for _ in range(len(engine_requests) * n)]
+        for i, engine_request in enumerate(engine_requests):
+            engine_request.on_tokens = lambda pairs, i=i: loop.call_soon_threadsafe(arrived.put_nowait, (i, pairs))
         deadline = started + request_timeout_s()
         say = functools.partial(openai_api.chunk, reply.chat, reply.response_id, reply.created, reply.model)
         try:
             async with self._traffic_record(reply.response_id, started, record):
-                generation = asyncio.gather(*(self._rollouts(job) for job in jobs))
+                generation = asyncio.gather(*(self._rollouts(engine_request) for engine_request in engine_requests))
                 generation.add_done_callback(lambda _: arrived.put_nowait(None))
                 try:
                     if reply.chat:
@@ -322,7 +318,7 @@ class OpenAIProtocol:
                     results = generation.result()
                 finally:
                     generation.cancel()
-                response = self._openai_response(reply, results, record, [job.prompt_ids for job in jobs])
+                response = self._openai_response(reply, results, record, [engine_request.prompt_ids for engine_request in engine_requests])
                 for choice, stream in zip(response.choices, streams):
                     text = choice.message.content if reply.chat else choice.text
                     rest = stream.finish(text)
@@ -347,27 +343,39 @@ class OpenAIProtocol:
         return self.prompt_tokenizer.decode(token_ids, skip_special_tokens=True)
 
 
+@documented(ModelList)
 async def _models_view(_request) -> JSONResponse:
+    """Models: the served policy"""
     return JSONResponse(bentoml.get_current_service().openai_models().model_dump())
 
 
+@documented(ChatCompletion, request=ChatCompletionRequest, stream=True)
 async def _chat_view(request: Request) -> Response:
+    """Chat: OpenAI-compatible chat completions"""
     return await bentoml.get_current_service().openai_completions(request, chat=True)
 
 
+@documented(Completion, request=CompletionRequest, stream=True)
 async def _completions_view(request: Request) -> Response:
+    """Completions: OpenAI-compatible completions of raw prompts"""
     return await bentoml.get_current_service().openai_completions(request, chat=False)
 
 
+@documented(TokenizeResponse, request=TokenizeRequest)
 async def _tokenize_view(request: Request) -> Response:
+    """Tokenize: token ids of a prompt or a chat, as vLLM's /tokenize"""
     return await bentoml.get_current_service().tokenize(request, detokenize=False)
 
 
+@documented(DetokenizeResponse, request=DetokenizeRequest)
 async def _detokenize_view(request: Request) -> Response:
+    """Detokenize: the text of token ids, as vLLM's /detokenize"""
     return await bentoml.get_current_service().tokenize(request, detokenize=True)
 
 
+@documented(TokenizerInfo, unloaded_503=True)
 async def _tokenizer_info_view(_request) -> Response:
+    """Tokenizer_info: the tokenizer's class, special tokens and chat template, as vLLM's /tokenizer_info"""
     info = bentoml.get_current_service().tokenizer_info()
     if info is None:
         return openai_api.error_response(503, "the policy is not loaded yet")

@@ -13,8 +13,8 @@ from pydantic import ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from bentos.admission import request_timeout_s
-from bentos.scheduler import RolloutJob
-from bentos.schemas import MAX_PROMPT_TOKENS
+from bentos.limits import MAX_PROMPT_TOKENS
+from rlvr.generation import EngineRequest
 from rlvr.prompts import render_prompt, system_prompt_for
 
 
@@ -43,9 +43,9 @@ class RequestCost:
         """A 400 naming the new-tokens field when the engine's measured speed cannot finish the request in time."""
         if os.environ.get("RLVR_REFUSE_PAST_TIMEOUT", "1").strip().lower() in ("0", "false", "no", "off"):
             return
-        timeout_s, estimated_s = request_timeout_s(), self.scheduler.estimated_s(prompt_tokens, rows, max_new_tokens)
+        timeout_s, estimated_s = request_timeout_s(), self.serving_engine.estimated_s(prompt_tokens, rows, max_new_tokens)
         if estimated_s > timeout_s:
-            step_ms = 1000 * self.scheduler.engine.step_seconds
+            step_ms = 1000 * self.serving_engine.engine.step_seconds
             raise invalid_request(
                 names.title,
                 names.new_tokens,
@@ -63,10 +63,13 @@ class RequestCost:
             raise invalid_request(title, text_field, f"{text_field} refused by the prompt builder: {err}") from None
         return self.prompt_tokenizer(prompt, add_special_tokens=False).input_ids
 
-    def _jobs_within_limits(self, names: CostFields, prompts: list[list[int]], rows: int, max_new_tokens: int, **sampling) -> list[RolloutJob]:
-        """One rollout job per prompt once the request's cost on the loaded model fits; else a 400 naming
-        the field: each prompt within ``MAX_PROMPT_TOKENS`` and, with its new tokens, the model's context;
-        the KV cache of all the request's rows within the budget."""
+    def _requests_within_limits(
+        self, names: CostFields, prompts: list[list[int]], rows: int, max_new_tokens: int, seed: int | None = None, **sampling
+    ) -> list[EngineRequest]:
+        """One engine request per prompt, in the policy's environment, once the request's cost on the loaded
+        model fits; else a 400 naming the field: each prompt within ``MAX_PROMPT_TOKENS`` and, with its new
+        tokens, the model's context; the KV cache of all the request's rows within the budget. ``seed``: the
+        client's (the same choices alone or batched), else the engine's next."""
         title, where = names.title, " in the chat template" if names.templated else ""
         for ids in prompts:
             tokens = len(ids)
@@ -79,7 +82,7 @@ class RequestCost:
                     f"{names.prompt} ({tokens} tokens{where}) + {names.new_tokens} "
                     f"({max_new_tokens}) is over the model's context of {self.context_tokens} tokens",
                 )
-            window = self.scheduler.engine.window
+            window = self.serving_engine.engine.window
             if window is not None and tokens + max_new_tokens > window:
                 raise invalid_request(
                     title,
@@ -100,6 +103,13 @@ class RequestCost:
             )
         self._within_timeout(names, max(len(ids) for ids in prompts), rows * len(prompts), max_new_tokens)
         return [
-            RolloutJob(prompt_ids=tuple(ids), num_samples=rows, max_new_tokens=max_new_tokens, kv_cache_bytes=kv, **sampling)
-            for ids, kv in zip(prompts, kv_bytes)
+            EngineRequest(
+                prompt_ids=list(ids),
+                num_samples=rows,
+                max_new_tokens=max_new_tokens,
+                seed=self.serving_engine.next_seed() if seed is None else seed,
+                environment=self.environment,
+                **sampling,
+            )
+            for ids in prompts
         ]

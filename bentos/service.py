@@ -2,11 +2,11 @@
 
 Routes: ``/generate`` (rollouts of one prompt, with answers and rewards), ``/solve`` (self-consistency,
 Wang et al. 2022: a majority vote of k samples), OpenAI's ``/v1`` API and vLLM's tokenizer routes
-(``bentos.openai_protocol``), the probes ``/healthz`` and ``/readyz``, ``/metrics`` and ``/docs.json``.
+(``bentos.openai_protocol``), the probes ``/healthz`` and ``/readyz``, ``/metrics`` and ``/docs.json`` (``bentos.openapi``).
 Every route but the probes takes an API key (``bentos.api_keys``). The policy comes from the model
 store (the ``model_tag`` Bento argument) and uses training's prompt builder and answer extractor.
-Admission (``bentos.admission``), request cost (``bentos.request_cost``), scheduling
-(``bentos.scheduler``) and the traffic log (``bentos.traffic_log``) are modules of their own.
+Admission (``bentos.admission``), request cost (``bentos.request_cost``), the engine
+(``bentos.serving_engine``) and the traffic log (``bentos.traffic_log``) are modules of their own.
 """
 
 from __future__ import annotations
@@ -30,27 +30,18 @@ from starlette.routing import Route
 from bentos import MODEL_NAME, MODEL_VERSION_LABEL, SERVICE_NAME, header_timeout
 from bentos.admission import REQUEST_SLOTS, REQUEST_TIMEOUT_S, RequestGuard
 from bentos.api_keys import ACCESS, access_from_env
+from bentos.limits import DEFAULT_KV_CACHE_BUDGET_MIB, EXTRACTION_MODE, SERVED_REWARDS
 from bentos.metrics import REWARD, VOTE_SHARE
+from bentos.native_models import GenerateRequest, GenerateResponse, Rollout, SolveRequest, SolveResponse, ToolCall
 from bentos.openai_protocol import ROUTES, OpenAIProtocol
+from bentos.openapi import openapi_document
 from bentos.request_cost import CostFields, RequestCost
-from bentos.scheduler import ContinuousScheduler, ModelCall, RolloutJob, RolloutResult, make_scheduler
-from bentos.schemas import (
-    DEFAULT_KV_CACHE_BUDGET_MIB,
-    EXTRACTION_MODE,
-    SERVED_REWARDS,
-    GenerateRequest,
-    GenerateResponse,
-    Rollout,
-    SolveRequest,
-    SolveResponse,
-    ToolCall,
-    openapi_document,
-)
-from bentos.traffic_log import TrafficRecording, generation_fields, note_job
+from bentos.serving_engine import ModelCall, RolloutResult, ServingEngine
+from bentos.traffic_log import TrafficRecording, generation_fields, note_request
 from bentos.vocabulary import Vocabulary
 from rlvr.answers import extract_final_answer
 from rlvr.evaluation import majority_vote
-from rlvr.generation import kv_cache_bytes_per_token
+from rlvr.generation import EngineRequest, kv_cache_bytes_per_token
 from rlvr.policy import load_policy, load_tokenizer, policy_environment
 from rlvr.process_lifetime import die_with_parent
 from rlvr.rewards import RewardPool
@@ -113,7 +104,7 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
         self.model = self.tokenizer = self.prompt_tokenizer = self.vocabulary = self.environment = None
         self.context_tokens: int | None = None
         self.kv_bytes_per_token = self.vocab_size = 0
-        self.scheduler: ContinuousScheduler | None = None
+        self.serving_engine: ServingEngine | None = None
         self._load_error: BaseException | None = None
         die_with_parent(signal.SIGTERM)  # a killed `bentoml serve` takes this worker along
         threading.Thread(target=self._serve_model, args=(stored.path,), name="rlvr-policy", daemon=True).start()
@@ -128,7 +119,7 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
 
     def __is_ready__(self) -> bool:
         """Loaded, a slot free, and a new request would start within ``READY_START_WAIT_S``."""
-        return REQUEST_SLOTS.loaded and not REQUEST_SLOTS.saturated and self.scheduler.start_wait_s() <= ready_start_wait_s()
+        return REQUEST_SLOTS.loaded and not REQUEST_SLOTS.saturated and self.serving_engine.start_wait_s() <= ready_start_wait_s()
 
     def __is_alive__(self) -> bool:
         return self._load_error is None
@@ -145,7 +136,7 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
         started, request_id = time.perf_counter(), uuid.uuid4().hex
         temperatures = request.temperatures()
         prompt = self._rendered("GenerateRequest", "prompt", request.prompt)
-        (job,) = self._jobs_within_limits(
+        (engine_request,) = self._requests_within_limits(
             CostFields("GenerateRequest", "prompt", "num_rollouts", "max_new_tokens", True),
             [prompt],
             request.num_rollouts,
@@ -155,7 +146,7 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
         )
         record = {"endpoint": "/generate", "prompt": request.prompt, "params": request.model_dump(exclude={"prompt", "ground_truth"})}
         async with self._traffic_record(request_id, started, record):
-            result = await self._rollouts(job)
+            result = await self._rollouts(engine_request)
             answers = [self._answer(text) for text in result.texts]
             answer, vote_share = majority_vote(answers)
             reference = request.reference()
@@ -209,7 +200,7 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
         """Answer a math word problem by majority vote over ``k`` samples (greedy when k = 1)."""
         started, request_id = time.perf_counter(), uuid.uuid4().hex
         question = self._rendered("SolveRequest", "question", request.question)
-        (job,) = self._jobs_within_limits(
+        (engine_request,) = self._requests_within_limits(
             CostFields("SolveRequest", "question", "k", "max_new_tokens", True),
             [question],
             request.k,
@@ -219,7 +210,7 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
         )
         record = {"endpoint": "/solve", "prompt": request.question, "params": request.model_dump(exclude={"question"})}
         async with self._traffic_record(request_id, started, record):
-            result = await self._rollouts(job)
+            result = await self._rollouts(engine_request)
             answers = [self._answer(text) for text in result.texts]
             answer, vote_share = majority_vote(answers)
             winner = answers.index(answer) if answer is not None else 0
@@ -244,26 +235,26 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
     async def _on_model(self, fn: Callable, *args):
         """``fn(*args)`` on the model thread, between two engine steps (the model is that thread's)."""
         call = ModelCall(functools.partial(fn, *args))
-        self.scheduler.call(call)
+        self.serving_engine.call(call)
         return await asyncio.wrap_future(call.result)
 
     # ---- admission by cost, batching ----------------------------------------------------------
 
-    async def _rollouts(self, job: RolloutJob) -> RolloutResult:
-        """Queue the job for the model thread and wait for it; a caller that gives up (its client hung
-        up, its time ran out) stops the job's rows at the next decode step."""
-        note_job(job)
-        self.scheduler.submit(job)
+    async def _rollouts(self, request: EngineRequest) -> RolloutResult:
+        """Queue the request for the model thread and wait for it; a caller that gives up (its client hung
+        up, its time ran out) stops the request's rows at the next decode step."""
+        note_request(request)
+        result = self.serving_engine.submit(request)
         try:
-            return await asyncio.wrap_future(job.result)
+            return await asyncio.wrap_future(result)
         except asyncio.CancelledError:
-            job.cancelled.set()
-            job.result.cancel()
+            request.cancelled.set()
+            result.cancel()
             raise
 
     def _serve_model(self, path: str) -> None:
         """The model thread: load the policy, warm it up (one short greedy generation), open the slots,
-        then run the scheduler for as long as the process lives."""
+        then run the engine for as long as the process lives."""
         try:
             import torch
 
@@ -277,22 +268,16 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
             self.kv_bytes_per_token = kv_cache_bytes_per_token(self.model.config, self.model.dtype)
             self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
             seed = int(os.environ.get("RLVR_SEED", "0"))
-            self.scheduler = make_scheduler(self.model, self.tokenizer, self.kv_cache_budget_bytes, self.batching, seed, self.environment)
-            warm_up = RolloutJob(
-                prompt_ids=tuple(self._rendered("warm-up", "question", WARM_UP_QUESTION)),
-                num_samples=1,
-                temperatures=(0.0,),
-                max_new_tokens=4,
-                top_p=1.0,
-                kv_cache_bytes=0,
+            self.serving_engine = ServingEngine(self.model, self.tokenizer, self.kv_cache_budget_bytes, seed, self.batching)
+            prompt_ids = self._rendered("warm-up", "question", WARM_UP_QUESTION)
+            self.serving_engine.warm_up(
+                functools.partial(EngineRequest, prompt_ids, num_samples=1, temperatures=(0.0,), max_new_tokens=4, environment=self.environment)
             )
-            self.scheduler.warm_up(warm_up)
             REQUEST_SLOTS.loaded = True
             logger.info(
-                "rlvr_policy: %s loaded on %s and warmed up; %s scheduling; environment %s %s",
+                "rlvr_policy: %s loaded on %s and warmed up; environment %s %s",
                 self.model_tag,
                 device,
-                self.scheduler.name,
                 self.environment.name,
                 self.environment.options(),
             )
@@ -300,7 +285,7 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
             self._load_error = err
             logger.exception("rlvr_policy: loading %s failed", self.model_tag)
             return
-        self.scheduler.run()
+        self.serving_engine.run()
 
     # ---- answers, rewards, traffic -----------------------------------------------------------
 
@@ -322,12 +307,13 @@ def _tool_calls(result: RolloutResult, sample: int) -> list[ToolCall]:
 
 
 @functools.cache
-def _openapi() -> dict:
-    return openapi_document(RlvrPolicy.name, ARGS.model_tag, (__doc__ or "").split("\n\n")[0])
+def published_openapi(version: str = ARGS.model_tag) -> dict:
+    """``/docs.json``: the OpenAPI document of the routes ``RlvrPolicy`` serves (``bentos.openapi``)."""
+    return openapi_document(RlvrPolicy, version, (__doc__ or "").split("\n\n")[0])
 
 
 async def _openapi_view(_request) -> JSONResponse:
-    return JSONResponse(_openapi())
+    return JSONResponse(published_openapi())
 
 
 RlvrPolicy.add_asgi_middleware(RequestGuard, slots=REQUEST_SLOTS, access=ACCESS)

@@ -12,29 +12,30 @@ import time
 from datetime import datetime, timezone
 
 from bentos.admission import caller_key_id, cancelled_status
-from bentos.scheduler import RolloutJob, RolloutResult
+from bentos.serving_engine import RolloutResult
+from rlvr.generation import EngineRequest
 
 logger = logging.getLogger("bentoml.rlvr_policy")
-_JOBS: contextvars.ContextVar[list[RolloutJob] | None] = contextvars.ContextVar("rlvr_traffic_jobs", default=None)
+_REQUESTS: contextvars.ContextVar[list[EngineRequest] | None] = contextvars.ContextVar("rlvr_traffic_requests", default=None)
 
 
-def note_job(job: RolloutJob) -> None:
-    """Tell the enclosing traffic record about a job it waits for (a record that is not 200 keeps their progress)."""
-    jobs = _JOBS.get()
-    if jobs is not None:
-        jobs.append(job)
+def note_request(request: EngineRequest) -> None:
+    """Tell the enclosing traffic record about an engine request it waits for (a record that is not 200 keeps their progress)."""
+    requests = _REQUESTS.get()
+    if requests is not None:
+        requests.append(request)
 
 
 class TrafficRecording:
-    """A mixin of ``RlvrPolicy`` (its ``traffic``, ``model_version``, ``model_tag``, ``batching``, ``scheduler``)."""
+    """A mixin of ``RlvrPolicy`` (its ``traffic``, ``model_version``, ``model_tag``, ``batching``)."""
 
     @contextlib.asynccontextmanager
     async def _traffic_record(self, request_id: str, started: float, record: dict):
         """Append the request's traffic record on exit: the status its client got (200; 499 when it hung
         up; 504 when its time ran out; the error's) and, when not 200, why and each sample's tokens so far."""
         received_at, status, why = datetime.now(timezone.utc), 200, None
-        jobs: list[RolloutJob] = []
-        _JOBS.set(jobs)  # the request's own task; not reset: a stream's record may close in another context
+        requests: list[EngineRequest] = []
+        _REQUESTS.set(requests)  # the request's own task; not reset: a stream's record may close in another context
         try:
             yield record
         except (asyncio.CancelledError, GeneratorExit):  # GeneratorExit: a stream closed by its response
@@ -55,12 +56,11 @@ class TrafficRecording:
                 "status": status,
                 "latency_s": round(time.perf_counter() - started, 4),
                 "batching": self.batching,
-                "engine": self.scheduler.name,
             }
             if why is not None:
                 entry["error"] = why
-                if jobs:
-                    entry["completion_tokens_so_far"] = [n for job in jobs for n in job.tokens_so_far()]
+                if requests:
+                    entry["completion_tokens_so_far"] = [len(ids) for request in requests for ids in request.token_ids]
             self._append_traffic(entry)
 
     def _append_traffic(self, entry: dict) -> None:

@@ -34,15 +34,8 @@ from starlette.routing import Route
 from bentos.admission import MAX_CONCURRENCY
 from bentos.build import MODEL_VERSION_LABEL, store_policy
 from bentos.header_timeout import HEADER_TIMEOUT_S
-from bentos.schemas import (
-    BODY_TIMEOUT_S,
-    MAX_BODY_BYTES,
-    MAX_NEW_TOKENS,
-    MAX_PROMPT_CHARS,
-    MAX_PROMPT_TOKENS,
-    openapi_document,
-)
-from bentos.service import REWARD_TIMEOUT_S
+from bentos.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_NEW_TOKENS, MAX_PROMPT_CHARS, MAX_PROMPT_TOKENS
+from bentos.service import REWARD_TIMEOUT_S, published_openapi
 from rlvr.answers import extract_final_answer
 from rlvr.evaluation import majority_vote
 from rlvr.settings import Settings
@@ -439,7 +432,7 @@ def test_concurrent_mixed_requests_are_batched_and_all_answered(server):
 # ---------------------------------------------------------------------------------------------
 
 
-DOCUMENT = openapi_document("rlvr_policy", "test", "the document the service publishes")
+DOCUMENT = published_openapi("test")
 # A fuzzed body past the service's body cap (a list of long /v1 prompts) is refused before parsing: 413.
 FUZZ_CONFIG = SchemathesisConfig.from_dict({"checks": {"negative_data_rejection": {"expected-statuses": ["400", "404", "405", "413", "415", "422"]}}})
 

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoTokenizer
 
 from bentos.build import MODEL_VERSION_LABEL
-from bentos.schemas import MAX_BODY_BYTES, MAX_STOP_STRINGS
+from bentos.limits import MAX_BODY_BYTES, MAX_STOP_STRINGS
 from bentos.vocabulary import Vocabulary
 from rlvr.answers import lm_eval_gsm8k_answers
 from rlvr.prompts import SYSTEM_PROMPT

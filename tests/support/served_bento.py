@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from bentos.build import MODEL_VERSION_LABEL, bentoml_cli, bentoml_env, build_bento, store_policy
-from bentos.schemas import MAX_NEW_TOKENS
+from bentos.limits import MAX_NEW_TOKENS
 from rlvr.traffic import read_traffic
 from support.ports import free_port
 from support.scripted_policies import save_scripted_tiny_llama
