@@ -126,7 +126,7 @@ class ServingEngine:
                 self.engine.step_seconds = 0.0
             result = self.submit(new_request())
             while not result.done():
-                self.engine._take_inbox(block=False)
+                self.engine.take_submissions()
                 self.engine.step()
         return result.result()
 

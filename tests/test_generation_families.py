@@ -52,7 +52,7 @@ def test_a_request_alone_and_beside_others_completes_as_generate_does(model, tok
         for step in range(500):
             for request in arrivals.get(step, []):
                 engine.submit(request)
-            engine._take_inbox(block=False)
+            engine.take_submissions()
             engine.step()
             if step > 6 and all(q.done_s is not None for q in requests):
                 break

@@ -51,7 +51,7 @@ def test_the_engine_decodes_through_it_and_matches_the_rollout_engine(monkeypatc
     ]
     for request in requests:
         engine.submit(request)
-    engine._take_inbox(block=False)
+    engine.take_submissions()
     while not all(q.done_s for q in requests):
         engine.step()
     assert calls and max(calls) == len(prompts)

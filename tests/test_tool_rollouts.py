@@ -195,7 +195,7 @@ def test_the_serving_engine_gives_the_rollout_engines_completions(model, tokeniz
         if step in (0, 3):
             for request in requests[:1] if step == 0 else requests[1:]:
                 engine.submit(request)
-        engine._take_inbox(block=False)
+        engine.take_submissions()
         engine.step()
         if all(q.done_s is not None for q in requests):
             break

@@ -1,6 +1,6 @@
 """One generation engine for training rollouts, evaluation and serving.
 
-Parts, as vLLM's v1 engine separates them: the scheduler and its requests (``engine``), the KV cache
+Parts, as vLLM's v1 engine separates them: the engine and its requests (``engine``), the scheduler and its KV budget (``scheduler``), the KV cache
 (``kv_cache``, ``prefix_cache``), the model runner (``model_runner``), the sampler (``sampler``), the
 stop checker (``stops``), and the rollout call training and evaluation make (``rollouts``).
 """

@@ -2,10 +2,10 @@
 
 Every caller submits :class:`EngineRequest`s: training rollouts and evaluation (``rlvr.generation.rollouts``,
 stepping until every row is done) and the service (stepping on its model thread). Each :meth:`Engine.step`
-drops cancelled rows, admits rows of prefilled prompts within a fair share of the rows and the KV
-budget, runs one forward over every running row's next token and the prompt chunks that fit the
-step's token budget (``rlvr.generation.model_runner``), samples (``rlvr.generation.sampler``), applies the
-stop rules (``rlvr.generation.stops``) and the rows' tool episodes, and retires finished rows.
+drops cancelled rows, starts the rows the scheduler admits (``rlvr.generation.scheduler``), runs one forward
+over its plan: every running row's next token and the prompt chunks that fit the step's token budget
+(``rlvr.generation.model_runner``), samples (``rlvr.generation.sampler``), applies the stop rules
+(``rlvr.generation.stops``) and the rows' tool episodes, and retires finished rows.
 docs/architecture.md ("The generation engine") tells the whole mechanism.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -34,6 +34,7 @@ from rlvr.generation.kv_cache import SlotCache, kv_cache_bytes_per_token, quanti
 from rlvr.generation.model_runner import model_runner
 from rlvr.generation.prefix_cache import PrefixCache
 from rlvr.generation.sampler import draw_uniforms, row_generator, sample_tokens
+from rlvr.generation.scheduler import Lane, Row, Scheduler
 from rlvr.generation.stops import StopChecker
 
 SHORT_LANE_TOKENS = 512  # rows of at most this many tokens (prompt + new) decode in a lane of their own
@@ -101,41 +102,10 @@ class EngineRequest:
         return self.temperatures[sample % len(self.temperatures)]
 
 
-@dataclass
-class Row:
-    request: EngineRequest
-    sample: int
-    generator: torch.Generator | None  # None: greedy
-    driver: EpisodeDriver | None = None  # its episode (requests with an environment)
-    parked: Future | None = None  # a turn end being observed off the engine thread
-    parked_reason: str | None = None  # how the row finishes if that observation injects nothing
-
-
-class Lane:
-    """Running rows whose slots share one :class:`SlotCache` and one decode step: rows whose slot (prompt
-    + new tokens) is at most ``max_length`` (``None``: any), so a long request's rows do not pad every
-    short one to their length."""
-
-    def __init__(self, num_layers: int, max_length: int | None):
-        self.num_layers, self.max_length = num_layers, max_length
-        self.cache = SlotCache(num_layers)
-        self.rows: list[Row] = []
-        self.next_tokens = torch.zeros(0, dtype=torch.long)
-
-    def takes(self, request: EngineRequest) -> bool:
-        return self.max_length is None or request.slot_length <= self.max_length
-
-    def slot_length(self, request: EngineRequest) -> int:
-        """The lane's slot length once ``request``'s rows join."""
-        return max(self.cache.capacity_length if self.rows else 0, quantized(request.slot_length))
-
-    def clear(self) -> None:
-        self.cache, self.rows, self.next_tokens = SlotCache(self.num_layers), [], torch.zeros(0, dtype=torch.long)
-
-
 class Engine:
     """Continuous batching over ``model`` (see the module docstring). :meth:`submit` from any thread;
-    :meth:`run` (or :meth:`step`) on the one thread that owns the model. ``plan``: what runs
+    :meth:`run` (or :meth:`take_submissions` and :meth:`step`) on the one thread that owns the model;
+    its :class:`Scheduler` decides each step's work. ``plan``: what runs
     (``rlvr.fastpaths.plan``); by default planned here from ``fast_paths`` after tuning this thread's torch
     threads, so every caller (rollouts, evaluation, the service) gets the same backend for the same model."""
 
@@ -156,8 +126,6 @@ class Engine:
         plan: BackendPlan | None = None,
     ):
         self.model, self.tokenizer = model, tokenizer
-        self.max_rows, self.step_tokens, self.kv_budget_bytes, self.max_share = max_rows, step_tokens, kv_budget_bytes, max_share
-        self.max_requests = max_requests  # None: any number run at once; else the oldest that many
         if plan is None:
             tune_threads()  # the thread count the steps run at (they re-tune it), before slot attention is decided
             plan = plan_backend(model, fast_paths)
@@ -174,9 +142,17 @@ class Engine:
         self.token_texts = TokenTexts(tokenizer)
         self._tool_pool: ThreadPoolExecutor | None = None
         layers = model.config.num_hidden_layers
-        self.lanes = [Lane(layers, short_lane_tokens), Lane(layers, None)] if short_lane_tokens else [Lane(layers, None)]
-        self.waiting: list[EngineRequest] = []  # submitted, some rows not yet running
-        self.running: set[EngineRequest] = set()  # some rows running
+        self.scheduler = Scheduler(
+            [Lane(layers, short_lane_tokens), Lane(layers, None)] if short_lane_tokens else [Lane(layers, None)],
+            self.prefixes,
+            bytes_per_token=self.bytes_per_token,
+            kv_budget_bytes=kv_budget_bytes,
+            max_rows=max_rows,
+            step_tokens=step_tokens,
+            max_share=max_share,
+            max_requests=max_requests,  # None: any number run at once; else the oldest that many
+            model_config=model.config,
+        )
         self._inbox: deque[EngineRequest | Callable[[], None]] = deque()
         self._wakeup = threading.Condition()
         self.step_seconds = 0.0  # a moving average of steps with rows (0: none measured yet), for the time estimates
@@ -184,16 +160,28 @@ class Engine:
     @property
     def rows(self) -> list[Row]:
         """Every running row (all lanes)."""
-        return [row for lane in self.lanes for row in lane.rows]
+        return self.scheduler.rows
+
+    @property
+    def lanes(self) -> list[Lane]:
+        return self.scheduler.lanes
+
+    @property
+    def max_rows(self) -> int:
+        return self.scheduler.max_rows
+
+    @property
+    def step_tokens(self) -> int:
+        return self.scheduler.step_tokens
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return self.scheduler.kv_budget_bytes
 
     def kv_bytes(self) -> int:
         """The KV cache held: every lane's slots, the prompt caches of requests whose rows wait, and the
         prefix cache's blocks."""
-        return self._reserved_bytes() + self.prefixes.bytes
-
-    def _reserved_bytes(self) -> int:
-        """The KV cache requests hold (the prefix cache's blocks give way to it)."""
-        return sum(lane.cache.bytes(self.bytes_per_token) for lane in self.lanes) + self._prompt_cache_bytes()
+        return self.scheduler.held_bytes() + self.prefixes.bytes
 
     # ---- from any thread ----------------------------------------------------------------------
 
@@ -226,7 +214,7 @@ class Engine:
         """How long a new short request would wait to start: the oldest waiting request's wait so far,
         or, with every slot taken, the steps until the first running row ends at the budget."""
         now, waited = time.monotonic(), 0.0
-        for request in list(self.waiting):
+        for request in list(self.scheduler.waiting):
             if request._running == 0 and request.first_token_s is None:
                 waited = max(waited, now - request.submitted_s)
         rows = self.rows
@@ -241,7 +229,7 @@ class Engine:
         """Steps for as long as there is work (waiting for it in between); a failing step fails every
         request in the engine (``error``) and the engine starts afresh."""
         while stop is None or not stop.is_set():
-            self._take_inbox(block=not (self.waiting or any(row.parked is None for row in self.rows)))
+            self.take_submissions(block=not self.scheduler.has_work())
             try:
                 self.step()
             except Exception as err:  # noqa: BLE001 - each request in the engine gets it
@@ -256,22 +244,22 @@ class Engine:
             self.submit(request)
         left = len(requests)
         while left:
-            self._take_inbox(block=not (self.waiting or any(row.parked is None for row in self.rows)))
+            self.take_submissions(block=not self.scheduler.has_work())
             self.step()
             while done:
                 left -= 1
                 yield done.popleft()
 
     def _fail_all(self, err: Exception) -> None:
-        requests = {*self.waiting, *(r.request for r in self.rows)}
-        self.waiting, self.running = [], set()
-        for lane in self.lanes:
-            lane.clear()
-        for request in requests:
+        for request in self.scheduler.drop_all():
             request.error = err
             self._finish(request)
 
-    def _take_inbox(self, block: bool) -> None:
+    def take_submissions(self, block: bool = False) -> None:
+        """Take in what other threads posted since the last call: submitted requests join the waiting
+        queue, :meth:`call` functions run here, on the engine's thread. ``block``: wait up to a second
+        for something first. :meth:`run` and :meth:`run_requests` call it before each step; a caller
+        driving :meth:`step` itself calls it too."""
         with self._wakeup:
             if block:
                 self._wakeup.wait_for(lambda: self._inbox, timeout=1.0)
@@ -279,7 +267,7 @@ class Engine:
             self._inbox.clear()
         for item in items:
             if isinstance(item, EngineRequest):
-                self.waiting.append(item)
+                self.scheduler.add(item)
             else:
                 item()
 
@@ -289,14 +277,14 @@ class Engine:
         with torch.inference_mode():
             self._drop_cancelled()
             self._admit_rows()
-            self._forward(max(self.step_tokens - len(self.rows), self.step_tokens // 8))
+            self._forward(self.scheduler.prefill_budget())
             self._admit_rows()
         if self.rows:
             elapsed = time.monotonic() - started
             self.step_seconds = elapsed if not self.step_seconds else 0.9 * self.step_seconds + 0.1 * elapsed
 
     def _drop_cancelled(self) -> None:
-        for request in [q for q in self.waiting if q.cancelled.is_set()]:
+        for request in [q for q in self.scheduler.waiting if q.cancelled.is_set()]:
             for sample in range(request._next_sample, request.num_samples):
                 request.finish_reasons[sample] = "cancelled"
             request._next_sample = request.num_samples
@@ -306,71 +294,19 @@ class Engine:
                 if lane.rows[i].request.cancelled.is_set():
                     self._retire(lane, i, "cancelled")
 
-    def _requests_wanting_rows(self) -> int:
-        """How many requests run rows or wait for some (the fair share of the rows divides by it)."""
-        return len({*self.running, *(q for q in self.waiting if q.pending_rows)})
-
-    def _lane(self, request: EngineRequest) -> Lane:
-        return next(lane for lane in self.lanes if lane.takes(request))
-
-    def _active(self, requests: list[EngineRequest]) -> list[EngineRequest]:
-        """``requests`` less those beyond ``max_requests`` (the oldest requests in the engine run first)."""
-        if self.max_requests is None:
-            return requests
-        oldest = sorted({*self.running, *self.waiting}, key=lambda q: q.submitted_s)[: self.max_requests]
-        return [q for q in requests if q in oldest]
-
     def _admit_rows(self) -> None:
-        ready = self._active([q for q in self.waiting if q.prefilled and q.pending_rows])
-        if not ready:
-            return
-        ready.sort(key=lambda q: (q.pending_rows * q.max_new_tokens, q.submitted_s))  # short requests first
-        requests_wanting = self._requests_wanting_rows()
-        for request in ready:
-            room = self.max_rows - len(self.rows)
-            share = self.max_rows if requests_wanting == 1 else max(1, self.max_rows // requests_wanting)
-            count = min(request.pending_rows, room, max(0, share - request._running))
-            count = self._rows_that_fit(request, count)
-            if count:
-                self._add_rows(request, count)
-
-    def _rows_that_fit(self, request: EngineRequest, count: int) -> int:
-        """As many of ``count`` rows as the KV budget holds (slots padded to the longest row of their
-        lane), the request keeping to ``max_share`` of what the others leave of it (so there is always
-        room for one more request's first row); a request's first row needs only to fit."""
-        lane = self._lane(request)
-        length = lane.slot_length(request)
-        other_lanes = sum(other.cache.bytes(self.bytes_per_token) for other in self.lanes if other is not lane)
-        held = self._prompt_cache_bytes() + other_lanes
-        own_prompt = request._prefilled * self.bytes_per_token if request._cache is not None else 0
-        others = (len(lane.rows) - request._running) * length * self.bytes_per_token + held - own_prompt
-        while count:
-            fits = lane.cache.bytes(self.bytes_per_token, len(lane.rows) + count, length) + held <= self.kv_budget_bytes
-            own = (request._running + count) * length * self.bytes_per_token
-            if fits and (own <= self.max_share * (self.kv_budget_bytes - others) or request._running == 0 and count == 1):
-                return count
-            count -= 1
-        return 0
-
-    def _prompt_cache_bytes(self) -> int:
-        return sum(q._prefilled for q in self.waiting if q._cache is not None) * self.bytes_per_token
+        for request, count in self.scheduler.admissions():
+            self._add_rows(request, count)
 
     def _add_rows(self, request: EngineRequest, count: int) -> None:
-        lane = self._lane(request)
+        lane = self.scheduler.lane_for(request)
         cache, length = lane.cache, lane.slot_length(request)
         rows_needed = len(lane.rows) + count
         if rows_needed > cache.capacity_rows or length > cache.capacity_length:
-            capacity = min(self.max_rows, max(rows_needed, 8, 2 * cache.capacity_rows if cache.capacity_rows < rows_needed else 0))
-            held = self._reserved_bytes() - cache.bytes(self.bytes_per_token)
-            while cache.bytes(self.bytes_per_token, capacity, length) + held > self.kv_budget_bytes and capacity > rows_needed:
-                capacity -= 1
-            cache.resize(capacity, length, request._cache.layers[0].keys)
-            self.prefixes.shrink_to(self.kv_budget_bytes - self._reserved_bytes())
+            cache.resize(self.scheduler.slot_capacity(lane, rows_needed, length), length, request._cache.layers[0].keys)
+            self.scheduler.make_room()
         slots = cache.add_rows(request._cache, count)
-        samples = range(request._next_sample, request._next_sample + count)
-        request._next_sample += count
-        request._running += count
-        self.running.add(request)
+        samples = self.scheduler.admit(request, count)
         new_rows = []
         for sample in samples:
             generator = row_generator(request.seed, request.prompt_index, sample, request.temperature(sample))
@@ -388,28 +324,23 @@ class Engine:
             self._release_prompt(request)
 
     def _release_prompt(self, request: EngineRequest) -> None:
-        request._cache = request._last_logits = None
-        if not request.pending_rows:
-            self.waiting.remove(request)
-            if not request._running:
-                self._finish(request)
+        request._last_logits = None
+        if self.scheduler.release(request):
+            self._finish(request)
 
     def _forward(self, prefill_budget: int) -> None:
-        """One forward of the model over the step's tokens: every lane's running rows (one token each)
-        and the prompt chunks :meth:`_prefill_chunks` picks, so the weights are read once per step
+        """One forward of the model over the step's tokens: the scheduler's plan (every lane's running
+        rows, one token each, and the prompt chunks it picks), so the weights are read once per step
         however many lanes and prompts take part; then each lane's rows sample and record their
         tokens, and each prompt that is now whole keeps its last logits for its rows' first tokens."""
         for lane in self.lanes:
             self._resume_parked(lane)
-        chunks = self._prefill_chunks(prefill_budget)
+        plan = self.scheduler.schedule(prefill_budget)
+        chunks = plan.prefill
         if self.graphed is not None and not chunks and self._graphed_step():
             return
         tokens, positions, segments, logits_at = [], [], [], []
-        decoding: list[tuple[Lane, list[int]]] = []
-        for lane in self.lanes:
-            live = [i for i, row in enumerate(lane.rows) if row.parked is None]
-            if not live:
-                continue
+        for lane, live in plan.decode:
             start, cache = sum(map(len, tokens)), lane.cache
             rows = len(lane.rows)
             cache.step_length = int(cache.lengths[:rows].max()) + 1
@@ -418,7 +349,6 @@ class Engine:
             positions.append(lane_positions)
             segments.append((start, start + rows, _slot_attention(cache, lane_positions, self.device, self.slot_kernel, self.plan.float32_attention)))
             logits_at += [start + i for i in live]  # parked rows ride along; their outputs are dropped
-            decoding.append((lane, live))
         for request, begin, end in chunks:
             start = sum(map(len, tokens))
             tokens.append(torch.tensor(request.prompt_ids[begin:end]))
@@ -430,10 +360,10 @@ class Engine:
         logits = self.runner.forward(
             torch.cat(tokens).to(self.device), torch.cat(positions).to(self.device), _segmented(segments), torch.tensor(logits_at, device=self.device)
         )
-        if decoding:
+        if plan.decode:
             self._note_neighbours()
         offset = 0
-        for lane, live in decoding:
+        for lane, live in plan.decode:
             rows = len(lane.rows)
             if len(live) < rows:  # parked rows do not advance
                 lane.cache.lengths[live] += 1
@@ -445,7 +375,7 @@ class Engine:
             request._prefilled = end
             request._last_logits = logits[offset + k : offset + k + 1] if request.prefilled else None
             if request.prefilled:
-                self.prefixes.store(request.prompt_ids, request._cache, self.kv_budget_bytes - self._reserved_bytes())
+                self.prefixes.store(request.prompt_ids, request._cache, self.scheduler.room_bytes())
 
     def _graphed_step(self) -> bool:
         """A decode-only step of the one lane with rows, none parked, from a CUDA graph; False where it does not fit."""
@@ -463,32 +393,9 @@ class Engine:
         return True
 
     def _note_neighbours(self) -> None:
-        neighbours = len(self.running)
-        for request in self.running:
+        neighbours = len(self.scheduler.running)
+        for request in self.scheduler.running:
             request.max_neighbours = max(request.max_neighbours, neighbours)
-
-    def _prefill_chunks(self, budget: int) -> list[tuple[EngineRequest, int, int]]:
-        """Prompt chunks (request, first, end) of the waiting requests, shortest remaining first, within
-        ``budget`` tokens; a prompt starts only when its whole cache fits the KV budget (the prefix
-        cache giving way), after the blocks of it the prefix cache holds."""
-        now = time.monotonic()
-        todo = self._active([q for q in self.waiting if not q.prefilled and not q.cancelled.is_set()])
-        todo.sort(key=lambda q: ((len(q.prompt_ids) - q._prefilled) / (1 + now - q.submitted_s), q.submitted_s))
-        chunks = []
-        for request in todo:
-            if budget <= 0:
-                break
-            if request._cache is None:
-                if self._reserved_bytes() + len(request.prompt_ids) * self.bytes_per_token > self.kv_budget_bytes:
-                    continue
-                request._prefilled, cache = self.prefixes.lookup(request.prompt_ids, self.model.config)
-                request.cached_prompt_tokens = request._prefilled
-                request._cache = cache if cache is not None else DynamicCache(config=self.model.config)
-                self.prefixes.shrink_to(self.kv_budget_bytes - self._reserved_bytes())
-            end = min(len(request.prompt_ids), request._prefilled + budget)
-            chunks.append((request, request._prefilled, end))
-            budget -= end - request._prefilled
-        return chunks
 
     def _append_next_tokens(self, lane: Lane, live: list[int], logits: torch.Tensor) -> None:
         """The live rows' next tokens from their ``logits`` (or their environment's), recorded."""
@@ -587,11 +494,8 @@ class Engine:
             lane.rows[slot] = last
             lane.next_tokens[slot] = lane.next_tokens[moved]
         lane.next_tokens = lane.next_tokens[: len(lane.rows)]
-        request._running -= 1
-        if not request._running:
-            self.running.discard(request)
-            if not request.pending_rows and request not in self.waiting:
-                self._finish(request)
+        if self.scheduler.release_row(request):
+            self._finish(request)
         if not lane.rows:
             lane.clear()  # every slot free: the buffers go
         elif (needed := quantized(max(r.request.slot_length for r in lane.rows))) * 2 <= lane.cache.capacity_length:

@@ -16,7 +16,7 @@ def run_engine(engine: Engine, arrivals: dict[int, list[EngineRequest]], max_ste
     for step in range(max_steps):
         for request in arrivals.get(step, []):
             engine.submit(request)
-        engine._take_inbox(block=False)
+        engine.take_submissions()
         engine.step()
         rows.append(len(engine.rows))
         assert engine.kv_bytes() <= engine.kv_budget_bytes

@@ -1,0 +1,154 @@
+"""The engine's scheduler (rlvr.generation.scheduler) without a model: the KV budget's gate, prompt chunks
+under the step's token budget, running rows before prompts, fair shares, and releasing on finish or cancel.
+One byte per token keeps the budgets readable; slots are padded to 128 positions (kv_cache.quantized)."""
+
+from concurrent.futures import Future
+
+from rlvr.generation.engine import EngineRequest
+from rlvr.generation.prefix_cache import PrefixCache
+from rlvr.generation.scheduler import Lane, PrefillChunk, Row, Scheduler
+
+
+def _scheduler(kv_budget_bytes: int = 10_000, max_rows: int = 8, step_tokens: int = 128, **kwargs) -> Scheduler:
+    return Scheduler(
+        [Lane(2, None)],
+        PrefixCache(1, 0),
+        bytes_per_token=1,
+        kv_budget_bytes=kv_budget_bytes,
+        max_rows=max_rows,
+        step_tokens=step_tokens,
+        max_share=kwargs.pop("max_share", 0.5),
+        **kwargs,
+    )
+
+
+def _request(prompt_tokens: int, samples: int = 1, max_new_tokens: int = 10, submitted_s: float = 0.0) -> EngineRequest:
+    request = EngineRequest(prompt_ids=list(range(prompt_tokens)), num_samples=samples, temperatures=(0.0,), max_new_tokens=max_new_tokens)
+    request.submitted_s = submitted_s
+    return request
+
+
+def _prefilled(scheduler: Scheduler, request: EngineRequest) -> EngineRequest:
+    """``request`` waiting with its whole prompt's cache, as the engine leaves it after its last chunk."""
+    scheduler.add(request)
+    request._prefilled, request._cache = len(request.prompt_ids), object()
+    return request
+
+
+def _start_rows(scheduler: Scheduler, request: EngineRequest, count: int) -> None:
+    """What the engine does with an admission: the rows join their lane (slots unallocated here)."""
+    scheduler.lane_for(request).rows += [Row(request, sample, None) for sample in scheduler.admit(request, count)]
+
+
+def test_the_gate_counts_prefilled_prompt_tokens_and_refuses_past_the_budget():
+    scheduler = _scheduler(kv_budget_bytes=100)
+    assert scheduler.fits(100) and not scheduler.fits(101)
+    _prefilled(scheduler, _request(60))
+    assert scheduler.held_bytes() == 60 and scheduler.room_bytes() == 40
+    assert scheduler.fits(40) and not scheduler.fits(41)
+
+
+def test_a_prompt_starts_only_when_its_whole_cache_fits():
+    scheduler = _scheduler(kv_budget_bytes=100, step_tokens=1000)
+    _prefilled(scheduler, _request(60))
+    too_long, short = _request(41, submitted_s=1.0), _request(40, submitted_s=2.0)
+    scheduler.add(too_long)
+    scheduler.add(short)
+    plan = scheduler.schedule(scheduler.prefill_budget())
+    assert plan.prefill == [PrefillChunk(short, 0, 40)]
+    assert too_long._cache is None and short._cache is not None
+    assert not scheduler.reserve(too_long)
+
+
+def test_a_long_prompt_prefills_in_chunks_of_the_step_token_budget():
+    scheduler = _scheduler(step_tokens=128)
+    request = _request(300)
+    scheduler.add(request)
+    chunks = []
+    while not request.prefilled:
+        (chunk,) = scheduler.schedule(scheduler.prefill_budget()).prefill
+        chunks.append((chunk.begin, chunk.end))
+        request._prefilled = chunk.end  # what the engine records after the forward
+    assert chunks == [(0, 128), (128, 256), (256, 300)]
+
+
+def test_running_rows_decode_first_and_prompts_get_the_rest_of_the_step():
+    scheduler = _scheduler(step_tokens=64, max_rows=64)
+    running = _prefilled(scheduler, _request(5, samples=60))
+    _start_rows(scheduler, running, 3)
+    assert scheduler.prefill_budget() == 64 - 3
+    prompt = _request(100)
+    scheduler.add(prompt)
+    plan = scheduler.schedule(scheduler.prefill_budget())
+    assert plan.decode == [(scheduler.lanes[0], [0, 1, 2])]
+    assert plan.prefill == [PrefillChunk(prompt, 0, 61)]
+    _start_rows(scheduler, running, 60 - 3)
+    assert scheduler.prefill_budget() == 64 // 8  # never less than an eighth
+
+
+def test_parked_rows_do_not_decode():
+    scheduler = _scheduler()
+    request = _prefilled(scheduler, _request(5, samples=3))
+    _start_rows(scheduler, request, 3)
+    scheduler.lanes[0].rows[1].parked = Future()
+    assert scheduler.schedule(scheduler.prefill_budget()).decode == [(scheduler.lanes[0], [0, 2])]
+    assert scheduler.has_work()
+    scheduler.lanes[0].rows[0].parked = scheduler.lanes[0].rows[2].parked = Future()
+    scheduler.waiting.clear()
+    assert not scheduler.has_work()
+
+
+def test_prefilled_requests_share_the_rows_fairly_short_ones_first():
+    scheduler = _scheduler(max_rows=4)
+    long, short = _request(5, samples=4, max_new_tokens=100), _request(5, samples=4, max_new_tokens=10, submitted_s=1.0)
+    _prefilled(scheduler, long)
+    _prefilled(scheduler, short)
+    admitted = []
+    for request, count in scheduler.admissions():
+        admitted.append((request, count))
+        _start_rows(scheduler, request, count)
+    assert admitted == [(short, 2), (long, 2)]
+    assert list(scheduler.admissions()) == []  # every row taken
+
+
+def test_rows_keep_to_their_share_of_the_kv_budget_but_a_first_row_only_needs_to_fit():
+    scheduler = _scheduler(kv_budget_bytes=4 * 128 + 5, max_share=0.5)  # four 128-position slots beside a 5-token prompt
+    request = _prefilled(scheduler, _request(5, samples=4))
+    assert scheduler.rows_that_fit(request, 4) == 2  # half of what the others (its prompt aside) leave it
+    scheduler.kv_budget_bytes = 128 + 5
+    assert scheduler.rows_that_fit(request, 4) == 1
+    scheduler.kv_budget_bytes = 128 + 4
+    assert scheduler.rows_that_fit(request, 4) == 0
+
+
+def test_only_the_oldest_max_requests_are_scheduled():
+    scheduler = _scheduler(max_requests=1)
+    old, new = _request(10, submitted_s=1.0), _request(3, submitted_s=2.0)
+    scheduler.add(new)
+    scheduler.add(old)
+    assert [chunk.request for chunk in scheduler.schedule(scheduler.prefill_budget()).prefill] == [old]
+
+
+def test_release_frees_the_prompt_and_the_last_row_finishes_the_request():
+    scheduler = _scheduler()
+    request = _prefilled(scheduler, _request(50, samples=2))
+    _start_rows(scheduler, request, 2)
+    assert scheduler.held_bytes() == 50 and request in scheduler.running
+    assert scheduler.release(request) is False  # rows still running: not done
+    assert request not in scheduler.waiting and scheduler.held_bytes() == 0
+    assert scheduler.release_row(request) is False
+    assert scheduler.release_row(request) is True and request not in scheduler.running
+
+
+def test_a_cancelled_waiting_request_is_released_and_done():
+    scheduler = _scheduler()
+    request = _prefilled(scheduler, _request(50, samples=3))
+    _start_rows(scheduler, request, 1)
+    request._next_sample = request.num_samples  # what the engine does for the rows a cancel stops before they start
+    assert scheduler.release(request) is False  # its running row retires later
+    assert scheduler.release_row(request) is True
+    waiting = _request(20)
+    scheduler.add(waiting)
+    scheduler.schedule(scheduler.prefill_budget())
+    waiting._next_sample = waiting.num_samples
+    assert scheduler.release(waiting) is True and scheduler.waiting == [] and scheduler.held_bytes() == 0
