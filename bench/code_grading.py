@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from rlvr.rewards import RewardPool
-from rlvr.tasks.humaneval import humaneval_problem, humaneval_records
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` and this tree's rlvr, also as `python bench/x.py`
+
+from bench.harness import percentile  # noqa: E402
+from rlvr.rewards import RewardPool  # noqa: E402
+from rlvr.tasks.humaneval import humaneval_problem, humaneval_records  # noqa: E402
 
 KINDS = ("script", "body", "none", "raise")
 
@@ -58,7 +63,7 @@ def main() -> None:
     results = [s["humaneval_tests"] for s in scored]
     wrong = [i for i, (r, e) in enumerate(zip(results, expected)) if (r.value == 1.0) != e]
     latencies = sorted(r.details.get("wall_time_s", 0.0) for r in results)
-    p99 = latencies[min(len(latencies) - 1, round(0.99 * (len(latencies) - 1)))]
+    p99 = percentile(latencies, 99)
     print(f"{args.n} answers ({sum(expected)} correct), {args.workers} workers: {elapsed:.1f} s, {args.n / elapsed:.1f} graded answers/s")
     print(f"one answer: p50 {statistics.median(latencies) * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms")
     if wrong:

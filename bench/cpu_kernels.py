@@ -15,32 +15,27 @@ import argparse
 import contextlib
 import copy
 import statistics
+import sys
 import time
 from functools import partial
+from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
-from rlvr.fastpaths import FastPaths
-from rlvr.fastpaths.attention import use_fast_attention
-from rlvr.fastpaths.fused_decode import fused_decoder, gqa_attention
-from rlvr.fastpaths.heap import keep_freed_memory
-from rlvr.fastpaths.packed_linear import packed_linears
-from rlvr.fastpaths.slot_attention import slot_attention
-from rlvr.grpo.head import head_logprobs
-from rlvr.grpo.loss import token_logprobs_and_entropy
-from rlvr.grpo.scoring import CompletionScorer, PackedRows
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` and this tree's rlvr, also as `python bench/x.py`
 
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times)
+from bench.harness import median_ms, random_weights_model  # noqa: E402
+from rlvr.fastpaths import FastPaths  # noqa: E402
+from rlvr.fastpaths.attention import use_fast_attention  # noqa: E402
+from rlvr.fastpaths.fused_decode import fused_decoder, gqa_attention  # noqa: E402
+from rlvr.fastpaths.heap import keep_freed_memory  # noqa: E402
+from rlvr.fastpaths.packed_linear import packed_linears  # noqa: E402
+from rlvr.fastpaths.slot_attention import slot_attention  # noqa: E402
+from rlvr.grpo.head import head_logprobs  # noqa: E402
+from rlvr.grpo.loss import token_logprobs_and_entropy  # noqa: E402
+from rlvr.grpo.scoring import CompletionScorer, PackedRows  # noqa: E402
 
 
 def decode_step(model, rows: int, prompt: int, steps: int, mode: str) -> Callable[[], float]:
@@ -180,10 +175,8 @@ def main() -> None:
     parser.add_argument("--completion", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    torch.manual_seed(0)
-    config = AutoConfig.from_pretrained(args.model)
-    config._attn_implementation = "sdpa"
-    base = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    base = random_weights_model(args.model, torch.float32, attn_implementation="sdpa").eval()
+    config = base.config
     rows, prompt, completion, repeats = args.rows, args.prompt, args.completion, args.repeats
     table = []
 

@@ -12,24 +12,23 @@ folder's config, so every row runs to the token budget (as ``bench/decode_step.p
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import torch
-from decode_step import bench_model  # bench/ is on sys.path when run as a script
-from grpo_vs_trl import QUESTIONS
 
-from rlvr.fastpaths import FastPaths
-from rlvr.generation import SamplingConfig, generate_rollouts
-from rlvr.prompts import render_prompt
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` and this tree's rlvr, also as `python bench/x.py`
+
+from bench.grpo_vs_trl import QUESTIONS  # noqa: E402
+from bench.harness import bench_model, seconds  # noqa: E402
+from rlvr.fastpaths import FastPaths  # noqa: E402
+from rlvr.generation import SamplingConfig, generate_rollouts  # noqa: E402
+from rlvr.prompts import render_prompt  # noqa: E402
 
 
 def rollout(model, tokenizer, prompts: list[str], samples: int, tokens: int, cuda: bool) -> float:
     config = SamplingConfig(max_new_tokens=tokens, temperatures=[1.0], seed=0, max_batch_rows=len(prompts) * samples, fast_paths=FastPaths())
-    started = time.perf_counter()
-    generate_rollouts(model, tokenizer, prompts, samples, config)
-    if cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() - started
+    return seconds(lambda: generate_rollouts(model, tokenizer, prompts, samples, config), cuda=cuda)
 
 
 def main() -> None:

@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
-from grpo_vs_trl import QUESTIONS  # bench/ is on sys.path when run as a script
-from transformers import AutoConfig, AutoModelForCausalLM
 
-from rlvr.fastpaths import FastPaths
-from rlvr.generation import SamplingConfig, generate_rollouts
-from rlvr.policy import load_policy, load_tokenizer
-from rlvr.prompts import render_prompt
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` and this tree's rlvr, also as `python bench/x.py`
+
+from bench.grpo_vs_trl import QUESTIONS  # noqa: E402
+from bench.harness import bench_model, decode_step_ms, seconds  # noqa: E402
+from rlvr.fastpaths import FastPaths  # noqa: E402
+from rlvr.generation import SamplingConfig, generate_rollouts  # noqa: E402
+from rlvr.prompts import render_prompt  # noqa: E402
 
 DATASHEET_BANDWIDTH_GBS = {"H200": 4800.0, "H100 NVL": 3900.0, "H100 PCIe": 2000.0, "H100": 3350.0, "A100-SXM4-80GB": 2039.0, "A100": 1555.0}
 PLAIN = FastPaths(fused_decode=False, packed_linears=False, cuda_graphs=False)
@@ -31,36 +32,15 @@ PLAIN = FastPaths(fused_decode=False, packed_linears=False, cuda_graphs=False)
 
 def generation_time(model, tokenizer, prompts: list[str], samples: int, tokens: int, fast: FastPaths, device: str) -> float:
     config = SamplingConfig(max_new_tokens=tokens, temperatures=[1.0], seed=0, max_batch_rows=len(prompts) * samples, fast_paths=fast)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    generate_rollouts(model, tokenizer, prompts, samples, config)
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-    return time.perf_counter() - started
+    return seconds(lambda: generate_rollouts(model, tokenizer, prompts, samples, config), cuda=device.startswith("cuda"))
 
 
 def step_ms(model, tokenizer, rows: int, tokens: int, fast: FastPaths, device: str, repeats: int) -> float:
     prompts = [render_prompt(tokenizer, QUESTIONS[i % len(QUESTIONS)][0]) for i in range(max(1, rows // 8))]
     samples = rows // len(prompts)
-    generation_time(model, tokenizer, prompts, samples, tokens, fast, device)  # warm-up: graph capture, allocator
-    steps = []
-    for _ in range(repeats):
-        full = generation_time(model, tokenizer, prompts, samples, tokens, fast, device)
-        prefill = generation_time(model, tokenizer, prompts, samples, 1, fast, device)
-        steps.append((full - prefill) / (tokens - 1) * 1000)
-    return statistics.median(steps)
-
-
-def bench_model(path: str, device: str, dtype: torch.dtype, from_config: bool):
-    """The checkpoint's model and tokenizer in eval mode; ``from_config``: random weights (seed 0) from its config."""
-    if from_config:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype).to(device)
-        tokenizer = load_tokenizer(path)
-    else:
-        model, tokenizer = load_policy(path, device, dtype)
-    return model.eval(), tokenizer
+    run = lambda new_tokens: generation_time(model, tokenizer, prompts, samples, new_tokens, fast, device)
+    run(tokens)  # warm-up: graph capture, allocator
+    return decode_step_ms(run, tokens, repeats)
 
 
 def main() -> None:

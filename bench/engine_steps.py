@@ -20,17 +20,19 @@ import sys
 import tempfile
 import time
 import types
+from functools import partial
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` and this tree's rlvr, also as `python bench/x.py`
+
+from bench.harness import decode_step_ms  # noqa: E402  (standard library only: the vLLM worker imports it too)
+
 NEW_TOKENS = 65  # a decode run: its first token comes from the prefill, the other 64 from decode steps
 
 
 def prompts(checkpoint: str, long_prompts: int, long_tokens: int, shorts: int) -> dict:
     """Prompts from serve_mixed.py's seeded schedule: ``long_prompts`` long ones (one more to warm up) and ``shorts`` chats."""
-    sys.path[:0] = [str(REPO), str(REPO / "bench")]
-    from serve_mixed import schedule
-
+    from bench.serve_mixed import schedule
     from rlvr.policy import load_tokenizer
 
     # arrivals are drawn one after another, so a longer schedule only adds prompts after these
@@ -45,7 +47,6 @@ def prompts(checkpoint: str, long_prompts: int, long_tokens: int, shorts: int) -
 
 
 def run_ours(checkpoint: str, data: dict, mixes: list[tuple[int, int]], step_tokens: int, repeats: int) -> dict:
-    sys.path.insert(0, str(REPO))
     import torch
 
     from rlvr.generation import Engine, EngineRequest
@@ -60,7 +61,7 @@ def run_ours(checkpoint: str, data: dict, mixes: list[tuple[int, int]], step_tok
         requests = [EngineRequest(prompt_ids=list(p), num_samples=1, temperatures=(0.0,), max_new_tokens=new_tokens, stop_at_final_answer=False) for p in batch]
         for request in requests:
             engine.submit(request)
-        engine._take_inbox(block=False)
+        engine.take_submissions()
         started = time.perf_counter()
         with torch.inference_mode():
             while not all(r.done_s for r in requests):
@@ -94,8 +95,7 @@ def measure(generate, data: dict, mixes: list[tuple[int, int]], repeats: int) ->
     for n_long, n_short in mixes:
         batch = longs[1 : 1 + n_long] + shorts[:n_short]
         generate(batch, 2)  # warm-up of this batch's shapes
-        steps = [(generate(batch, NEW_TOKENS) - generate(batch, 1)) / (NEW_TOKENS - 1) * 1e3 for _ in range(repeats)]
-        result[f"decode_ms {n_long}+{n_short}"] = statistics.median(steps)
+        result[f"decode_ms {n_long}+{n_short}"] = decode_step_ms(partial(generate, batch), NEW_TOKENS, repeats)
     return result
 
 

@@ -13,17 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import sys
 import time
+from pathlib import Path
 
 import torch
-from grpo_vs_trl import QUESTIONS, correctness_reward  # bench/ is on sys.path when run as a script
-from transformers import AutoConfig, AutoModelForCausalLM
 
-from rlvr.fastpaths import FastPaths
-from rlvr.generation import SamplingConfig
-from rlvr.grpo import GRPOConfig, GRPOTrainer
-from rlvr.policy import load_policy, load_tokenizer
-from rlvr.prompts import render_prompt
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` and this tree's rlvr, also as `python bench/x.py`
+
+from bench.grpo_vs_trl import QUESTIONS, correctness_reward  # noqa: E402
+from bench.harness import bench_model  # noqa: E402
+from rlvr.fastpaths import FastPaths  # noqa: E402
+from rlvr.generation import SamplingConfig  # noqa: E402
+from rlvr.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
+from rlvr.prompts import render_prompt  # noqa: E402
 
 
 def correctness_rewards(completions: list[str], problems: list[dict]) -> tuple[list[float], dict[str, list[float]]]:
@@ -53,12 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.from_config:
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model), dtype=torch.float32)
-        model, tokenizer = model.to(args.device), load_tokenizer(args.model)
-    else:
-        model, tokenizer = load_policy(args.model, args.device)
+    model, tokenizer = bench_model(args.model, args.device, torch.float32, args.from_config)
     problems = [{"prompt": render_prompt(tokenizer, q), "answer_value": a, "problem_id": f"bench-{i}"} for i, (q, a) in enumerate(QUESTIONS)]
     config = GRPOConfig(
         group_size=args.group,

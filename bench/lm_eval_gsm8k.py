@@ -24,12 +24,9 @@ from pathlib import Path
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))  # the repo root: `bench` and this tree's rlvr, also as `python bench/x.py`
 
-from serve_load import ServedBento, post  # noqa: E402
-
-from bentos.build import build_bento, store_policy  # noqa: E402
+from bench.harness import ServedBento, build_served_bento, post  # noqa: E402
 from rlvr.answers import lm_eval_gsm8k_answers  # noqa: E402
 from rlvr.gsm8k import make_problem  # noqa: E402
 from rlvr.settings import Settings  # noqa: E402
@@ -205,8 +202,7 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="lm-eval-gsm8k-") as scratch:
         scratch = Path(scratch)
-        tag = store_policy(args.checkpoint, {"model_version": "bench"}, home=scratch / "bentoml")
-        bento = build_bento(tag, home=scratch / "bentoml")
+        bento = build_served_bento(args.checkpoint, scratch / "bentoml")
         with ServedBento(bento.tag, scratch / "bentoml", scratch / "traffic", batching=True, threads=args.threads, log_path=scratch / "serve.log") as served:
             served.wait_ready(600)
             with urllib.request.urlopen(f"{served.url}/v1/models", timeout=30) as resp:

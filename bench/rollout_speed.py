@@ -18,6 +18,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` and this tree's rlvr, also as `python bench/x.py`
+
+from bench.harness import questions  # noqa: E402
+
 WORKER = r"""
 import json, sys, time, torch
 args = json.loads(sys.argv[1])
@@ -57,9 +61,6 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from serve_load import questions
-
     payload = {"checkpoint": args.checkpoint, "family": args.family, "samples": args.samples, "new_tokens": args.new_tokens}
     payload["questions"] = questions(args.prompts)
     rates: dict[str, list[float]] = {tree: [] for tree in args.trees}

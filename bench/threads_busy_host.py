@@ -26,7 +26,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` and this tree's rlvr, also as `python bench/x.py`
 
 from rlvr.cpu_threads import cpus_busy_elsewhere, pick_threads, usable_cpus  # noqa: E402
 from rlvr.policy import load_policy  # noqa: E402

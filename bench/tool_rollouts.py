@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` and this tree's rlvr, also as `python bench/x.py`
 
 from rlvr.environments.calculator import Calculator  # noqa: E402
 from rlvr.generation import Rollouts, SamplingConfig, generate_rollouts  # noqa: E402

@@ -1,7 +1,8 @@
 """Shared fixtures: the GSM8k folder, a session-wide converted embedded policy, tiny models.
 
-The shared harness is the package tests/support/ (``from support.tiny_models import ...``): tests/ is put
-on ``sys.path`` here, so subprocesses given this process's path as PYTHONPATH import it too.
+The shared harness is the package tests/support/ (``from support.tiny_models import ...``), which serves
+Bentos through ``bench.harness``: tests/ and the repo root are put on ``sys.path`` here, so subprocesses
+given this process's path as PYTHONPATH import both too.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = str(Path(__file__).resolve().parent)
-if TESTS not in sys.path:
-    sys.path.insert(0, TESTS)
+for path in (TESTS, str(ROOT)):
+    if path not in sys.path:
+        sys.path.insert(0, path)
 
 
 @pytest.fixture(scope="session")

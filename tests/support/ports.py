@@ -1,12 +1,7 @@
-"""Local ports for servers a test starts."""
+"""Local ports for servers a test starts: the benchmarks' ``free_port``, one copy for both."""
 
 from __future__ import annotations
 
-import socket
+from bench.harness import free_port
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+__all__ = ["free_port"]

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import signal
 import socket
 import subprocess
 import time
@@ -18,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from bentos.build import MODEL_VERSION_LABEL, bentoml_cli, bentoml_env, build_bento, store_policy
+from bench.harness import ServedBento
+from bentos.build import MODEL_VERSION_LABEL, build_bento, store_policy
 from bentos.limits import MAX_NEW_TOKENS
 from rlvr.traffic import read_traffic
-from support.ports import free_port
 from support.scripted_policies import save_scripted_tiny_llama
 from support.waiting import wait_for
 
@@ -140,38 +138,18 @@ def scripted_bento(tmp_path_factory) -> tuple:
 @contextlib.contextmanager
 def serving(built, folder: Path, batching: bool, env: dict[str, str] | None = None):
     """``bentoml serve`` of the Bento ``built`` (Bento, model tag, home) in its own process group, ready;
-    the group is killed on exit."""
+    the group is killed on exit (``bench.harness.ServedBento``, the benchmarks' server)."""
     bento, model_tag, home = built
     folder.mkdir()
-    port, log_path = free_port(), folder / "serve.log"
-    env = {**bentoml_env(home), "RLVR_TRAFFIC_DIR": str(folder / "traffic"), "RLVR_BATCHING": "1" if batching else "0", "OMP_NUM_THREADS": "1", **(env or {})}
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [bentoml_cli(), "serve", bento.tag, "--port", str(port), "--host", "127.0.0.1"],
-            env=env,
-            cwd=folder,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            srv = Server(f"http://127.0.0.1:{port}", folder / "traffic", bento, model_tag, home, log_path, proc)
+    with ServedBento(bento.tag, home, folder / "traffic", batching, threads=1, log_path=folder / "serve.log", env=env, cwd=folder) as served:
+        srv = Server(served.url, folder / "traffic", bento, model_tag, home, served.log_path, served.proc)
 
-            def ready() -> bool:
-                assert proc.poll() is None, f"bentoml serve exited:\n{log_path.read_text()[-3000:]}"
-                return srv.is_ready()
+        def ready() -> bool:
+            assert served.proc.poll() is None, f"bentoml serve exited:\n{served.log_tail()}"
+            return srv.is_ready()
 
-            wait_for(ready, READY_TIMEOUT_S, "bentoml serve to be ready", interval_s=0.5, details=lambda: log_path.read_text()[-3000:])
-            yield srv
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=20)
-            except ProcessLookupError:
-                pass
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+        wait_for(ready, READY_TIMEOUT_S, "bentoml serve to be ready", interval_s=0.5, details=served.log_tail)
+        yield srv
 
 
 def serving_batched(built, tmp_path_factory, name: str):
