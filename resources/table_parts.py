@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import uuid
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -386,15 +387,16 @@ class PartTables:
             columns = [(n, t) for n, t, *_ in self.conn.execute(f'DESCRIBE "{table}"').fetchall()]
             self.set_columns(table, columns)
             partition = partition_sql(table, {n for n, _ in columns})
-            values = [p for (p,) in self.conn.execute(f'SELECT DISTINCT {partition} FROM "{table}" ORDER BY 1').fetchall()]
+            keyed = f"md5({partition})"  # a safe folder name for any partition value
+            values = self.conn.execute(f'SELECT DISTINCT {partition}, {keyed} FROM "{table}" ORDER BY 1').fetchall()
             staging.mkdir(parents=True)
-            self.conn.execute(
-                f'COPY (SELECT *, dense_rank() OVER (ORDER BY {partition}) AS __index FROM "{table}") TO {literal(str(staging))} '
-                "(FORMAT parquet, COMPRESSION zstd, PARTITION_BY (__index))"
-            )
+            with bounded_memory(self.conn):  # one streamed pass (no sort of the whole table): a 10 GB table fits
+                self.conn.execute(
+                    f'COPY (SELECT *, {keyed} AS __key FROM "{table}") TO {literal(str(staging))} (FORMAT parquet, COMPRESSION zstd, PARTITION_BY (__key))'
+                )
             rows = 0
-            for index, value in enumerate(values, start=1):
-                for piece in sorted((staging / f"__index={index}").glob("*.parquet")):
+            for value, key in values:
+                for piece in sorted((staging / f"__key={key}").glob("*.parquet")):
                     folder = self.root / table / partition_dir(value)
                     folder.mkdir(parents=True, exist_ok=True)
                     final = folder / f"{uuid.uuid4().hex}.parquet"
@@ -417,6 +419,21 @@ class PartTables:
         get_dagster_logger().warning(
             f"{database}: moved table {table} ({rows} rows, {len(values)} partitions) into Parquet parts under {self.root / table} (once, for the new layout)"
         )
+
+
+@contextmanager
+def bounded_memory(conn, share: float = 0.25):
+    """Within the block, DuckDB holds at most ``share`` of the machine's memory and keeps no insertion order
+    (so a big copy streams instead of buffering); the settings are restored after."""
+    limit, order = conn.execute("SELECT current_setting('memory_limit'), current_setting('preserve_insertion_order')").fetchone()
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    conn.execute(f"SET memory_limit = '{int(total * share) // 2**20}MiB'")
+    conn.execute("SET preserve_insertion_order = false")
+    try:
+        yield
+    finally:
+        conn.execute(f"SET memory_limit = {literal(limit)}")
+        conn.execute(f"SET preserve_insertion_order = {str(order).lower()}")
 
 
 def write_parquet(conn, sql: str, folder: Path, table: str) -> tuple[Path | None, int]:
