@@ -138,6 +138,16 @@ class PartTables:
     def file(self, path: str) -> Path:
         return self.root / path
 
+    def partitions(self, table: str) -> list[str]:
+        """The partitions of ``table`` with live parts, sorted."""
+        sql = "SELECT DISTINCT partition FROM _part_files WHERE table_name = ? AND retired_at IS NULL ORDER BY 1"
+        return [p for (p,) in self.conn.execute(sql, [table]).fetchall()]
+
+    def partition_relation(self, table: str, partitions: list[str]) -> str:
+        """SQL of the rows of ``table`` in ``partitions`` only: their parts are read, not every part's footer."""
+        sql = "SELECT path FROM _part_files WHERE table_name = ? AND retired_at IS NULL AND partition IN (SELECT unnest(?::VARCHAR[]))"
+        return self.relation(table, [p for (p,) in self.conn.execute(sql, [table, partitions]).fetchall()])
+
     def relation(self, table: str, paths: list[str]) -> str:
         """SQL of the rows of ``paths`` with every column of ``table`` (NULL where an older part lacks one).
         Columns are only ever added, so parts of one width share their columns: one ``read_parquet`` per
@@ -150,7 +160,8 @@ class PartTables:
             "SELECT width, list(path ORDER BY added_at, path) FROM _part_files WHERE path IN (SELECT unnest(?::VARCHAR[])) GROUP BY 1 ORDER BY 1", [paths]
         ).fetchall()
         for _, group in widths:
-            sql += f" UNION ALL BY NAME SELECT * FROM read_parquet([{', '.join(literal(str(self.file(p))) for p in group)}])"
+            root = str(self.root)  # joined as strings: a view over thousands of parts is built at every write
+            sql += f" UNION ALL BY NAME SELECT * FROM read_parquet([{', '.join(literal(f'{root}/{p}') for p in group)}])"
         return sql
 
     def refresh_view(self, table: str, partitions: set[str] | None = None) -> None:

@@ -255,6 +255,22 @@ class Warehouse(DuckDBResource):
         with self.get_connection() as conn:
             return conn.execute(sql, params or []).df()
 
+    def query_partitions(self, table: str, partitions: list[str], sql: str, params: list | None = None) -> pd.DataFrame:
+        """``sql`` where ``{rows}`` stands for the rows of ``table`` in ``partitions`` (training runs, traffic
+        days ``YYYYMMDD``): a part table reads only those partitions' parts, so the cost follows them, not the table."""
+        with self.get_connection() as conn:
+            parts = self._parts(conn)
+            pruned = parts is not None and table in PART_TABLES and parts.columns(table)
+            rows = f"({parts.partition_relation(table, partitions)})" if pruned else f'"{table}"'
+            return conn.execute(sql.replace("{rows}", rows), params or []).df()
+
+    def traffic_days(self) -> list[str]:
+        """The traffic partitions stored (``YYYYMMDD``, and ``_`` for rows of other log names), newest first
+        (none in memory: there the table is one DuckDB table)."""
+        with self.get_connection() as conn:
+            parts = self._parts(conn)
+            return [] if parts is None else parts.partitions("serving_traffic")[::-1]
+
     def row_count(self, table: str) -> int:
         return int(self.query(f'SELECT count(*) AS n FROM "{table}"')["n"].iloc[0]) if self.table_exists(table) else 0
 
@@ -325,14 +341,16 @@ class Warehouse(DuckDBResource):
     def training_run_summary(self, run_id: str) -> dict:
         """Finish reasons of a training run's rollouts, its mean value per reward and its reward rows, and
         its tool use: completions that called a tool, calls, calls that failed."""
-        finish = self.query("SELECT finish_reason, count(*) AS n FROM rollouts WHERE run_id = ? GROUP BY 1", [run_id])
-        rewards = self.query("SELECT reward_name, avg(value) AS mean, count(*) AS n FROM rewards WHERE run_id = ? GROUP BY 1", [run_id])
+        runs = [run_id]
+        finish = self.query_partitions("rollouts", runs, "SELECT finish_reason, count(*) AS n FROM {rows} WHERE run_id = ? GROUP BY 1", runs)
+        rewards = self.query_partitions("rewards", runs, "SELECT reward_name, avg(value) AS mean, count(*) AS n FROM {rows} WHERE run_id = ? GROUP BY 1", runs)
         tools = {"completions_calling": 0, "tool_calls": 0, "tool_errors": 0}
         if self.table_exists("tool_calls"):
-            used = self.query(
-                "SELECT count(DISTINCT completion_id) AS completions_calling, count(*) AS tool_calls, count(error) AS tool_errors "
-                "FROM tool_calls WHERE run_id = ?",
-                [run_id],
+            used = self.query_partitions(
+                "tool_calls",
+                runs,
+                "SELECT count(DISTINCT completion_id) AS completions_calling, count(*) AS tool_calls, count(error) AS tool_errors FROM {rows} WHERE run_id = ?",
+                runs,
             )
             tools = {k: int(used[k].iloc[0]) for k in tools}
         return {
@@ -382,7 +400,9 @@ class Warehouse(DuckDBResource):
         """Rows stored of ``day`` (``YYYY-MM-DD``: the UTC day their log lines were written)."""
         if not self.table_exists("serving_traffic"):
             return 0
-        return int(self.query("SELECT count(*) AS n FROM serving_traffic WHERE starts_with(source_file, ?)", [day_prefix(day)])["n"].iloc[0])
+        prefix = day_prefix(day)
+        counted = self.query_partitions("serving_traffic", [prefix[-9:-1]], "SELECT count(*) AS n FROM {rows} WHERE starts_with(source_file, ?)", [prefix])
+        return int(counted["n"].iloc[0])
 
     def traffic_window(self, day: str, rows: int) -> tuple[pd.DataFrame, pd.DataFrame]:
         """The last ``rows`` successful requests of ``day``, and the ``rows`` successful requests before
@@ -391,14 +411,21 @@ class Warehouse(DuckDBResource):
             empty = pd.DataFrame(columns=list(TRAFFIC_COLUMNS))
             return empty, empty
         order = 'ORDER BY "timestamp" DESC, record_id DESC LIMIT ?'
-        current = self.query(f"SELECT * FROM serving_traffic WHERE status = 200 AND starts_with(source_file, ?) {order}", [day_prefix(day), rows])
+        prefix = day_prefix(day)
+        current = self.query_partitions(
+            "serving_traffic", [prefix[-9:-1]], f"SELECT * FROM {{rows}} WHERE status = 200 AND starts_with(source_file, ?) {order}", [prefix, rows]
+        )
         if current.empty:
             return current, current
         next_day = day_prefix((date.fromisoformat(day) + timedelta(days=1)).isoformat())
-        previous = self.query(
-            f'SELECT * FROM serving_traffic WHERE status = 200 AND source_file < ? AND "timestamp" < ? {order}', [next_day, current["timestamp"].min(), rows]
-        )
-        return current, previous
+        sql = f'SELECT * FROM {{rows}} WHERE status = 200 AND source_file < ? AND "timestamp" < ? {order}'
+        earlier = [d for d in self.traffic_days() if d != "_" and d <= prefix[-9:-1]]
+        window = 1
+        while True:  # the newest days first, doubling: a day's rows were logged that day, so older days cannot beat a full window
+            previous = self.query_partitions("serving_traffic", earlier[:window] + ["_"], sql, [next_day, current["timestamp"].min(), rows])
+            if window >= len(earlier) or (len(previous) == rows and previous["timestamp"].min() >= _day_end(earlier[window])):
+                return current, previous
+            window *= 2
 
     def append_drift_history(self, frame: pd.DataFrame) -> pd.DataFrame:
         """Append a report's rows to ``drift_history``; returns the history by traffic day, each day's
@@ -424,6 +451,11 @@ def _transaction(conn) -> Iterator:
 def snapshot_path(database: str | Path) -> Path:
     path = Path(database)
     return path.with_name(f"{path.stem}.snapshot{path.suffix}")
+
+
+def _day_end(day: str) -> pd.Timestamp:
+    """The first instant after traffic day ``day`` (``YYYYMMDD``), UTC: every row logged that day is older."""
+    return pd.Timestamp(day, tz="UTC") + pd.Timedelta(days=1)
 
 
 def publish_snapshot(conn, database: Path) -> None:

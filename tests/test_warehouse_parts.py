@@ -217,3 +217,53 @@ def test_a_write_or_compaction_killed_at_a_rename_leaves_the_old_state_and_reexe
     warehouse.compact()  # what the killed one left unlisted goes (grace 0)
     listed = {str(warehouse.parts_root / p) for p in warehouse.query("SELECT path FROM _part_files")["path"]}
     assert {str(p) for p in warehouse.parts_root.rglob("*.parquet*")} == listed
+
+
+def test_queries_of_one_run_or_day_read_its_parts_and_equal_the_whole_table_sql(warehouse):
+    """Drift's window and the per-run and per-day metadata read only their partitions' parts (newest days
+    first, widening until no older day can hold a newer row) and return what SQL over the whole view does."""
+    rows, days = [], 9
+    for d in range(1, days + 1):
+        for i in range(d % 4 * 3):  # days of 0, 3, 6 and 9 requests; one logged just after midnight of the next day
+            stamp = (
+                pd.Timestamp(f"2026-11-{d:02d}T23:59:{50 + i % 10:02d}", tz="UTC")
+                if i == 0 and d > 1
+                else pd.Timestamp(f"2026-11-{d:02d}T{i:02d}:00", tz="UTC")
+            )
+            logged = d + 1 if i == 0 and d > 1 else d
+            rows.append(
+                {
+                    "record_id": f"r{d}-{i}",
+                    "timestamp": stamp,
+                    "status": 500 if i % 5 == 3 else 200,
+                    "source_file": f"traffic-202611{logged:02d}T000000.000000000-1.jsonl",
+                }
+            )
+    for d in range(1, days + 2):  # one write per logged day: one part per day partition
+        frame = pd.DataFrame([r for r in rows if r["source_file"].startswith(f"traffic-202611{d:02d}T")])
+        if len(frame):
+            warehouse.write(Append("serving_traffic", frame, key="record_id"))
+    warehouse.write(*step_rows("r1", 1), *step_rows("r2", 1))
+    order = 'ORDER BY "timestamp" DESC, record_id DESC LIMIT ?'
+    for d in range(2, days + 1):
+        day = f"2026-11-{d:02d}"
+        for window in (1, 2, 4, 50):
+            current, previous = warehouse.traffic_window(day, window)
+            prefix = f"traffic-202611{d:02d}T"
+            expected = warehouse.query(f"SELECT * FROM serving_traffic WHERE status = 200 AND starts_with(source_file, ?) {order}", [prefix, window])
+            assert current["record_id"].tolist() == expected["record_id"].tolist()
+            if len(current):
+                older = warehouse.query(
+                    f'SELECT * FROM serving_traffic WHERE status = 200 AND source_file < ? AND "timestamp" < ? {order}',
+                    [f"traffic-202611{d + 1:02d}T", current["timestamp"].min(), window],
+                )
+                assert previous["record_id"].tolist() == older["record_id"].tolist(), (day, window)
+        assert warehouse.traffic_rows(day) == sum(r["source_file"].startswith(prefix) for r in rows)
+    assert warehouse.training_run_summary("r2") == {
+        "finish_reasons": {"eos": 16},
+        "reward_means": {"math_answer": 0.5},
+        "reward_rows": 16,
+        "completions_calling": 0,
+        "tool_calls": 0,
+        "tool_errors": 0,
+    }
