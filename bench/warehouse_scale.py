@@ -160,11 +160,12 @@ def grow(folder: Path, target: int, bytes_per_run: float, fixed_bytes: float = 0
     generated = time.perf_counter() - start
     database = str(folder / "rlvr.duckdb")
     move = (
-        f"import time; from resources import Warehouse; w = Warehouse(database={database!r}); "
-        "t = time.perf_counter(); w.write(); print(time.perf_counter() - t)"
+        f"import resource, time; from resources import Warehouse; w = Warehouse(database={database!r}); "
+        "t = time.perf_counter(); w.write(); print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
     )
     moved = subprocess.run([sys.executable, "-c", move], cwd=ROOT, check=True, capture_output=True, text=True)
-    return {"runs": runs, "generate_s": generated, "move_into_parts_s": float(moved.stdout.split()[-1])}
+    seconds, peak_mb = map(float, moved.stdout.split()[-2:])  # the move's own process: its peak RSS
+    return {"runs": runs, "generate_s": generated, "move_into_parts_s": seconds, "move_peak_rss_mb": peak_mb}
 
 
 def main() -> None:
@@ -204,7 +205,7 @@ def main() -> None:
         f"{fixed_bytes / 2**20:.1f} MiB fixed"
     )
     print(
-        "| size | on disk | snapshot | parts | move into parts | append p50 / max | append beside reader p50 | reader query p50 | "
+        "| size | on disk | snapshot | parts | move into parts (peak RSS) | append p50 / max | append beside reader p50 | reader query p50 | "
         "eval report | drift window | drift reference | run summary | traffic rows | compact | peak RSS | append p50, sizes interleaved |"
     )
     print("|" + "---|" * 16)
@@ -212,7 +213,7 @@ def main() -> None:
     for r in rows:
         print(
             f"| {r['size']} | {r['on_disk_bytes'] / 2**20:.0f} MiB | {r['snapshot_bytes'] / 2**20:.1f} MiB | {r['live_parts']} | "
-            f"{r['move_into_parts_s']:.1f} s | "
+            f"{r['move_into_parts_s']:.1f} s, {r['move_peak_rss_mb'] / 1024:.1f} GiB | "
             f"{med(r['append_s']) * 1e3:.0f} / {max(r['append_s']) * 1e3:.0f} ms | {med(r['append_beside_reader_s']) * 1e3:.0f} ms | "
             f"{med(r['reader_query_s']) * 1e3:.0f} ms | {r['eval_report_s'] * 1e3:.0f} ms | {r['drift_window_s'] * 1e3:.0f} ms | "
             f"{r['drift_reference_s'] * 1e3:.0f} ms | {r['training_run_summary_s'] * 1e3:.0f} ms | {r['traffic_rows_s'] * 1e3:.0f} ms | "

@@ -230,9 +230,7 @@ class PartTables:
     def read(self, table: str, partition: str, sql: str, params: list | None = None) -> list[tuple]:
         try:
             return self.conn.execute(sql, params or []).fetchall()
-        except duckdb.IOException as err:
-            raise self.broken(table, partition, f"a part is unreadable ({err})") from err
-        except duckdb.InvalidInputException as err:
+        except (duckdb.IOException, duckdb.InvalidInputException) as err:
             raise self.broken(table, partition, f"a part is unreadable ({err})") from err
 
     # --- the writes -----------------------------------------------------------------------------

@@ -117,7 +117,8 @@ class Warehouse(DuckDBResource):
         waits, up to ``lock_wait_s``, saying which process that is."""
         conn = self._connect()
         try:
-            if self._parts(conn) is not None and self._parts(conn).upgrade(Path(self.database)):
+            parts = self._parts(conn)
+            if parts is not None and parts.upgrade(Path(self.database)):
                 shrink(conn, Path(self.database))  # the moved tables' space, once: so the snapshot copies the small file only
                 conn.close()
                 conn = self._connect()

@@ -4,8 +4,8 @@ One byte per token keeps the budgets readable; slots are padded to 128 positions
 
 from concurrent.futures import Future
 
-from rlvr.generation.engine import EngineRequest
 from rlvr.generation.prefix_cache import PrefixCache
+from rlvr.generation.request import EngineRequest
 from rlvr.generation.scheduler import Lane, PrefillChunk, Row, Scheduler
 
 

@@ -1,12 +1,13 @@
 """One generation engine for training rollouts, evaluation and serving.
 
-Parts, as vLLM's v1 engine separates them: the engine and its requests (``engine``), the scheduler and its KV budget (``scheduler``), the KV cache
-(``kv_cache``, ``prefix_cache``), the model runner (``model_runner``), the sampler (``sampler``), the
+Parts, as vLLM's v1 engine separates them: the engine (``engine``), its requests (``request``), the
+scheduler and its KV budget (``scheduler``), the KV cache (``kv_cache``, ``prefix_cache``), the model runner (``model_runner``), the sampler (``sampler``), the
 stop checker (``stops``), and the rollout call training and evaluation make (``rollouts``).
 """
 
-from rlvr.generation.engine import Engine, EngineRequest
+from rlvr.generation.engine import Engine
 from rlvr.generation.kv_cache import kv_cache_bytes_per_token
+from rlvr.generation.request import EngineRequest
 from rlvr.generation.rollouts import Rollouts, SamplingConfig, concat_rollouts, generate_rollouts, stream_rollouts
 from rlvr.generation.sampler import is_greedy, logprob_temperatures, sample_tokens
 from rlvr.generation.scoring import TokenScores, score_tokens

@@ -17,8 +17,9 @@ import torch
 
 from rlvr.environments.base import Environment, ToolCall
 from rlvr.fastpaths import FastPaths
-from rlvr.generation.engine import SHORT_LANE_TOKENS, Engine, EngineRequest
+from rlvr.generation.engine import SHORT_LANE_TOKENS, Engine
 from rlvr.generation.kv_cache import kv_cache_bytes_per_token, quantized
+from rlvr.generation.request import EngineRequest
 
 ROLLOUT_STEP_TOKENS = 2048  # prompt tokens one engine step may prefill (every prompt is known at once)
 

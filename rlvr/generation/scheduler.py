@@ -23,7 +23,7 @@ from rlvr.generation.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from rlvr.environments.driver import EpisodeDriver
-    from rlvr.generation.engine import EngineRequest
+    from rlvr.generation.request import EngineRequest
 
 
 @dataclass

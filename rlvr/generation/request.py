@@ -1,0 +1,74 @@
+"""What a caller submits to the engine: one prompt's samples, their sampling and stop settings, and what
+the engine fills in (tokens, log-probs, tool calls, finish reasons, timings)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import DynamicCache
+
+from rlvr.environments.base import Environment, ToolCall
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """One prompt's ``num_samples`` completions. ``on_tokens`` sees each step's (sample, token) pairs,
+    ``on_done`` the finished request (both on the engine's thread); ``cancelled`` stops its rows.
+    ``environment``: tool calling (``rlvr.environments``); each sample's ``environment_masks`` (1 per
+    token the environment wrote, parallel to ``token_ids``) and ``tool_calls`` report it."""
+
+    prompt_ids: list[int]
+    num_samples: int
+    temperatures: tuple[float, ...]  # cycled over the samples
+    max_new_tokens: int
+    top_p: float = 1.0
+    seed: int = 0
+    prompt_index: int = 0  # its prompt's index in its caller's call: with ``seed``, what seeds each row's generator
+    stop_at_final_answer: bool = True
+    stop_strings: tuple[str, ...] = ()
+    on_tokens: Callable[[list[tuple[int, int]]], None] | None = None
+    on_done: Callable[[EngineRequest], None] | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    environment: Environment | None = None
+    # filled by the engine
+    token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[float]] = field(default_factory=list)
+    environment_masks: list[list[int]] = field(default_factory=list)
+    tool_calls: list[list[ToolCall]] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)
+    submitted_s: float = 0.0
+    first_token_s: float | None = None
+    done_s: float | None = None
+    max_neighbours: int = 1  # most requests that shared a decode step with it
+    cached_prompt_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
+    error: Exception | None = None  # set when a step failed under it
+    _prefilled: int = 0
+    _cache: DynamicCache | None = None
+    _last_logits: torch.Tensor | None = None
+    _next_sample: int = 0
+    _running: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = [[] for _ in range(self.num_samples)]
+        self.logprobs = [[] for _ in range(self.num_samples)]
+        self.environment_masks = [[] for _ in range(self.num_samples)]
+        self.tool_calls = [[] for _ in range(self.num_samples)]
+        self.finish_reasons = [None] * self.num_samples
+
+    @property
+    def slot_length(self) -> int:
+        return len(self.prompt_ids) + self.max_new_tokens
+
+    @property
+    def prefilled(self) -> bool:
+        return self._prefilled == len(self.prompt_ids)
+
+    @property
+    def pending_rows(self) -> int:
+        return self.num_samples - self._next_sample
+
+    def temperature(self, sample: int) -> float:
+        return self.temperatures[sample % len(self.temperatures)]
