@@ -46,7 +46,7 @@ def prompts(checkpoint: str, long_prompts: int, long_tokens: int, shorts: int) -
     return {"long": longs[: long_prompts + 1], "short": chats[:shorts]}
 
 
-def run_ours(checkpoint: str, data: dict, mixes: list[tuple[int, int]], step_tokens: int, repeats: int) -> dict:
+def run_ours(checkpoint: str, data: dict, mixes: list[tuple[int, int]], step_tokens: tuple[int, int], repeats: int) -> dict:
     import torch
 
     from rlvr.generation import Engine, EngineRequest
@@ -55,7 +55,8 @@ def run_ours(checkpoint: str, data: dict, mixes: list[tuple[int, int]], step_tok
     model, tokenizer = load_policy(checkpoint)
     model.requires_grad_(False)
     # No stop tokens: every row runs to its budget, as vLLM's ignore_eos.
-    engine = Engine(model, tokenizer, max_rows=64, step_tokens=step_tokens, kv_budget_bytes=2**31, prefix_cache_bytes=0, stop_token_ids=[])
+    low, high = step_tokens
+    engine = Engine(model, tokenizer, max_rows=64, step_tokens=low, max_step_tokens=high, kv_budget_bytes=2**31, prefix_cache_bytes=0, stop_token_ids=[])
 
     def generate(batch: list[list[int]], new_tokens: int) -> float:
         requests = [EngineRequest(prompt_ids=list(p), num_samples=1, temperatures=(0.0,), max_new_tokens=new_tokens, stop_at_final_answer=False) for p in batch]
@@ -71,7 +72,7 @@ def run_ours(checkpoint: str, data: dict, mixes: list[tuple[int, int]], step_tok
     return measure(generate, data, mixes, repeats)
 
 
-def run_vllm(checkpoint: str, data: dict, mixes: list[tuple[int, int]], step_tokens: int, repeats: int) -> dict:
+def run_vllm(checkpoint: str, data: dict, mixes: list[tuple[int, int]], step_tokens: tuple[int, int], repeats: int) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -108,7 +109,8 @@ def main() -> int:
     parser.add_argument("--long-prompts", type=int, default=4)
     parser.add_argument("--long-prompt-tokens", type=int, default=1500)
     parser.add_argument("--mix", default="0+8,3+8", help="decode steps to time: L+S, L long rows with S short ones (comma-separated)")
-    parser.add_argument("--step-tokens", type=int, default=256, help="our engine's step token budget (the Bento's default)")
+    parser.add_argument("--step-tokens", type=int, default=256, help="our engine's step token budget with every row slot taken (the Bento's)")
+    parser.add_argument("--max-step-tokens", type=int, default=2048, help="and with every row slot free (the Bento's)")
     parser.add_argument("--repeats", type=int, default=3, help="timings per figure (the median is reported)")
     parser.add_argument("--worker", choices=["ours", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--prompts", help=argparse.SUPPRESS)
@@ -117,7 +119,8 @@ def main() -> int:
     if args.worker:  # one engine, in its own process: its result goes to a file beside the prompts'
         data = json.loads(Path(args.prompts).read_text())
         run = run_ours if args.worker == "ours" else run_vllm
-        Path(args.prompts).with_name(f"{args.worker}.json").write_text(json.dumps(run(args.checkpoint, data, mixes, args.step_tokens, args.repeats)))
+        result = run(args.checkpoint, data, mixes, (args.step_tokens, args.max_step_tokens), args.repeats)
+        Path(args.prompts).with_name(f"{args.worker}.json").write_text(json.dumps(result))
         return 0
     engines = args.engines.split(",")
     if "vllm" in engines and not args.vllm_python:
@@ -131,7 +134,7 @@ def main() -> int:
         for engine in engines:
             python = args.vllm_python if engine == "vllm" else sys.executable
             command = [python, __file__, args.checkpoint, "--worker", engine, "--prompts", str(path), "--mix", args.mix]
-            command += ["--step-tokens", str(args.step_tokens), "--repeats", str(args.repeats)]
+            command += ["--step-tokens", str(args.step_tokens), "--max-step-tokens", str(args.max_step_tokens), "--repeats", str(args.repeats)]
             done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tmp)
             if done.returncode:
                 sys.stderr.write(done.stderr[-4000:])

@@ -2,11 +2,11 @@
 the caller's API key on every route but the probes (``bentos.api_keys``: 401, or 429 past its rate),
 before anything is read; then, on the public endpoints, JSON only (415); a lone UTF-16 surrogate in it
 refused naming its field (400); the body whole within ``MAX_BODY_BYTES`` (413, chunked bodies included)
-and ``BODY_TIMEOUT_S`` (408), read before the request takes one of the ``MAX_CONCURRENCY`` slots (and
-one of its key's), so a slow client holds none; no free slot, or the policy not loaded yet: 503 with
-``Retry-After`` (429 past its key's share). Every public request is counted in ``rlvr_requests_total``
-with the status its client got; one whose client hangs up is cancelled. (Connections that stall
-before their headers are complete are ``bentos.header_timeout``'s.)
+and ``BODY_TIMEOUT_S`` (408), read before the request takes a slot (and one of its key's). Past the
+engine's row slots a request queues (its wait shows in its time to first token and ``/readyz``); a 503
+with ``Retry-After`` only before the policy is loaded, when ``$RLVR_MAX_REQUESTS`` requests are in flight,
+or when its estimated start is past the request timeout (429 past its key's share). Every public request
+is counted in ``rlvr_requests_total`` with its status; one whose client hangs up is cancelled.
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ import contextlib
 import contextvars
 import functools
 import logging
+import math
+import os
 from dataclasses import dataclass
+from typing import Callable
 
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
@@ -31,7 +34,7 @@ OPENAI_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/de
 PUBLIC_ENDPOINTS = ("/generate", "/solve", *OPENAI_ENDPOINTS)
 REQUEST_TIMEOUT_S = 300  # the whole request, queueing included: BentoML answers 504 and we stop its rows
 STREAM_GRACE_S = 2.0  # past the timeout, the guard ends a stream whose client stopped reading
-MAX_CONCURRENCY = 64  # per replica: public requests past the body and in the handler; more get 503
+MAX_REQUESTS = 256  # per replica: public requests past the body, running or queued; more get 503 ($RLVR_MAX_REQUESTS)
 RETRY_AFTER_S = 2
 CLIENT_GONE = 499  # the status counted and logged for a request whose client hung up first (nginx's)
 OPENAI_INFO_ROUTES = ("/tokenizer_info",)  # beside /v1/*: the other routes whose errors are OpenAI's shape
@@ -42,19 +45,35 @@ def openai_shaped(path: str) -> bool:
     return path.startswith("/v1/") or path in OPENAI_ENDPOINTS or path in OPENAI_INFO_ROUTES
 
 
+def refuse_past_timeout() -> bool:
+    """Whether a request that cannot finish, or start, within the request timeout is refused before any
+    work (``$RLVR_REFUSE_PAST_TIMEOUT``, on by default; off, it runs into the timeout)."""
+    return os.environ.get("RLVR_REFUSE_PAST_TIMEOUT", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 class RequestSlots:
-    """The slots of this worker's public requests: ``RequestGuard`` admits through it, the service
-    opens it once the policy is loaded, and ``/readyz`` reads it (a saturated worker is not ready)."""
+    """The slots of this worker's public requests, running or queued: ``RequestGuard`` admits through
+    it, the service opens it once the policy is loaded (with ``start_wait_s``, the estimated wait of a
+    new request to start), and ``/readyz`` reads it (a saturated worker is not ready)."""
 
     def __init__(self, capacity: int):
         self.capacity, self.in_flight, self.loaded = capacity, 0, False
+        self.start_wait_s: Callable[[], float] = lambda: 0.0
 
     @property
     def saturated(self) -> bool:
         return self.in_flight >= self.capacity
 
 
-REQUEST_SLOTS = RequestSlots(MAX_CONCURRENCY)
+def max_requests_from_env() -> int:
+    """``$RLVR_MAX_REQUESTS``, else ``MAX_REQUESTS``; a ValueError names a bad value."""
+    value = os.environ.get("RLVR_MAX_REQUESTS", str(MAX_REQUESTS))
+    if not value.strip().isdigit() or int(value) < 1:
+        raise ValueError(f"RLVR_MAX_REQUESTS must be a whole number of requests, at least 1; got {value!r}")
+    return int(value)
+
+
+REQUEST_SLOTS = RequestSlots(max_requests_from_env())
 
 
 @dataclass
@@ -169,7 +188,11 @@ class RequestGuard:
         if not self.slots.loaded:
             return await _refuse(send, 503, "the policy is not loaded yet", retry_after=True)
         if self.slots.saturated:
-            return await _refuse(send, 503, f"overloaded: all {self.slots.capacity} slots are taken", retry_after=True)
+            message = f"overloaded: all {self.slots.capacity} request slots (running or queued) are taken"
+            return await _refuse(send, 503, message, retry_after=True, code="service_unavailable")
+        if refuse_past_timeout() and (wait_s := self.slots.start_wait_s()) > (timeout_s := request_timeout_s()):
+            message = f"overloaded: a new request would start in about {wait_s:.0f} s, past the request timeout of {timeout_s:.0f} s"
+            return await _refuse(send, 503, message, retry_after=max(RETRY_AFTER_S, math.ceil(wait_s - timeout_s)), code="service_unavailable")
         if (over := self.access.take_share(caller, RETRY_AFTER_S)) is not None:
             return await refuse_for(send, over, openai=openai)
         self.slots.in_flight += 1

@@ -6,13 +6,12 @@ or its work more than the engine's measured speed finishes within the request ti
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 from pydantic import ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from bentos.admission import request_timeout_s
+from bentos.admission import refuse_past_timeout, request_timeout_s
 from bentos.limits import MAX_PROMPT_TOKENS
 from rlvr.generation import EngineRequest
 from rlvr.prompts import render_prompt, system_prompt_for
@@ -41,7 +40,7 @@ class RequestCost:
 
     def _within_timeout(self, names: CostFields, prompt_tokens: int, rows: int, max_new_tokens: int) -> None:
         """A 400 naming the new-tokens field when the engine's measured speed cannot finish the request in time."""
-        if os.environ.get("RLVR_REFUSE_PAST_TIMEOUT", "1").strip().lower() in ("0", "false", "no", "off"):
+        if not refuse_past_timeout():
             return
         timeout_s, estimated_s = request_timeout_s(), self.serving_engine.estimated_s(prompt_tokens, rows, max_new_tokens)
         if estimated_s > timeout_s:

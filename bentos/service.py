@@ -273,6 +273,7 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
             self.serving_engine.warm_up(
                 functools.partial(EngineRequest, prompt_ids, num_samples=1, temperatures=(0.0,), max_new_tokens=4, environment=self.environment)
             )
+            REQUEST_SLOTS.start_wait_s = self.serving_engine.start_wait_s
             REQUEST_SLOTS.loaded = True
             logger.info(
                 "rlvr_policy: %s loaded on %s and warmed up; environment %s %s",

@@ -29,7 +29,8 @@ from rlvr.environments.base import ToolCall
 from rlvr.generation import Engine, EngineRequest
 
 MAX_BATCH_ROWS = 64  # running rows (prompts x samples)
-STEP_TOKENS = 256  # tokens per engine step (decode rows + prefill chunk)
+STEP_TOKENS = 256  # tokens per engine step (decode rows + prefill chunk) with every row slot taken
+MAX_STEP_TOKENS = 2_048  # with every row slot free: a prompt up to MAX_PROMPT_TOKENS prefills in one step
 
 
 @dataclass
@@ -67,7 +68,13 @@ class ServingEngine:
     def __init__(self, model: Any, tokenizer: Any, kv_budget_bytes: int, seed: int, batching: bool = True):
         self.tokenizer = tokenizer
         self.engine = Engine(
-            model, tokenizer, max_rows=MAX_BATCH_ROWS, step_tokens=STEP_TOKENS, kv_budget_bytes=kv_budget_bytes, max_requests=None if batching else 1
+            model,
+            tokenizer,
+            max_rows=MAX_BATCH_ROWS,
+            step_tokens=STEP_TOKENS,
+            max_step_tokens=MAX_STEP_TOKENS,
+            kv_budget_bytes=kv_budget_bytes,
+            max_requests=None if batching else 1,
         )
         self._seeds = itertools.count(seed)
 

@@ -26,13 +26,12 @@ from pathlib import Path
 import duckdb
 import openai
 import pytest
-from starlette.testclient import TestClient
 
 from bentos import api_keys
-from bentos.admission import RequestGuard, RequestSlots
-from bentos.api_keys import Access, AccessConfig, KeyLimits, KeyRing, TokenBucket, access_from_env, bearer_token, derived_key_id, parse_keys
+from bentos.api_keys import AccessConfig, KeyLimits, KeyRing, TokenBucket, access_from_env, bearer_token, derived_key_id, parse_keys
 from bentos.build import bentoml_cli, bentoml_env
 from rlvr.traffic import TRAFFIC_COLUMNS, TrafficLog, read_traffic, traffic_row
+from support.guard import guarded
 from support.ports import free_port
 from support.served_bento import QUESTION, metric_value, scripted_bento, serving
 from support.waiting import wait_for
@@ -186,41 +185,13 @@ def test_an_older_serving_traffic_table_gains_the_key_id_column(tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def _guarded(config: AccessConfig | None, reads: list | None = None) -> TestClient:
-    """A TestClient of ``RequestGuard`` (loaded, 4 slots) around an app answering 200 after reading the
-    body; each ``receive`` the guard makes is counted in ``reads``."""
-
-    async def stand_in(scope, receive, send):
-        more = True
-        while more:
-            more = (await receive()).get("more_body", False)
-        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": b'{"ok": true}'})
-
-    slots, access = RequestSlots(4), Access()
-    slots.loaded = True
-    if config is not None:
-        access.configure(config)
-    guard = RequestGuard(stand_in, slots=slots, access=access)
-
-    async def counting(scope, receive, send):
-        async def counted():
-            if reads is not None:
-                reads.append(scope["path"])
-            return await receive()
-
-        await guard(scope, counted, send)
-
-    return TestClient(counting)
-
-
 def _keyed(metrics_token: bool) -> AccessConfig:
     return AccessConfig(parse_keys(f"alice:{ALICE}", "keys"), parse_keys(METRICS, "metrics") if metrics_token else None)
 
 
 def test_a_request_without_the_key_is_refused_before_its_body_is_read():
     reads = []
-    client = _guarded(_keyed(metrics_token=False), reads)
+    client = guarded(_keyed(metrics_token=False), reads)
     out = client.post("/solve", json={"question": "x" * 1000}, headers={"Authorization": f"Bearer {ALICE[:-1]}x"})
     assert out.status_code == 401 and out.json() == {"error": "incorrect API key"} and reads == []
     assert out.headers["www-authenticate"] == 'Bearer error="invalid_token"' and out.headers["connection"] == "close"
@@ -229,22 +200,22 @@ def test_a_request_without_the_key_is_refused_before_its_body_is_read():
 
 
 def test_metrics_takes_the_keys_when_it_has_no_token_of_its_own():
-    client = _guarded(_keyed(metrics_token=False))
+    client = guarded(_keyed(metrics_token=False))
     assert client.get("/metrics").status_code == 401
     assert client.get("/metrics", headers={"Authorization": f"Bearer {ALICE}"}).status_code == 200
-    client = _guarded(_keyed(metrics_token=True))
+    client = guarded(_keyed(metrics_token=True))
     assert client.get("/metrics", headers={"Authorization": f"Bearer {ALICE}"}).status_code == 401
     assert client.get("/metrics", headers={"Authorization": f"Bearer {METRICS}"}).status_code == 200
     assert client.get("/v1/models", headers={"Authorization": f"Bearer {METRICS}"}).status_code == 401  # the token opens /metrics only
 
 
 def test_an_open_service_answers_anyone_and_one_not_started_no_one():
-    open_client = _guarded(AccessConfig())
+    open_client = guarded(AccessConfig())
     assert open_client.post("/solve", json={}).status_code == 200 and open_client.get("/metrics").status_code == 200
-    starting = _guarded(None).get("/v1/models")
+    starting = guarded(None).get("/v1/models")
     assert starting.status_code == 503 and starting.headers["retry-after"] == "2"
     assert starting.json()["error"]["code"] == "service_unavailable"
-    assert _guarded(None).get("/readyz").status_code == 200  # probes never wait on keys
+    assert guarded(None).get("/readyz").status_code == 200  # probes never wait on keys
 
 
 # ---------------------------------------------------------------------------------------------

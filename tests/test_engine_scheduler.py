@@ -6,7 +6,7 @@ from concurrent.futures import Future
 
 from rlvr.generation.prefix_cache import PrefixCache
 from rlvr.generation.request import EngineRequest
-from rlvr.generation.scheduler import Lane, PrefillChunk, Row, Scheduler
+from rlvr.generation.scheduler import Backlog, Lane, PrefillChunk, Row, Scheduler
 
 
 def _scheduler(kv_budget_bytes: int = 10_000, max_rows: int = 8, step_tokens: int = 128, **kwargs) -> Scheduler:
@@ -31,7 +31,8 @@ def _request(prompt_tokens: int, samples: int = 1, max_new_tokens: int = 10, sub
 def _prefilled(scheduler: Scheduler, request: EngineRequest) -> EngineRequest:
     """``request`` waiting with its whole prompt's cache, as the engine leaves it after its last chunk."""
     scheduler.add(request)
-    request._prefilled, request._cache = len(request.prompt_ids), object()
+    state = scheduler.states[request]
+    state.prefilled, state.cache = len(request.prompt_ids), object()
     return request
 
 
@@ -56,7 +57,7 @@ def test_a_prompt_starts_only_when_its_whole_cache_fits():
     scheduler.add(short)
     plan = scheduler.schedule(scheduler.prefill_budget())
     assert plan.prefill == [PrefillChunk(short, 0, 40)]
-    assert too_long._cache is None and short._cache is not None
+    assert scheduler.states[too_long].cache is None and scheduler.states[short].cache is not None
     assert not scheduler.reserve(too_long)
 
 
@@ -64,12 +65,30 @@ def test_a_long_prompt_prefills_in_chunks_of_the_step_token_budget():
     scheduler = _scheduler(step_tokens=128)
     request = _request(300)
     scheduler.add(request)
-    chunks = []
-    while not request.prefilled:
+    chunks, state = [], scheduler.states[request]
+    while not state.whole_prompt:
         (chunk,) = scheduler.schedule(scheduler.prefill_budget()).prefill
         chunks.append((chunk.begin, chunk.end))
-        request._prefilled = chunk.end  # what the engine records after the forward
+        state.prefilled = chunk.end  # what the engine records after the forward
     assert chunks == [(0, 128), (128, 256), (256, 300)]
+
+
+def test_the_step_budget_grows_with_free_row_slots():
+    """An idle engine prefills a long prompt in one step; as rows take the slots, steps shrink to
+    ``step_tokens``, and the rows' decode tokens come out of the budget first."""
+    scheduler = _scheduler(step_tokens=256, max_step_tokens=2048, max_rows=64)
+    request = _request(1500)
+    scheduler.add(request)
+    (chunk,) = scheduler.schedule(scheduler.prefill_budget()).prefill
+    assert (chunk.begin, chunk.end) == (0, 1500)
+    budgets = []
+    running = _prefilled(scheduler, _request(5, samples=64))
+    for count in (16, 16, 16, 16):
+        _start_rows(scheduler, running, count)
+        budgets.append(scheduler.step_budget())
+    assert budgets == sorted(budgets, reverse=True) and budgets[-1] == 256 and budgets[0] < 2048
+    assert scheduler.prefill_budget() == 256 - 64  # every slot taken: what 64 decode tokens leave
+    assert _scheduler(step_tokens=256).step_budget() == 256  # no max_step_tokens: a fixed budget
 
 
 def test_running_rows_decode_first_and_prompts_get_the_rest_of_the_step():
@@ -144,11 +163,46 @@ def test_a_cancelled_waiting_request_is_released_and_done():
     scheduler = _scheduler()
     request = _prefilled(scheduler, _request(50, samples=3))
     _start_rows(scheduler, request, 1)
-    request._next_sample = request.num_samples  # what the engine does for the rows a cancel stops before they start
+    assert list(scheduler.skip_pending(request)) == [1, 2]  # the rows a cancel stops before they start
     assert scheduler.release(request) is False  # its running row retires later
-    assert scheduler.release_row(request) is True
+    assert scheduler.release_row(request) is True and request not in scheduler.states
     waiting = _request(20)
     scheduler.add(waiting)
     scheduler.schedule(scheduler.prefill_budget())
-    waiting._next_sample = waiting.num_samples
+    assert list(scheduler.skip_pending(waiting)) == [0]
     assert scheduler.release(waiting) is True and scheduler.waiting == [] and scheduler.held_bytes() == 0
+    assert scheduler.states == {}
+
+
+def test_a_new_request_starts_when_the_rows_ahead_of_it_free_a_slot():
+    """Two slots: rows with 5 and 9 tokens left, then a waiting request's two rows of 10: they take the
+    slots freed at 5 and 9, so a new row starts at step 15, after the waiting prompt's 64 tokens (half a
+    step of 128)."""
+    assert Backlog((9, 5), ((2, 10),), 64, rows=2).start_steps(step_tokens=128) == 15.5
+    assert Backlog(rows=2).start_steps(step_tokens=128) == 0  # idle: at once
+    assert Backlog((9,), ((1, 10),), 0, rows=4).start_steps(step_tokens=128) == 0  # a slot is free
+
+
+def test_the_backlog_counts_rows_at_the_share_of_their_budget_rows_have_used():
+    scheduler = _scheduler(max_rows=2, kv_budget_bytes=100_000)
+    running = _prefilled(scheduler, _request(5, samples=2, max_new_tokens=100))
+    _start_rows(scheduler, running, 2)
+    running.token_ids[0] += [1] * 30
+    waiting = _request(40, samples=3, max_new_tokens=100)
+    scheduler.add(waiting)
+    backlog = scheduler.backlog()
+    assert backlog == Backlog((70, 100), ((3, 100),), 40, rows=2)
+    for _ in range(200):  # rows have lately stopped at a fifth of their budget
+        scheduler.row_fill = 0.95 * scheduler.row_fill + 0.05 * 0.2
+    assert scheduler.backlog().running == (max(1, 20 - 30), 20)
+    assert scheduler.backlog().start_steps(128) < backlog.start_steps(128)
+
+
+def test_the_backlog_runs_as_many_rows_as_the_kv_budget_holds_at_their_lengths():
+    """64 row slots, but a budget of 1,000 tokens: rows of 256 positions (quantized) run 3 at a time."""
+    scheduler = _scheduler(max_rows=64, kv_budget_bytes=1_000)
+    running = _prefilled(scheduler, _request(100, samples=3, max_new_tokens=100))
+    _start_rows(scheduler, running, 3)
+    scheduler.add(_request(100, samples=4, max_new_tokens=100))
+    assert scheduler.backlog().rows == 3
+    assert _scheduler(max_rows=8).backlog().rows == 8  # idle: every slot

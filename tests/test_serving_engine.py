@@ -7,6 +7,7 @@ request timeout is refused up front. The scripted Bento (``support.served_bento`
 from __future__ import annotations
 
 import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -65,6 +66,36 @@ def test_readyz_is_503_while_a_new_request_would_wait_past_its_bound_and_200_aft
             sock.close()  # hung up: their rows stop at the next step
     wait_for(lambda: server.request("/readyz", timeout_s=2)[0] == 200, 20, "ready again after the backlog left", interval_s=0.1)
     server.assert_ready()
+
+
+def test_a_request_that_would_start_past_the_timeout_gets_503_with_retry_after(server):
+    """Long requests, one after another, queue until the rows ahead of the next would take past the
+    request timeout (300 s) to free a slot: that one is a 503 with Retry-After and the estimate at once,
+    instead of a wait that would end in a 504. Once they leave, the service is ready again."""
+    body = json.dumps({"question": f"{QUESTION} [flood]", **LONG}).encode()
+    flood, refusal = [], None
+    try:
+        while refusal is None and len(flood) < 200:
+            flood.append(server.open("/solve", body))
+            flood[-1].settimeout(0.2)
+            try:
+                refusal = flood[-1].recv(65536).decode()
+            except TimeoutError:
+                pass  # queued
+        assert refusal is not None, "200 long requests queued without one refused"
+        flood[-1].settimeout(5)
+        while "\r\n\r\n" not in refusal or len(refusal.partition("\r\n\r\n")[2]) < int(re.search(r"(?im)^content-length: *(\d+)", refusal)[1]):
+            refusal += flood[-1].recv(65536).decode()  # the rest of the response
+        head, _, payload = refusal.partition("\r\n\r\n")
+        retry_after = re.search(r"(?im)^retry-after: *(\d+)", head)
+        assert head.startswith("HTTP/1.1 503") and retry_after and int(retry_after[1]) >= 2, refusal
+        assert re.fullmatch(r"overloaded: a new request would start in about \d+ s, past the request timeout of 300 s", json.loads(payload)["error"])
+        assert len(flood) > 2  # the first ones were queued, not refused
+    finally:
+        for sock in flood:
+            sock.close()
+    wait_for(lambda: server.request("/readyz", timeout_s=2)[0] == 200, 30, "ready again after the flood left", interval_s=0.1)
+    assert server.post_ok("/solve", {"question": QUESTION, "k": 1, "max_new_tokens": 4})["k"] == 1
 
 
 def test_a_request_its_measured_speed_cannot_finish_in_time_is_refused_up_front(tmp_path_factory):

@@ -141,10 +141,17 @@ def cached_attention(cache: Any, key_mask: torch.Tensor | None, upcast: bool = T
 
 
 def gqa_attention(
-    queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scaling: float, upcast: bool = True
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+    upcast: bool = True,
+    causal: bool = False,
 ) -> torch.Tensor:
     """Grouped-query attention [batch, heads, queries, head dim] over keys and values [batch, KV heads, keys,
-    head dim] (``mask``: True where a query may attend), SDPA called directly; ``upcast``: in float32 for
+    head dim] (``mask``: True where a query may attend; ``causal`` instead: query i attends keys 0 .. i,
+    which lets SDPA skip the blocks above the diagonal), SDPA called directly; ``upcast``: in float32 for
     bf16 / fp16 (the engine passes its plan's ``float32_attention``: on CPU, under the switch).
 
     On CPU a decode step's one query per head is packed by KV head (a group's queries become one KV head's
@@ -161,7 +168,7 @@ def gqa_attention(
         packed = queries.reshape(batch, kv_heads, heads // kv_heads, head_dim)
         attended = F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask, scale=scaling)
         return attended.reshape(batch, heads, 1, head_dim).to(dtype)
-    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scaling, enable_gqa=True).to(dtype)
+    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=causal, scale=scaling, enable_gqa=True).to(dtype)
 
 
 def _compiled_rms_norm(hidden: torch.Tensor, norm: nn.Module) -> torch.Tensor:

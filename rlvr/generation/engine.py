@@ -34,7 +34,7 @@ from rlvr.generation.model_runner import model_runner
 from rlvr.generation.prefix_cache import PrefixCache
 from rlvr.generation.request import EngineRequest
 from rlvr.generation.sampler import draw_uniforms, row_generator, sample_tokens
-from rlvr.generation.scheduler import Lane, Row, Scheduler
+from rlvr.generation.scheduler import Backlog, Lane, Row, Scheduler
 from rlvr.generation.stops import StopChecker
 
 SHORT_LANE_TOKENS = 512  # rows of at most this many tokens (prompt + new) decode in a lane of their own
@@ -55,6 +55,7 @@ class Engine:
         *,
         max_rows: int = 64,
         step_tokens: int = 256,
+        max_step_tokens: int | None = None,
         kv_budget_bytes: int = 2**30,
         max_share: float = 0.5,
         short_lane_tokens: int | None = SHORT_LANE_TOKENS,
@@ -80,14 +81,16 @@ class Engine:
         self.stops = StopChecker(model, tokenizer, stop_token_ids)
         self.token_texts = TokenTexts(tokenizer)
         self._tool_pool: ThreadPoolExecutor | None = None
-        layers = model.config.num_hidden_layers
+        # the slot kernel reads no slot past its row's length; SDPA and CUDA graphs read to the longest row, masked
+        layers, zeroed = model.config.num_hidden_layers, not self.slot_kernel or self.graphed is not None
         self.scheduler = Scheduler(
-            [Lane(layers, short_lane_tokens), Lane(layers, None)] if short_lane_tokens else [Lane(layers, None)],
+            [Lane(layers, length, zeroed) for length in ((short_lane_tokens, None) if short_lane_tokens else (None,))],
             self.prefixes,
             bytes_per_token=self.bytes_per_token,
             kv_budget_bytes=kv_budget_bytes,
             max_rows=max_rows,
             step_tokens=step_tokens,
+            max_step_tokens=max_step_tokens,  # None: every step carries step_tokens
             max_share=max_share,
             max_requests=max_requests,  # None: any number run at once; else the oldest that many
             model_config=model.config,
@@ -95,6 +98,7 @@ class Engine:
         self._inbox: deque[EngineRequest | Callable[[], None]] = deque()
         self._wakeup = threading.Condition()
         self.step_seconds = 0.0  # a moving average of steps with rows (0: none measured yet), for the time estimates
+        self.backlog = Backlog()  # the work ahead of a new request, as of the last step
 
     @property
     def rows(self) -> list[Row]:
@@ -150,17 +154,9 @@ class Engine:
         return (-(-prompt_tokens // self.step_tokens) + max_new_tokens * waves) * self.step_seconds
 
     def start_wait_s(self) -> float:
-        """How long a new short request would wait to start: the oldest waiting request's wait so far,
-        or, with every slot taken, the steps until the first running row ends at the budget."""
-        now, waited = time.monotonic(), 0.0
-        for request in list(self.scheduler.waiting):
-            if request._running == 0 and request.first_token_s is None:
-                waited = max(waited, now - request.submitted_s)
-        rows = self.rows
-        if len(rows) >= self.max_rows:
-            left = min((r.request.max_new_tokens - len(r.request.token_ids[r.sample]) for r in rows), default=0)
-            waited = max(waited, left * self.step_seconds)
-        return waited
+        """How long a new request would wait for its first row to start, at the measured step time: the
+        rows and prompts ahead of it as of the last step (:class:`~rlvr.generation.scheduler.Backlog`)."""
+        return self.backlog.start_steps(self.step_tokens) * self.step_seconds
 
     # ---- on the engine's thread ---------------------------------------------------------------
 
@@ -218,15 +214,15 @@ class Engine:
             self._admit_rows()
             self._forward(self.scheduler.prefill_budget())
             self._admit_rows()
+        self.backlog = self.scheduler.backlog()
         if self.rows:
             elapsed = time.monotonic() - started
             self.step_seconds = elapsed if not self.step_seconds else 0.9 * self.step_seconds + 0.1 * elapsed
 
     def _drop_cancelled(self) -> None:
         for request in [q for q in self.scheduler.waiting if q.cancelled.is_set()]:
-            for sample in range(request._next_sample, request.num_samples):
+            for sample in self.scheduler.skip_pending(request):
                 request.finish_reasons[sample] = "cancelled"
-            request._next_sample = request.num_samples
             self._release_prompt(request)
         for lane in self.lanes:
             for i in reversed(range(len(lane.rows))):
@@ -238,13 +234,14 @@ class Engine:
             self._add_rows(request, count)
 
     def _add_rows(self, request: EngineRequest, count: int) -> None:
+        state = self.scheduler.states[request]
         lane = self.scheduler.lane_for(request)
         cache, length = lane.cache, lane.slot_length(request)
         rows_needed = len(lane.rows) + count
         if rows_needed > cache.capacity_rows or length > cache.capacity_length:
-            cache.resize(self.scheduler.slot_capacity(lane, rows_needed, length), length, request._cache.layers[0].keys)
+            cache.resize(self.scheduler.slot_capacity(lane, rows_needed, length), length, state.cache.layers[0].keys)
             self.scheduler.make_room()
-        slots = cache.add_rows(request._cache, count)
+        slots = cache.add_rows(state.cache, count)
         samples = self.scheduler.admit(request, count)
         new_rows = []
         for sample in samples:
@@ -254,16 +251,15 @@ class Engine:
                 request.tool_calls[sample] = driver.calls
             new_rows.append(Row(request, sample, generator, driver))
         lane.rows += new_rows
-        tokens, logprobs = self._draw_tokens(request._last_logits.expand(count, -1), new_rows)
+        tokens, logprobs = self._draw_tokens(state.last_logits.expand(count, -1), new_rows)
         lane.next_tokens = torch.cat([lane.next_tokens, tokens])
         if request.first_token_s is None:
             request.first_token_s = time.monotonic()
         self._record(lane, list(slots), tokens, logprobs)
-        if not request.pending_rows:
+        if not state.pending_rows:
             self._release_prompt(request)
 
     def _release_prompt(self, request: EngineRequest) -> None:
-        request._last_logits = None
         if self.scheduler.release(request):
             self._finish(request)
 
@@ -292,7 +288,8 @@ class Engine:
             start = sum(map(len, tokens))
             tokens.append(torch.tensor(request.prompt_ids[begin:end]))
             positions.append(torch.arange(begin, end))
-            segments.append((start, start + end - begin, _prompt_attention(request._cache, begin, end, self.device, self.plan.float32_attention)))
+            cache = self.scheduler.states[request].cache
+            segments.append((start, start + end - begin, _prompt_attention(cache, begin, end, self.device, self.plan.float32_attention)))
             logits_at.append(start + end - begin - 1)
         if not segments:
             return
@@ -311,10 +308,11 @@ class Engine:
             self._append_next_tokens(lane, live, logits[offset : offset + len(live)])
             offset += len(live)
         for k, (request, _, end) in enumerate(chunks):
-            request._prefilled = end
-            request._last_logits = logits[offset + k : offset + k + 1] if request.prefilled else None
-            if request.prefilled:
-                self.prefixes.store(request.prompt_ids, request._cache, self.scheduler.room_bytes())
+            state = self.scheduler.states[request]
+            state.prefilled = end
+            if state.whole_prompt:
+                state.last_logits = logits[offset + k : offset + k + 1]
+                self.prefixes.store(request.prompt_ids, state.cache, self.scheduler.room_bytes())
 
     def _graphed_step(self) -> bool:
         """A decode-only step of the one lane with rows, none parked, from a CUDA graph; False where it does not fit."""
@@ -433,7 +431,7 @@ class Engine:
             lane.rows[slot] = last
             lane.next_tokens[slot] = lane.next_tokens[moved]
         lane.next_tokens = lane.next_tokens[: len(lane.rows)]
-        if self.scheduler.release_row(request):
+        if self.scheduler.release_row(request, None if reason == "cancelled" else len(request.token_ids[row.sample])):
             self._finish(request)
         if not lane.rows:
             lane.clear()  # every slot free: the buffers go
@@ -468,13 +466,14 @@ def _slot_attention(cache: SlotCache, positions: torch.Tensor, device: torch.dev
 
 def _prompt_attention(cache: DynamicCache, begin: int, end: int, device: torch.device, upcast: bool) -> Attend:
     """A prompt chunk's attention (positions ``begin`` .. ``end`` - 1): its keys and values are appended
-    to the prompt's cache, each query attends causally over the prompt so far (``upcast``: in float32
-    for bf16 / fp16)."""
-    mask = (torch.arange(end).unsqueeze(0) <= torch.arange(begin, end).unsqueeze(1)).to(device)  # [chunk, end]
+    to the prompt's cache, each query attends causally over the prompt so far (a first chunk without a
+    mask, so SDPA skips the blocks above the diagonal; ``upcast``: in float32 for bf16 / fp16)."""
+    first = begin == 0
+    mask = None if first else (torch.arange(end).unsqueeze(0) <= torch.arange(begin, end).unsqueeze(1)).to(device)  # [chunk, end]
 
     def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
         keys, values = cache.layers[index].update(keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0))
-        attended = gqa_attention(queries.transpose(0, 1).unsqueeze(0), keys, values, mask, scaling, upcast)
+        attended = gqa_attention(queries.transpose(0, 1).unsqueeze(0), keys, values, mask, scaling, upcast, causal=first)
         return attended[0].transpose(0, 1).reshape(len(queries), -1)
 
     return attend

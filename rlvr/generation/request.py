@@ -1,14 +1,12 @@
 """What a caller submits to the engine: one prompt's samples, their sampling and stop settings, and what
-the engine fills in (tokens, log-probs, tool calls, finish reasons, timings)."""
+the engine fills in (tokens, log-probs, tool calls, finish reasons, timings); how far it got is the
+scheduler's (``rlvr.generation.scheduler.RequestState``)."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
-
-import torch
-from transformers import DynamicCache
 
 from rlvr.environments.base import Environment, ToolCall
 
@@ -45,11 +43,6 @@ class EngineRequest:
     max_neighbours: int = 1  # most requests that shared a decode step with it
     cached_prompt_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
     error: Exception | None = None  # set when a step failed under it
-    _prefilled: int = 0
-    _cache: DynamicCache | None = None
-    _last_logits: torch.Tensor | None = None
-    _next_sample: int = 0
-    _running: int = 0
 
     def __post_init__(self) -> None:
         self.token_ids = [[] for _ in range(self.num_samples)]
@@ -61,14 +54,6 @@ class EngineRequest:
     @property
     def slot_length(self) -> int:
         return len(self.prompt_ids) + self.max_new_tokens
-
-    @property
-    def prefilled(self) -> bool:
-        return self._prefilled == len(self.prompt_ids)
-
-    @property
-    def pending_rows(self) -> int:
-        return self.num_samples - self._next_sample
 
     def temperature(self, sample: int) -> float:
         return self.temperatures[sample % len(self.temperatures)]

@@ -4,12 +4,14 @@ It owns the waiting and running requests, the lanes of running rows and the KV b
 the budget goes through one gate (:meth:`Scheduler.fits`, :meth:`Scheduler.reserve`,
 :meth:`Scheduler.release`). Each step it hands the engine a :class:`StepPlan` (the rows that decode, the
 prompt chunks that prefill) and the rows each prefilled request may start (:meth:`Scheduler.admissions`);
-the engine executes them. It reads request metadata only (token counts, max tokens, submission times),
-so it is tested without a model (tests/test_engine_scheduler.py).
+the engine executes them. It reads request metadata only (token counts, max tokens, submission times)
+and keeps each request's progress (:class:`RequestState`) itself, so it is tested without a model
+(tests/test_engine_scheduler.py).
 """
 
 from __future__ import annotations
 
+import heapq
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -39,11 +41,11 @@ class Row:
 class Lane:
     """Running rows whose slots share one :class:`SlotCache` and one decode step: rows whose slot (prompt
     + new tokens) is at most ``max_length`` (``None``: any), so a long request's rows do not pad every
-    short one to their length."""
+    short one to their length. ``zeroed``: as :class:`SlotCache`'s."""
 
-    def __init__(self, num_layers: int, max_length: int | None):
-        self.num_layers, self.max_length = num_layers, max_length
-        self.cache = SlotCache(num_layers)
+    def __init__(self, num_layers: int, max_length: int | None, zeroed: bool = True):
+        self.num_layers, self.max_length, self.zeroed = num_layers, max_length, zeroed
+        self.cache = SlotCache(num_layers, zeroed)
         self.rows: list[Row] = []
         self.next_tokens = torch.zeros(0, dtype=torch.long)
 
@@ -55,7 +57,27 @@ class Lane:
         return max(self.cache.capacity_length if self.rows else 0, quantized(request.slot_length))
 
     def clear(self) -> None:
-        self.cache, self.rows, self.next_tokens = SlotCache(self.num_layers), [], torch.zeros(0, dtype=torch.long)
+        self.cache, self.rows, self.next_tokens = SlotCache(self.num_layers, self.zeroed), [], torch.zeros(0, dtype=torch.long)
+
+
+@dataclass(eq=False)
+class RequestState:
+    """The scheduler's part of a request: its prompt cache and how far it got, its rows started and running."""
+
+    request: EngineRequest
+    prefilled: int = 0  # prompt tokens whose keys and values are cached
+    cache: DynamicCache | None = None  # the prompt's, while rows wait to start from it
+    last_logits: torch.Tensor | None = None  # the whole prompt's next-token logits: its rows' first tokens
+    next_sample: int = 0  # the next row to start
+    running: int = 0  # rows running
+
+    @property
+    def whole_prompt(self) -> bool:
+        return self.prefilled == len(self.request.prompt_ids)
+
+    @property
+    def pending_rows(self) -> int:
+        return self.request.num_samples - self.next_sample
 
 
 class PrefillChunk(NamedTuple):
@@ -74,10 +96,32 @@ class StepPlan:
     prefill: list[PrefillChunk]
 
 
+@dataclass(frozen=True)
+class Backlog:
+    """The work ahead of a new request at the end of a step, expected tokens counted from how much of its
+    budget a finished row has used lately; built on the engine's thread, read from any other."""
+
+    running: tuple[int, ...] = ()  # each running row's expected tokens left
+    waiting: tuple[tuple[int, int], ...] = ()  # each waiting request's (rows not started, expected tokens a row)
+    prompt_tokens: int = 0  # prompt tokens waiting to prefill
+    rows: int = 1  # rows that run at once: the row slots, or fewer where the KV budget holds fewer at these lengths
+
+    def start_steps(self, step_tokens: int) -> float:
+        """Steps until a new request's first row could start: each waiting row takes the first of the
+        ``rows`` slots to free, in turn, and the waiting prompts' prefill takes steps of its own."""
+        slots = sorted(self.running) + [0] * max(0, self.rows - len(self.running))
+        heapq.heapify(slots)
+        for rows, tokens in self.waiting:
+            for _ in range(rows):
+                heapq.heapreplace(slots, slots[0] + tokens)
+        return slots[0] + self.prompt_tokens / step_tokens
+
+
 class Scheduler:
     """Queues, lanes and the KV budget of an engine. ``max_rows`` rows run at once, a step carries
-    ``step_tokens`` tokens, a request keeps to ``max_share`` of the KV the others leave it, the oldest
-    ``max_requests`` requests run (None: any number); ``model_config`` shapes the prompt caches."""
+    ``step_tokens`` tokens with every row slot taken and up to ``max_step_tokens`` (None: as many) with
+    none (see :meth:`prefill_budget`), a request keeps to ``max_share`` of the KV the others leave it, the
+    oldest ``max_requests`` requests run (None: any number); ``model_config`` shapes the prompt caches."""
 
     def __init__(
         self,
@@ -89,14 +133,18 @@ class Scheduler:
         max_rows: int,
         step_tokens: int,
         max_share: float,
+        max_step_tokens: int | None = None,
         max_requests: int | None = None,
         model_config: Any = None,
     ):
         self.lanes, self.prefixes, self.model_config = lanes, prefixes, model_config
         self.bytes_per_token, self.kv_budget_bytes = bytes_per_token, kv_budget_bytes
         self.max_rows, self.step_tokens, self.max_share, self.max_requests = max_rows, step_tokens, max_share, max_requests
+        self.max_step_tokens = max(step_tokens, max_step_tokens or step_tokens)
         self.waiting: list[EngineRequest] = []  # submitted, some rows not yet running
         self.running: set[EngineRequest] = set()  # some rows running
+        self.states: dict[EngineRequest, RequestState] = {}  # every request in the engine
+        self.row_fill = 1.0  # a moving average of the share of its token budget a finished row used
 
     @property
     def rows(self) -> list[Row]:
@@ -105,6 +153,7 @@ class Scheduler:
 
     def add(self, request: EngineRequest) -> None:
         self.waiting.append(request)
+        self.states[request] = RequestState(request)
 
     def has_work(self) -> bool:
         """Whether a step now would do anything but wait for parked rows."""
@@ -113,7 +162,7 @@ class Scheduler:
     def drop_all(self) -> set[EngineRequest]:
         """Forget every request (a step failed under them); returns them."""
         requests = {*self.waiting, *(row.request for row in self.rows)}
-        self.waiting, self.running = [], set()
+        self.waiting, self.running, self.states = [], set(), {}
         for lane in self.lanes:
             lane.clear()
         return requests
@@ -138,28 +187,48 @@ class Scheduler:
         prefix cache holds (which then gives way to it); False: it does not fit now."""
         if not self.fits(len(request.prompt_ids) * self.bytes_per_token):
             return False
-        request._prefilled, cache = self.prefixes.lookup(request.prompt_ids, self.model_config)
-        request.cached_prompt_tokens = request._prefilled
-        request._cache = cache if cache is not None else DynamicCache(config=self.model_config)
+        state = self.states[request]
+        state.prefilled, cache = self.prefixes.lookup(request.prompt_ids, self.model_config)
+        request.cached_prompt_tokens = state.prefilled
+        state.cache = cache if cache is not None else DynamicCache(config=self.model_config)
         self.make_room()
         return True
 
     def release(self, request: EngineRequest) -> bool:
         """Free ``request``'s prompt cache; with no rows left to start it leaves the waiting queue. True:
         it is done (no rows waiting or running)."""
-        request._cache = None
-        if request.pending_rows:
+        state = self.states[request]
+        state.cache = state.last_logits = None
+        if state.pending_rows:
             return False
         self.waiting.remove(request)
-        return not request._running
+        return self._forget_if_done(state)
 
-    def release_row(self, request: EngineRequest) -> bool:
-        """One of ``request``'s rows retired (its slot already freed). True: the request is done."""
-        request._running -= 1
-        if request._running:
+    def skip_pending(self, request: EngineRequest) -> range:
+        """``request``'s rows not started yet never will (it was cancelled); returns their samples."""
+        state = self.states[request]
+        skipped = range(state.next_sample, request.num_samples)
+        state.next_sample = request.num_samples
+        return skipped
+
+    def release_row(self, request: EngineRequest, generated: int | None = None) -> bool:
+        """One of ``request``'s rows retired (its slot already freed) after ``generated`` tokens (None:
+        cancelled). True: the request is done."""
+        if generated is not None:
+            self.row_fill = 0.95 * self.row_fill + 0.05 * min(1.0, generated / max(1, request.max_new_tokens))
+        state = self.states[request]
+        state.running -= 1
+        if state.running:
             return False
         self.running.discard(request)
-        return not request.pending_rows and request not in self.waiting
+        return self._forget_if_done(state)
+
+    def _forget_if_done(self, state: RequestState) -> bool:
+        """Forget ``state``'s request if no rows of it wait or run; True: it is done."""
+        if state.running or state.pending_rows or state.request in self.waiting:
+            return False
+        del self.states[state.request]
+        return True
 
     def slot_capacity(self, lane: Lane, rows_needed: int, length: int) -> int:
         """Slots to allocate in ``lane`` for ``rows_needed`` rows of ``length`` positions: room to grow
@@ -176,14 +245,37 @@ class Scheduler:
         self.prefixes.shrink_to(self.room_bytes())
 
     def _prompt_cache_bytes(self) -> int:
-        return sum(q._prefilled for q in self.waiting if q._cache is not None) * self.bytes_per_token
+        return sum(s.prefilled for q in self.waiting if (s := self.states[q]).cache is not None) * self.bytes_per_token
+
+    def backlog(self) -> Backlog:
+        """The work ahead of a new request now (see :class:`Backlog`)."""
+
+        def expected(request: EngineRequest) -> int:
+            return max(1, round(self.row_fill * request.max_new_tokens))
+
+        rows = self.rows
+        running = tuple(max(1, expected(row.request) - len(row.request.token_ids[row.sample])) for row in rows)
+        live = [self.states[q] for q in self.waiting if not q.cancelled.is_set()]
+        waiting = tuple((s.pending_rows, expected(s.request)) for s in live if s.pending_rows)
+        prompt_tokens = sum(len(s.request.prompt_ids) - s.prefilled for s in live)
+        lengths = [quantized(row.request.slot_length) for row in rows] + [quantized(s.request.slot_length) for s in live if s.pending_rows]
+        fit = self.kv_budget_bytes * len(lengths) // (self.bytes_per_token * sum(lengths)) if lengths else self.max_rows
+        return Backlog(running, waiting, prompt_tokens, max(1, min(self.max_rows, fit)))
 
     # ---- each step's plan ---------------------------------------------------------------------
 
+    def step_budget(self) -> int:
+        """Tokens this step may carry: ``max_step_tokens`` with every row slot free, shrinking in step with
+        the slots taken to ``step_tokens`` with none free. A long prompt on an idle engine prefills in one
+        step; with many rows decoding, a step stays short (their next tokens wait for it), and prompts
+        that could not start rows yet need no more than that."""
+        free = 1 - min(len(self.rows), self.max_rows) / self.max_rows
+        return self.step_tokens + int((self.max_step_tokens - self.step_tokens) * free)
+
     def prefill_budget(self) -> int:
         """Prompt tokens a step may carry: running rows decode first (one token each), prompts get the
-        rest of ``step_tokens``, and at least an eighth of it."""
-        return max(self.step_tokens - len(self.rows), self.step_tokens // 8)
+        rest of :meth:`step_budget`, and at least an eighth of ``step_tokens``."""
+        return max(self.step_budget() - len(self.rows), self.step_tokens // 8)
 
     def schedule(self, prefill_budget: int) -> StepPlan:
         """This step's plan: every lane's live rows, and prompt chunks within ``prefill_budget`` tokens."""
@@ -199,41 +291,44 @@ class Scheduler:
         """Prompt chunks of the waiting requests, shortest remaining first (for its wait so far), within
         ``budget`` tokens; a prompt starts only when :meth:`reserve` holds it."""
         now = time.monotonic()
-        todo = self._active([q for q in self.waiting if not q.prefilled and not q.cancelled.is_set()])
-        todo.sort(key=lambda q: ((len(q.prompt_ids) - q._prefilled) / (1 + now - q.submitted_s), q.submitted_s))
+        todo = [self.states[q] for q in self._active([q for q in self.waiting if not q.cancelled.is_set()])]
+        todo = [s for s in todo if not s.whole_prompt]
+        todo.sort(key=lambda s: ((len(s.request.prompt_ids) - s.prefilled) / (1 + now - s.request.submitted_s), s.request.submitted_s))
         chunks = []
-        for request in todo:
+        for state in todo:
             if budget <= 0:
                 break
-            if request._cache is None and not self.reserve(request):
+            if state.cache is None and not self.reserve(state.request):
                 continue
-            end = min(len(request.prompt_ids), request._prefilled + budget)
-            chunks.append(PrefillChunk(request, request._prefilled, end))
-            budget -= end - request._prefilled
+            end = min(len(state.request.prompt_ids), state.prefilled + budget)
+            chunks.append(PrefillChunk(state.request, state.prefilled, end))
+            budget -= end - state.prefilled
         return chunks
 
     def admissions(self) -> Iterator[tuple[EngineRequest, int]]:
         """(request, rows to start) for the prefilled requests, short requests first, each within a fair
         share of ``max_rows`` and the KV budget. Lazy: the caller starts each request's rows (see
         :meth:`admit`) before the next is weighed."""
-        ready = self._active([q for q in self.waiting if q.prefilled and q.pending_rows])
+        ready = [self.states[q] for q in self._active(list(self.waiting))]
+        ready = [s for s in ready if s.whole_prompt and s.pending_rows]
         if not ready:
             return
-        ready.sort(key=lambda q: (q.pending_rows * q.max_new_tokens, q.submitted_s))
+        ready.sort(key=lambda s: (s.pending_rows * s.request.max_new_tokens, s.request.submitted_s))
         requests_wanting = self._requests_wanting_rows()
-        for request in ready:
+        for state in ready:
             room = self.max_rows - len(self.rows)
             share = self.max_rows if requests_wanting == 1 else max(1, self.max_rows // requests_wanting)
-            count = min(request.pending_rows, room, max(0, share - request._running))
-            count = self.rows_that_fit(request, count)
+            count = min(state.pending_rows, room, max(0, share - state.running))
+            count = self.rows_that_fit(state.request, count)
             if count:
-                yield request, count
+                yield state.request, count
 
     def admit(self, request: EngineRequest, count: int) -> range:
         """Count ``count`` more of ``request``'s rows as running; returns their samples."""
-        samples = range(request._next_sample, request._next_sample + count)
-        request._next_sample += count
-        request._running += count
+        state = self.states[request]
+        samples = range(state.next_sample, state.next_sample + count)
+        state.next_sample += count
+        state.running += count
         self.running.add(request)
         return samples
 
@@ -245,12 +340,13 @@ class Scheduler:
         length = lane.slot_length(request)
         lane_bytes = lane.cache.bytes(self.bytes_per_token)
         held = self.held_bytes() - lane_bytes
-        own_prompt = request._prefilled * self.bytes_per_token if request._cache is not None else 0
-        others = (len(lane.rows) - request._running) * length * self.bytes_per_token + held - own_prompt
+        state = self.states[request]
+        own_prompt = state.prefilled * self.bytes_per_token if state.cache is not None else 0
+        others = (len(lane.rows) - state.running) * length * self.bytes_per_token + held - own_prompt
         while count:
             fits = self.fits(lane.cache.bytes(self.bytes_per_token, len(lane.rows) + count, length) - lane_bytes)
-            own = (request._running + count) * length * self.bytes_per_token
-            if fits and (own <= self.max_share * (self.kv_budget_bytes - others) or request._running == 0 and count == 1):
+            own = (state.running + count) * length * self.bytes_per_token
+            if fits and (own <= self.max_share * (self.kv_budget_bytes - others) or state.running == 0 and count == 1):
                 return count
             count -= 1
         return 0
@@ -260,7 +356,7 @@ class Scheduler:
 
     def _requests_wanting_rows(self) -> int:
         """How many requests run rows or wait for some (the fair share of the rows divides by it)."""
-        return len({*self.running, *(q for q in self.waiting if q.pending_rows)})
+        return len({*self.running, *(q for q in self.waiting if self.states[q].pending_rows)})
 
     def _active(self, requests: list[EngineRequest]) -> list[EngineRequest]:
         """``requests`` less those beyond ``max_requests`` (the oldest requests in the engine run first)."""

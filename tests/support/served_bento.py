@@ -28,6 +28,7 @@ REQUEST_TIMEOUT_S = 120
 PROBE_TIMEOUT_S = 2.0  # a probe slower than this during an attack is a frozen service
 SHORT_TIMEOUT_S = 1  # a request timeout shorter than a LONG request (~3 s on the tiny model)
 KV_CACHE_BUDGET_MIB = 4  # serving_batched's: ~16 rows of 1,000 tokens on the tiny model (256 bytes/token/row)
+MAX_REQUESTS = 72  # serving_batched's request slots, running or queued: past the engine's 64 row slots
 LINEAGE = {MODEL_VERSION_LABEL: "rlvr-gsm8k-policy/7", "mlflow_run_id": "0123abcd", "data_hash": "feedbeef"}
 QUESTION = "Natalia sold clips to 48 of her friends in April, and then half as many in May. How many in total?"
 LONG = {"k": 8, "temperature": 1.0, "max_new_tokens": MAX_NEW_TOKENS}  # seconds of decoding on the tiny model
@@ -153,6 +154,12 @@ def serving(built, folder: Path, batching: bool, env: dict[str, str] | None = No
 
 
 def serving_batched(built, tmp_path_factory, name: str):
-    """``serving`` with batching and a KV-cache budget of ``KV_CACHE_BUDGET_MIB``: each module's main server."""
-    env = {"RLVR_KV_CACHE_BUDGET_MIB": str(KV_CACHE_BUDGET_MIB)}
+    """``serving`` with batching, a KV-cache budget of ``KV_CACHE_BUDGET_MIB``, ``MAX_REQUESTS`` request
+    slots and an hour's request timeout: each module's main server."""
+    env = {
+        "RLVR_KV_CACHE_BUDGET_MIB": str(KV_CACHE_BUDGET_MIB),
+        "RLVR_MAX_REQUESTS": str(MAX_REQUESTS),
+        # an hour: every request slot fills with long requests that queue, none refused past the timeout
+        "BENTOML_CONFIG_OPTIONS": "services.rlvr_policy.traffic.timeout=3600",
+    }
     return serving(built, tmp_path_factory.mktemp(name) / "server", batching=True, env=env)
