@@ -2,6 +2,7 @@
 under the step's token budget, running rows before prompts, fair shares, and releasing on finish or cancel.
 One byte per token keeps the budgets readable; slots are padded to 128 positions (kv_cache.quantized)."""
 
+import time
 from concurrent.futures import Future
 
 from rlvr.generation.prefix_cache import PrefixCache
@@ -128,6 +129,17 @@ def test_prefilled_requests_share_the_rows_fairly_short_ones_first():
         _start_rows(scheduler, request, count)
     assert admitted == [(short, 2), (long, 2)]
     assert list(scheduler.admissions()) == []  # every row taken
+
+
+def test_a_long_request_that_has_waited_starts_before_a_short_one_just_arrived():
+    """Short first, for its wait so far: 100 new tokens waiting 60 s weigh less than 10 arriving now,
+    so short requests arriving without end do not starve a long one."""
+    now = time.monotonic()
+    scheduler = _scheduler(max_rows=1)
+    long, short = _request(5, max_new_tokens=100, submitted_s=now - 60), _request(5, max_new_tokens=10, submitted_s=now)
+    _prefilled(scheduler, short)
+    _prefilled(scheduler, long)
+    assert next(scheduler.admissions()) == (long, 1)
 
 
 def test_rows_keep_to_their_share_of_the_kv_budget_but_a_first_row_only_needs_to_fit():

@@ -306,14 +306,15 @@ class Scheduler:
         return chunks
 
     def admissions(self) -> Iterator[tuple[EngineRequest, int]]:
-        """(request, rows to start) for the prefilled requests, short requests first, each within a fair
-        share of ``max_rows`` and the KV budget. Lazy: the caller starts each request's rows (see
+        """(request, rows to start) for the prefilled requests, short requests first (for their wait so
+        far), each within a fair share of ``max_rows`` and the KV budget. Lazy: the caller starts each request's rows (see
         :meth:`admit`) before the next is weighed."""
         ready = [self.states[q] for q in self._active(list(self.waiting))]
         ready = [s for s in ready if s.whole_prompt and s.pending_rows]
         if not ready:
             return
-        ready.sort(key=lambda s: (s.pending_rows * s.request.max_new_tokens, s.request.submitted_s))
+        now = time.monotonic()  # the shortest first, for its wait so far: a long request is not starved by short ones
+        ready.sort(key=lambda s: (s.pending_rows * s.request.max_new_tokens / (1 + now - s.request.submitted_s), s.request.submitted_s))
         requests_wanting = self._requests_wanting_rows()
         for state in ready:
             room = self.max_rows - len(self.rows)
