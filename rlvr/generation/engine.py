@@ -212,10 +212,10 @@ class Engine:
         with torch.inference_mode():
             self._drop_cancelled()
             self._admit_rows()
-            self._forward(self.scheduler.prefill_budget())
+            tokens = self._forward(self.scheduler.prefill_budget())
             self._admit_rows()
         self.backlog = self.scheduler.backlog()
-        if self.rows:
+        if self.rows and tokens <= self.step_tokens:  # steps past the base budget (an idle engine's long prefills) are not typical
             elapsed = time.monotonic() - started
             self.step_seconds = elapsed if not self.step_seconds else 0.9 * self.step_seconds + 0.1 * elapsed
 
@@ -263,17 +263,18 @@ class Engine:
         if self.scheduler.release(request):
             self._finish(request)
 
-    def _forward(self, prefill_budget: int) -> None:
+    def _forward(self, prefill_budget: int) -> int:
         """One forward of the model over the step's tokens: the scheduler's plan (every lane's running
         rows, one token each, and the prompt chunks it picks), so the weights are read once per step
         however many lanes and prompts take part; then each lane's rows sample and record their
-        tokens, and each prompt that is now whole keeps its last logits for its rows' first tokens."""
+        tokens, and each prompt that is now whole keeps its last logits for its rows' first tokens. Returns
+        the tokens it ran."""
         for lane in self.lanes:
             self._resume_parked(lane)
         plan = self.scheduler.schedule(prefill_budget)
         chunks = plan.prefill
         if self.graphed is not None and not chunks and self._graphed_step():
-            return
+            return len(self.rows)
         tokens, positions, segments, logits_at = [], [], [], []
         for lane, live in plan.decode:
             start, cache = sum(map(len, tokens)), lane.cache
@@ -292,7 +293,7 @@ class Engine:
             segments.append((start, start + end - begin, _prompt_attention(cache, begin, end, self.device, self.plan.float32_attention)))
             logits_at.append(start + end - begin - 1)
         if not segments:
-            return
+            return 0
         logits = self.runner.forward(
             torch.cat(tokens).to(self.device), torch.cat(positions).to(self.device), _segmented(segments), torch.tensor(logits_at, device=self.device)
         )
@@ -313,6 +314,7 @@ class Engine:
             if state.whole_prompt:
                 state.last_logits = logits[offset + k : offset + k + 1]
                 self.prefixes.store(request.prompt_ids, state.cache, self.scheduler.room_bytes())
+        return sum(map(len, tokens))
 
     def _graphed_step(self) -> bool:
         """A decode-only step of the one lane with rows, none parked, from a CUDA graph; False where it does not fit."""
