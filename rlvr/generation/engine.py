@@ -81,8 +81,8 @@ class Engine:
         self.stops = StopChecker(model, tokenizer, stop_token_ids)
         self.token_texts = TokenTexts(tokenizer)
         self._tool_pool: ThreadPoolExecutor | None = None
-        # the slot kernel reads no slot past its row's length; SDPA and CUDA graphs read to the longest row, masked
-        layers, zeroed = model.config.num_hidden_layers, not self.slot_kernel or self.graphed is not None
+        # zeroed slots: SDPA and the bucketed (graphed) step read every row to the longest, masked
+        layers, zeroed = model.config.num_hidden_layers, True
         self.scheduler = Scheduler(
             [Lane(layers, length, zeroed) for length in ((short_lane_tokens, None) if short_lane_tokens else (None,))],
             self.prefixes,
