@@ -145,3 +145,23 @@ def test_a_requests_time_is_estimated_from_the_measured_step_time(model, tokeniz
     assert 0 < step < 1
     assert engine.estimated_seconds(10, 4, 100) == pytest.approx((1 + 100) * step)
     assert engine.estimated_seconds(40, 9, 100) == pytest.approx((3 + 3 * 100) * step)  # 3 chunks, 3 waves of 4 rows
+
+
+def test_the_start_wait_follows_the_rows_ahead_once_asked(model, tokenizer):
+    """Steps build the backlog only once someone has asked for the start wait (training never does);
+    then a request queued behind a running one waits for its rows, and an idle engine starts at once."""
+    engine = Engine(model, tokenizer, max_rows=1, step_tokens=64, kv_budget_bytes=2**24)
+    engine.stops.stop_ids = set()
+    first, second = (_request(tokenizer, PROMPTS[0], new_tokens=20, stop_at_final_answer=False) for _ in range(2))
+    for request in (first, second):
+        engine.submit(request)
+    engine.take_submissions()
+    engine.step()
+    assert engine.backlog.running == () and engine.backlog.waiting == ()  # not asked: not built
+    assert engine.start_wait_s() == 0.0
+    engine.step()
+    assert engine.backlog.running and engine.backlog.waiting == ((1, 20),)
+    assert engine.start_wait_s() > 0
+    while not second.done_s:
+        engine.step()
+    assert engine.start_wait_s() == 0.0

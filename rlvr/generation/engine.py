@@ -81,10 +81,9 @@ class Engine:
         self.stops = StopChecker(model, tokenizer, stop_token_ids)
         self.token_texts = TokenTexts(tokenizer)
         self._tool_pool: ThreadPoolExecutor | None = None
-        # zeroed slots: SDPA and the bucketed (graphed) step read every row to the longest, masked
-        layers, zeroed = model.config.num_hidden_layers, True
+        layers = model.config.num_hidden_layers
         self.scheduler = Scheduler(
-            [Lane(layers, length, zeroed) for length in ((short_lane_tokens, None) if short_lane_tokens else (None,))],
+            [Lane(layers, short_lane_tokens), Lane(layers, None)] if short_lane_tokens else [Lane(layers, None)],
             self.prefixes,
             bytes_per_token=self.bytes_per_token,
             kv_budget_bytes=kv_budget_bytes,
@@ -98,7 +97,8 @@ class Engine:
         self._inbox: deque[EngineRequest | Callable[[], None]] = deque()
         self._wakeup = threading.Condition()
         self.step_seconds = 0.0  # a moving average of steps with rows (0: none measured yet), for the time estimates
-        self.backlog = Backlog()  # the work ahead of a new request, as of the last step
+        self.backlog = Backlog()  # the work ahead of a new request, as of the last step since start_wait_s was first asked
+        self._backlog_asked = False  # training and evaluation never ask: their steps skip building it
 
     @property
     def rows(self) -> list[Row]:
@@ -155,7 +155,9 @@ class Engine:
 
     def start_wait_s(self) -> float:
         """How long a new request would wait for its first row to start, at the measured step time: the
-        rows and prompts ahead of it as of the last step (:class:`~rlvr.generation.scheduler.Backlog`)."""
+        rows and prompts ahead of it as of the last step (:class:`~rlvr.generation.scheduler.Backlog`;
+        each step builds it from the first call on)."""
+        self._backlog_asked = True
         return self.backlog.start_steps(self.step_tokens) * self.step_seconds
 
     # ---- on the engine's thread ---------------------------------------------------------------
@@ -214,7 +216,8 @@ class Engine:
             self._admit_rows()
             tokens = self._forward(self.scheduler.prefill_budget())
             self._admit_rows()
-        self.backlog = self.scheduler.backlog()
+        if self._backlog_asked:
+            self.backlog = self.scheduler.backlog()
         if self.rows and tokens <= self.step_tokens:  # steps past the base budget (an idle engine's long prefills) are not typical
             elapsed = time.monotonic() - started
             self.step_seconds = elapsed if not self.step_seconds else 0.9 * self.step_seconds + 0.1 * elapsed

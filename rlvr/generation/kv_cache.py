@@ -46,12 +46,9 @@ class SlotLayer:
 
 
 class SlotCache:
-    """Running rows' KV cache: slot r holds row r's tokens at positions 0 .. lengths[r] - 1. ``zeroed``:
-    new buffers start as zeros, for readers that read past a row's length under a mask (SDPA over the
-    longest row); a reader that stops at each row's length (the slot-attention kernel) skips the fill."""
+    """Running rows' KV cache: slot r holds row r's tokens at positions 0 .. lengths[r] - 1."""
 
-    def __init__(self, num_layers: int, zeroed: bool = True):
-        self.zeroed = zeroed
+    def __init__(self, num_layers: int):
         self.layers = [SlotLayer(self) for _ in range(num_layers)]
         self.rows = 0
         self.capacity_rows = self.capacity_length = 0
@@ -68,7 +65,7 @@ class SlotCache:
         for layer in self.layers:
             shape = (rows, like.shape[1], length, like.shape[3])
             for name in ("keys", "values"):
-                new = like.new_zeros(shape) if self.zeroed else like.new_empty(shape)
+                new = like.new_zeros(shape)
                 old = getattr(layer, name)
                 if old is not None and self.rows:
                     new[: self.rows, :, :kept] = old[: self.rows, :, :kept]

@@ -41,11 +41,11 @@ class Row:
 class Lane:
     """Running rows whose slots share one :class:`SlotCache` and one decode step: rows whose slot (prompt
     + new tokens) is at most ``max_length`` (``None``: any), so a long request's rows do not pad every
-    short one to their length. ``zeroed``: as :class:`SlotCache`'s."""
+    short one to their length."""
 
-    def __init__(self, num_layers: int, max_length: int | None, zeroed: bool = True):
-        self.num_layers, self.max_length, self.zeroed = num_layers, max_length, zeroed
-        self.cache = SlotCache(num_layers, zeroed)
+    def __init__(self, num_layers: int, max_length: int | None):
+        self.num_layers, self.max_length = num_layers, max_length
+        self.cache = SlotCache(num_layers)
         self.rows: list[Row] = []
         self.next_tokens = torch.zeros(0, dtype=torch.long)
 
@@ -57,7 +57,7 @@ class Lane:
         return max(self.cache.capacity_length if self.rows else 0, quantized(request.slot_length))
 
     def clear(self) -> None:
-        self.cache, self.rows, self.next_tokens = SlotCache(self.num_layers, self.zeroed), [], torch.zeros(0, dtype=torch.long)
+        self.cache, self.rows, self.next_tokens = SlotCache(self.num_layers), [], torch.zeros(0, dtype=torch.long)
 
 
 @dataclass(eq=False)
