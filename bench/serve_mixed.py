@@ -72,6 +72,8 @@ def stream_request(port: int, request: dict, timeout_s: float) -> dict:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:  # the stream ended early (a timeout): not answered
+                return {"status": "stream error", "error": str(chunk["error"].get("message", chunk["error"]))}
             if first is None and any(c.get("text") for c in chunk.get("choices", [])):
                 first = time.monotonic() - started
             if chunk.get("usage"):

@@ -107,6 +107,16 @@ def test_a_request_holds_at_most_half_the_kv_budget_the_others_leave(model, toke
     assert small.first_token_s < min(q.token_ids[0] and q.done_s for q in (big, other))
 
 
+def test_a_request_the_kv_budget_cannot_hold_alone_is_refused_at_submit(model, tokenizer):
+    """Its prompt and one row past the whole budget: it could never start, so it would hold every later
+    request back (the oldest waiting request is never overtaken for the KV budget)."""
+    per_token = 2 * 2 * 2 * 16 * 4
+    engine = Engine(model, tokenizer, max_rows=8, step_tokens=64, kv_budget_bytes=(19 + 128) * per_token)
+    engine.submit(_request(tokenizer, "y" * 19, new_tokens=100))  # 19 prompt tokens and a 128-position slot
+    with pytest.raises(ValueError, match="past the engine's budget"):
+        engine.submit(_request(tokenizer, "y" * 20, new_tokens=100))
+
+
 def test_cancelled_requests_leave_at_the_next_step(model, tokenizer):
     engine = Engine(model, tokenizer, max_rows=4, step_tokens=64, kv_budget_bytes=2**24)
     engine.stops.stop_ids = set()

@@ -5,6 +5,8 @@ One byte per token keeps the budgets readable; slots are padded to 128 positions
 import time
 from concurrent.futures import Future
 
+import torch
+
 from rlvr.generation.prefix_cache import PrefixCache
 from rlvr.generation.request import EngineRequest
 from rlvr.generation.scheduler import Backlog, Lane, PrefillChunk, Row, Scheduler
@@ -32,8 +34,8 @@ def _request(prompt_tokens: int, samples: int = 1, max_new_tokens: int = 10, sub
 def _prefilled(scheduler: Scheduler, request: EngineRequest) -> EngineRequest:
     """``request`` waiting with its whole prompt's cache, as the engine leaves it after its last chunk."""
     scheduler.add(request)
-    state = scheduler.states[request]
-    state.prefilled, state.cache = len(request.prompt_ids), object()
+    assert scheduler.reserve(request)
+    scheduler.states[request].prefilled = len(request.prompt_ids)
     return request
 
 
@@ -50,16 +52,21 @@ def test_the_gate_counts_prefilled_prompt_tokens_and_refuses_past_the_budget():
     assert scheduler.fits(40) and not scheduler.fits(41)
 
 
-def test_a_prompt_starts_only_when_its_whole_cache_fits():
-    scheduler = _scheduler(kv_budget_bytes=100, step_tokens=1000)
-    _prefilled(scheduler, _request(60))
+def test_a_prompt_starts_only_when_its_whole_cache_fits_and_those_after_it_wait():
+    """Arrival order: a prompt that does not fit yet holds back a younger one that would (it would take
+    the room the older one waits for), as vLLM's scheduler does."""
+    scheduler = _scheduler(kv_budget_bytes=100 + 128, step_tokens=1000)  # a 128-position slot beside 100 prompt tokens
+    running = _prefilled(scheduler, _request(60))
     too_long, short = _request(41, submitted_s=1.0), _request(40, submitted_s=2.0)
     scheduler.add(too_long)
     scheduler.add(short)
+    assert scheduler.schedule(scheduler.prefill_budget()).prefill == []
+    assert scheduler.states[too_long].cache is None and scheduler.states[short].cache is None
+    _start_rows(scheduler, running, 1)  # the engine allocates its slot where its prompt was: held the same
+    scheduler.lanes[0].rows.clear()
+    assert scheduler.release_row(running, 10) is False and scheduler.release(running) is True
     plan = scheduler.schedule(scheduler.prefill_budget())
-    assert plan.prefill == [PrefillChunk(short, 0, 40)]
-    assert scheduler.states[too_long].cache is None and scheduler.states[short].cache is not None
-    assert not scheduler.reserve(too_long)
+    assert plan.prefill == [PrefillChunk(short, 0, 40), PrefillChunk(too_long, 0, 41)]  # both started; the shorter prefills first
 
 
 def test_a_long_prompt_prefills_in_chunks_of_the_step_token_budget():
@@ -118,16 +125,84 @@ def test_parked_rows_do_not_decode():
     assert not scheduler.has_work()
 
 
-def test_prefilled_requests_share_the_rows_fairly_short_ones_first():
-    scheduler = _scheduler(max_rows=4)
-    long, short = _request(5, samples=4, max_new_tokens=100), _request(5, samples=4, max_new_tokens=10, submitted_s=1.0)
-    _prefilled(scheduler, long)
-    _prefilled(scheduler, short)
+def _two_lanes(kv_budget_bytes: int, running_rows: int, capacity_rows: int) -> tuple[Scheduler, EngineRequest]:
+    """A short lane (slots up to 128) with ``running_rows`` rows of one request in buffers of
+    ``capacity_rows`` slots, and an empty lane for longer rows."""
+    scheduler = Scheduler(
+        [Lane(2, 128), Lane(2, None)], PrefixCache(1, 0), bytes_per_token=1, kv_budget_bytes=kv_budget_bytes, max_rows=16, step_tokens=1000, max_share=1.0
+    )
+    running = _prefilled(scheduler, _request(5, samples=running_rows, submitted_s=-1.0))
+    _start_rows(scheduler, running, running_rows)
+    assert scheduler.release(running) is False  # every row started: its prompt cache goes
+    scheduler.lanes[0].cache.resize(capacity_rows, 128, torch.zeros(1, 1, 1, 1))
+    return scheduler, running
+
+
+def test_short_requests_do_not_take_the_kv_the_oldest_waiting_prompt_needs():
+    """Six short rows fill their lane; a long request (100 prompt tokens, a 256-position slot in the
+    other lane) does not fit beside them, and a short one arriving after it, which would, waits too.
+    Three short rows finish: their lane gives up the free slots, and both start, the older first."""
+    scheduler, running = _two_lanes(kv_budget_bytes=860, running_rows=6, capacity_rows=6)
+    long, short = _request(100, max_new_tokens=100, submitted_s=1.0), _request(5, submitted_s=2.0)
+    scheduler.add(long)
+    scheduler.add(short)
+    assert scheduler.head().request is long and scheduler.head_need(scheduler.head()) == 100 + 256
+    assert scheduler.fits(5) and not scheduler.fits(5, short)  # alone it would fit; beside the long one's need, not
+    assert scheduler.schedule(scheduler.prefill_budget()).prefill == []
+    for finished in range(3):
+        scheduler.lanes[0].rows.pop()
+        assert scheduler.release_row(running, 10) is False
+        if finished == 1:  # 4 x 128 + 356 is still past 860: no copy for nothing
+            assert scheduler.schedule(scheduler.prefill_budget()).prefill == [] and scheduler.lanes[0].cache.capacity_rows == 6
+    assert scheduler.schedule(scheduler.prefill_budget()).prefill == [PrefillChunk(short, 0, 5), PrefillChunk(long, 0, 100)]
+    assert scheduler.lanes[0].cache.capacity_rows == 3 and scheduler.held_bytes() == 3 * 128 + 105
+    scheduler.states[long].prefilled, scheduler.states[short].prefilled = 100, 5
+    assert [request for request, _ in scheduler.admissions()] == [long]  # the head's row first; the short one's would leave it no room
+
+
+def test_free_slots_give_way_only_when_that_lets_the_oldest_prompt_start():
+    scheduler, _ = _two_lanes(kv_budget_bytes=1_200, running_rows=6, capacity_rows=7)
+    scheduler.add(long := _request(100, max_new_tokens=100, submitted_s=1.0))
+    scheduler.make_way_for_head()
+    assert scheduler.lanes[0].cache.capacity_rows == 6  # 7 x 128 + 356 > 1,200; 6 x 128 + 356 fits
+    assert scheduler.schedule(scheduler.prefill_budget()).prefill == [PrefillChunk(long, 0, 100)]
+    scheduler, _ = _two_lanes(kv_budget_bytes=1_000, running_rows=6, capacity_rows=7)
+    scheduler.add(_request(100, max_new_tokens=100, submitted_s=1.0))
+    scheduler.make_way_for_head()
+    assert scheduler.lanes[0].cache.capacity_rows == 7  # trimmed, it would still not fit: no copy for nothing
+
+
+def test_requests_start_while_the_rows_ahead_are_within_the_lookahead():
+    """Eight row slots and a lookahead of ten rows: four running and six waiting in a started request,
+    so of three more two-row requests none starts until rows finish (their prompts would wait holding KV)."""
+    scheduler = _scheduler(max_rows=8, step_tokens=1000, kv_budget_bytes=100_000)
+    assert scheduler.lookahead_rows == 10
+    running = _prefilled(scheduler, _request(5, samples=10))
+    _start_rows(scheduler, running, 4)
+    later = [_request(5, samples=2, submitted_s=float(k)) for k in (1, 2, 3)]
+    for request in later:
+        scheduler.add(request)
+    assert scheduler.schedule(scheduler.prefill_budget()).prefill == []
+    _start_rows(scheduler, running, 4)
+    scheduler.lanes[0].rows[:6] = []
+    for _ in range(6):
+        scheduler.release_row(running, 10)
+    # 2 running + 2 waiting to start: two more requests of two rows fit in the lookahead of 10
+    assert [chunk.request for chunk in scheduler.schedule(scheduler.prefill_budget()).prefill] == later
+
+
+def test_prefilled_requests_share_the_rows_fairly_the_oldest_then_short_ones_first():
+    """The head (the oldest with no row yet) takes its share first; after it, short requests before long."""
+    scheduler = _scheduler(max_rows=6)
+    oldest = _request(5, samples=4, max_new_tokens=100)
+    long, short = _request(5, samples=4, max_new_tokens=100, submitted_s=1.0), _request(5, samples=4, max_new_tokens=10, submitted_s=2.0)
+    for request in (oldest, long, short):
+        _prefilled(scheduler, request)
     admitted = []
     for request, count in scheduler.admissions():
         admitted.append((request, count))
         _start_rows(scheduler, request, count)
-    assert admitted == [(short, 2), (long, 2)]
+    assert admitted == [(oldest, 2), (short, 2), (long, 2)]
     assert list(scheduler.admissions()) == []  # every row taken
 
 

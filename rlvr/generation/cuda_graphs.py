@@ -36,7 +36,7 @@ class GraphedDecode:
         self.positions = torch.zeros(BUCKETS[-1], dtype=torch.long, device=device)
         self.rows = torch.arange(BUCKETS[-1], device=device)
         self._graphs: dict[int, tuple[Any, torch.Tensor]] = {}
-        self._buffers: tuple[int, int] | None = None  # the cache buffers the graphs were captured on
+        self._buffers = 0  # the cache buffers (SlotCache.allocation) the graphs were captured on
         self._pool = None
 
     def fits(self, cache: SlotCache, rows: int) -> bool:
@@ -52,12 +52,12 @@ class GraphedDecode:
         self.tokens[:rows].copy_(tokens)
         self.positions[:rows].copy_(positions)
         self.tokens[rows:bucket].zero_()
-        self.positions[rows:bucket].zero_()  # padding rows attend to position 0 of a free slot: no NaN
+        self.positions[rows:bucket].zero_()  # padding rows attend to position 0 of a free slot
+        if cache.allocation != self._buffers:  # new buffers: the graphs read the old ones, free slots hold stale bytes
+            cache.zero_free_slots()
+            self._graphs, self._buffers = {}, cache.allocation
         if not self.graphs:
             return self._step(cache, bucket)[:rows]
-        buffers = (cache.layers[0].keys.data_ptr(), cache.capacity_length)
-        if buffers != self._buffers:  # the lane's buffers were reallocated: the graphs read the old ones
-            self._graphs, self._buffers = {}, buffers
         if bucket not in self._graphs:
             self._graphs[bucket] = self._capture(cache, bucket)
         graph, logits = self._graphs[bucket]

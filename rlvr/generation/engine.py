@@ -129,11 +129,18 @@ class Engine:
     # ---- from any thread ----------------------------------------------------------------------
 
     def submit(self, request: EngineRequest) -> None:
-        """Queue ``request``; raises ValueError for one the model cannot attend over whole."""
+        """Queue ``request``; raises ValueError for one the model cannot attend over whole or the KV budget
+        cannot hold (its prompt and one row) even alone."""
         if self.window is not None and request.slot_length > self.window:
             raise ValueError(
                 f"prompt + max_new_tokens = {request.slot_length} tokens exceed the model's sliding attention window "
                 f"({self.window}); the engine attends over whole sequences"
+            )
+        need = (len(request.prompt_ids) + quantized(request.slot_length)) * self.bytes_per_token
+        if need > self.kv_budget_bytes:
+            raise ValueError(
+                f"a prompt of {len(request.prompt_ids)} tokens and one row of {request.slot_length} need {need} bytes of KV cache, "
+                f"past the engine's budget of {self.kv_budget_bytes}"
             )
         request.submitted_s = time.monotonic()
         self._post(request)
@@ -242,7 +249,7 @@ class Engine:
         cache, length = lane.cache, lane.slot_length(request)
         rows_needed = len(lane.rows) + count
         if rows_needed > cache.capacity_rows or length > cache.capacity_length:
-            cache.resize(self.scheduler.slot_capacity(lane, rows_needed, length), length, state.cache.layers[0].keys)
+            cache.resize(self.scheduler.slot_capacity(lane, rows_needed, length, request), length, state.cache.layers[0].keys)
             self.scheduler.make_room()
         slots = cache.add_rows(state.cache, count)
         samples = self.scheduler.admit(request, count)

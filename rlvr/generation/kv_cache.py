@@ -2,11 +2,14 @@
 
 A :class:`SlotCache` holds buffers of [slots, KV heads, length, head dim] per layer; slot r holds row
 r's tokens at positions 0 .. lengths[r] - 1. A finished row's slot is refilled by the last row's (one
-row copied, no compaction).
+row copied, no compaction). A running row's positions past its tokens hold zeros or finite stale keys
+(a step may read them, masked, up to the longest row); free slots hold whatever the allocator left until
+a row takes them or :meth:`SlotCache.zero_free_slots`.
 """
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Any
 
@@ -14,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 SLOT_LENGTH_QUANTUM = 128  # slot lengths grow and shrink in these steps (fewer buffer reallocations)
+_ALLOCATIONS = itertools.count(1)
 
 
 def kv_cache_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
@@ -54,6 +58,7 @@ class SlotCache:
         self.capacity_rows = self.capacity_length = 0
         self.lengths = torch.zeros(0, dtype=torch.long)
         self.step_length = 0
+        self.allocation = 0  # which buffers: a new number at each resize (0: none)
 
     def bytes(self, bytes_per_token: int, rows: int | None = None, length: int | None = None) -> int:
         rows = self.capacity_rows if rows is None else rows
@@ -61,18 +66,26 @@ class SlotCache:
 
     def resize(self, rows: int, length: int, like: torch.Tensor) -> None:
         """Buffers for ``rows`` slots of ``length`` positions, the running rows' contents kept."""
-        kept = min(self.capacity_length, length)
+        kept = min(self.capacity_length, length) if self.rows else 0
         for layer in self.layers:
             shape = (rows, like.shape[1], length, like.shape[3])
             for name in ("keys", "values"):
-                new = like.new_zeros(shape)
+                new = like.new_empty(shape)
                 old = getattr(layer, name)
-                if old is not None and self.rows:
+                if kept:
                     new[: self.rows, :, :kept] = old[: self.rows, :, :kept]
+                new[: self.rows, :, kept:].zero_()
                 setattr(layer, name, new)
         lengths = torch.zeros(rows, dtype=torch.long)
         lengths[: self.rows] = self.lengths[: self.rows]
         self.lengths, self.capacity_rows, self.capacity_length = lengths, rows, length
+        self.allocation = next(_ALLOCATIONS)
+
+    def zero_free_slots(self) -> None:
+        """Zeros in the slots no row holds (for a step that reads them, masked: no NaN from stale bytes)."""
+        for layer in self.layers:
+            layer.keys[self.rows :].zero_()
+            layer.values[self.rows :].zero_()
 
     def add_rows(self, prompt_cache: DynamicCache, count: int) -> range:
         """``count`` new rows holding the prompt's keys and values (capacity already there)."""
@@ -81,6 +94,8 @@ class SlotCache:
             length = source.keys.shape[-2]
             layer.keys[start : start + count, :, :length] = source.keys[0]
             layer.values[start : start + count, :, :length] = source.values[0]
+            layer.keys[start : start + count, :, length:].zero_()
+            layer.values[start : start + count, :, length:].zero_()
         self.lengths[start : start + count] = prompt_cache.layers[0].keys.shape[-2]
         self.rows += count
         return range(start, start + count)

@@ -1,12 +1,12 @@
 """The engine's scheduler: who runs each step and how many tokens each (vLLM v1's split of the engine).
 
-It owns the waiting and running requests, the lanes of running rows and the KV budget: every check of
-the budget goes through one gate (:meth:`Scheduler.fits`, :meth:`Scheduler.reserve`,
-:meth:`Scheduler.release`). Each step it hands the engine a :class:`StepPlan` (the rows that decode, the
-prompt chunks that prefill) and the rows each prefilled request may start (:meth:`Scheduler.admissions`);
-the engine executes them. It reads request metadata only (token counts, max tokens, submission times)
-and keeps each request's progress (:class:`RequestState`) itself, so it is tested without a model
-(tests/test_engine_scheduler.py).
+It owns the waiting and running requests, the lanes of running rows and the KV budget, behind one gate
+(:meth:`Scheduler.fits`, :meth:`Scheduler.reserve`, :meth:`Scheduler.release`). Each step it hands the
+engine a :class:`StepPlan` and the rows each prefilled request may start (:meth:`Scheduler.admissions`).
+Requests start in arrival order within a lookahead of rows, and the oldest with no row yet (the head)
+is never overtaken for the KV budget (docs/architecture.md, "The generation engine"). It reads request
+metadata only and keeps each request's progress (:class:`RequestState`) itself, so it is tested without
+a model (tests/test_engine_scheduler.py).
 """
 
 from __future__ import annotations
@@ -58,6 +58,20 @@ class Lane:
 
     def clear(self) -> None:
         self.cache, self.rows, self.next_tokens = SlotCache(self.num_layers), [], torch.zeros(0, dtype=torch.long)
+
+    def capacity(self, trimmed: bool = False) -> tuple[int, int]:
+        """The slots and positions the lane's buffers hold (``trimmed``: would hold after :meth:`trim`)."""
+        if trimmed:
+            return len(self.rows), max((quantized(row.request.slot_length) for row in self.rows), default=0)
+        return self.cache.capacity_rows, self.cache.capacity_length
+
+    def slack_bytes(self, bytes_per_token: int) -> int:
+        """What :meth:`trim` would free."""
+        return self.cache.bytes(bytes_per_token) - self.cache.bytes(bytes_per_token, *self.capacity(trimmed=True))
+
+    def trim(self) -> None:
+        """Buffers for the running rows only: no free slots, no positions past the longest row's slot."""
+        self.cache.resize(*self.capacity(trimmed=True), self.cache.layers[0].keys)
 
 
 @dataclass(eq=False)
@@ -145,6 +159,8 @@ class Scheduler:
         self.running: set[EngineRequest] = set()  # some rows running
         self.states: dict[EngineRequest, RequestState] = {}  # every request in the engine
         self.row_fill = 1.0  # a moving average of the share of its token budget a finished row used
+        self.reserved_tokens = 0  # the whole prompts of the requests whose prompt caches are started
+        self.lookahead_rows = max_rows + max_rows // 4  # rows running or about to start, past which no request starts
 
     @property
     def rows(self) -> list[Row]:
@@ -162,7 +178,7 @@ class Scheduler:
     def drop_all(self) -> set[EngineRequest]:
         """Forget every request (a step failed under them); returns them."""
         requests = {*self.waiting, *(row.request for row in self.rows)}
-        self.waiting, self.running, self.states = [], set(), {}
+        self.waiting, self.running, self.states, self.reserved_tokens = [], set(), {}, 0
         for lane in self.lanes:
             lane.clear()
         return requests
@@ -170,23 +186,54 @@ class Scheduler:
     # ---- the KV budget: the one gate ----------------------------------------------------------
 
     def held_bytes(self) -> int:
-        """The KV cache requests hold: every lane's slots and the prompt caches of requests whose rows
-        wait (the prefix cache's blocks give way to it)."""
-        return sum(lane.cache.bytes(self.bytes_per_token) for lane in self.lanes) + self._prompt_cache_bytes()
+        """The KV cache requests hold: every lane's slots and the whole prompts of the started requests
+        whose rows wait (the prefix cache's blocks give way to it)."""
+        return sum(lane.cache.bytes(self.bytes_per_token) for lane in self.lanes) + self.reserved_tokens * self.bytes_per_token
 
     def room_bytes(self) -> int:
         """What the KV budget leaves beside what requests hold: the most the prefix cache may keep."""
         return self.kv_budget_bytes - self.held_bytes()
 
-    def fits(self, extra_bytes: int) -> bool:
-        """Whether requests may hold ``extra_bytes`` more (negative: less) within the KV budget."""
-        return self.held_bytes() + extra_bytes <= self.kv_budget_bytes
+    def fits(self, extra_bytes: int, request: EngineRequest | None = None) -> bool:
+        """Whether ``request`` may hold ``extra_bytes`` more (negative: less) within the KV budget, leaving
+        what the head still needs unless ``request`` is the head (None: no request's, nothing left)."""
+        beside = 0
+        if request is not None and (head := self.head()) is not None and head.request is not request:
+            beside = self.head_need(head)
+        return self.held_bytes() + extra_bytes + beside <= self.kv_budget_bytes
+
+    def head(self) -> RequestState | None:
+        """The oldest live request with no row started yet: no other request takes the KV it needs."""
+        candidates = [self.states[q] for q in self._active(self.waiting) if not q.cancelled.is_set()]
+        return min((s for s in candidates if s.next_sample == 0), key=lambda s: s.request.submitted_s, default=None)
+
+    def head_need(self, head: RequestState, trimmed: bool = False) -> int:
+        """The KV ``head`` needs to start its first row: its whole prompt if not started, and the growth of
+        its lane by one slot (``trimmed``: once the lanes give up their free slots)."""
+        request = head.request
+        lane = self.lane_for(request)
+        rows, length = lane.capacity(trimmed)
+        padded = max(length if lane.rows else 0, quantized(request.slot_length))
+        growth = 0 if len(lane.rows) < rows and padded <= length else (len(lane.rows) + 1) * padded - rows * length
+        return (growth + (0 if head.cache is not None else len(request.prompt_ids))) * self.bytes_per_token
+
+    def make_way_for_head(self) -> None:
+        """Lanes give up their free slots (:meth:`Lane.trim`) when the head does not fit and that makes it fit."""
+        head = self.head()
+        if head is None or self.fits(self.head_need(head)):
+            return
+        slack = sum(lane.slack_bytes(self.bytes_per_token) for lane in self.lanes if lane.rows)
+        if slack and self.fits(self.head_need(head, trimmed=True) - slack):
+            for lane in self.lanes:
+                if lane.rows and lane.slack_bytes(self.bytes_per_token):
+                    lane.trim()
 
     def reserve(self, request: EngineRequest) -> bool:
-        """Start ``request``'s prompt cache if its whole prompt fits the budget, after the blocks of it the
-        prefix cache holds (which then gives way to it); False: it does not fit now."""
-        if not self.fits(len(request.prompt_ids) * self.bytes_per_token):
+        """Start ``request``'s prompt cache if its whole prompt fits the budget (beside the head's need),
+        after the blocks of it the prefix cache holds (which then gives way to it); False: not now."""
+        if not self.fits(len(request.prompt_ids) * self.bytes_per_token, request):
             return False
+        self.reserved_tokens += len(request.prompt_ids)
         state = self.states[request]
         state.prefilled, cache = self.prefixes.lookup(request.prompt_ids, self.model_config)
         request.cached_prompt_tokens = state.prefilled
@@ -198,6 +245,8 @@ class Scheduler:
         """Free ``request``'s prompt cache; with no rows left to start it leaves the waiting queue. True:
         it is done (no rows waiting or running)."""
         state = self.states[request]
+        if state.cache is not None:
+            self.reserved_tokens -= len(request.prompt_ids)
         state.cache = state.last_logits = None
         if state.pending_rows:
             return False
@@ -230,22 +279,20 @@ class Scheduler:
         del self.states[state.request]
         return True
 
-    def slot_capacity(self, lane: Lane, rows_needed: int, length: int) -> int:
-        """Slots to allocate in ``lane`` for ``rows_needed`` rows of ``length`` positions: room to grow
-        (doubling, at least 8, at most ``max_rows``) where the budget holds it."""
+    def slot_capacity(self, lane: Lane, rows_needed: int, length: int, request: EngineRequest) -> int:
+        """Slots to allocate in ``lane`` for ``rows_needed`` rows of ``length`` positions, ``request``'s
+        joining: room to grow (doubling, at least 8, at most ``max_rows``) where the budget holds it
+        beside the head's need."""
         cache = lane.cache
         capacity = min(self.max_rows, max(rows_needed, 8, 2 * cache.capacity_rows if cache.capacity_rows < rows_needed else 0))
         lane_bytes = cache.bytes(self.bytes_per_token)
-        while not self.fits(cache.bytes(self.bytes_per_token, capacity, length) - lane_bytes) and capacity > rows_needed:
+        while capacity > rows_needed and not self.fits(cache.bytes(self.bytes_per_token, capacity, length) - lane_bytes, request):
             capacity -= 1
         return capacity
 
     def make_room(self) -> None:
         """The prefix cache gives way to what requests hold (after a prompt cache started or a lane grew)."""
         self.prefixes.shrink_to(self.room_bytes())
-
-    def _prompt_cache_bytes(self) -> int:
-        return sum(s.prefilled for q in self.waiting if (s := self.states[q]).cache is not None) * self.bytes_per_token
 
     def backlog(self) -> Backlog:
         """The work ahead of a new request now (see :class:`Backlog`)."""
@@ -288,22 +335,32 @@ class Scheduler:
         return StepPlan(decode, prefill)
 
     def _prefill_chunks(self, budget: int) -> list[PrefillChunk]:
-        """Prompt chunks of the waiting requests, shortest remaining first (for its wait so far), within
-        ``budget`` tokens; a prompt starts only when :meth:`reserve` holds it."""
+        """Prompt chunks of the started requests, shortest remaining first (for its wait so far), within
+        ``budget`` tokens, after :meth:`start_prompts`."""
+        live = [self.states[q] for q in self._active([q for q in self.waiting if not q.cancelled.is_set()])]
+        self.start_prompts(live)
         now = time.monotonic()
-        todo = [self.states[q] for q in self._active([q for q in self.waiting if not q.cancelled.is_set()])]
-        todo = [s for s in todo if not s.whole_prompt]
+        todo = [s for s in live if s.cache is not None and not s.whole_prompt]
         todo.sort(key=lambda s: ((len(s.request.prompt_ids) - s.prefilled) / (1 + now - s.request.submitted_s), s.request.submitted_s))
         chunks = []
         for state in todo:
             if budget <= 0:
                 break
-            if state.cache is None and not self.reserve(state.request):
-                continue
             end = min(len(state.request.prompt_ids), state.prefilled + budget)
             chunks.append(PrefillChunk(state.request, state.prefilled, end))
             budget -= end - state.prefilled
         return chunks
+
+    def start_prompts(self, live: list[RequestState]) -> None:
+        """Start the ``live`` requests' prompt caches in arrival order while fewer than ``lookahead_rows``
+        rows run or wait in started requests, and :meth:`reserve` holds each; the first that does not
+        fit waits, and so do those after it."""
+        self.make_way_for_head()
+        ahead = len(self.rows) + sum(s.pending_rows for s in live if s.cache is not None or s.whole_prompt)
+        for state in sorted((s for s in live if s.cache is None and not s.whole_prompt), key=lambda s: s.request.submitted_s):
+            if ahead >= self.lookahead_rows or not self.reserve(state.request):
+                return
+            ahead += state.pending_rows
 
     def admissions(self) -> Iterator[tuple[EngineRequest, int]]:
         """(request, rows to start) for the prefilled requests, short requests first (for their wait so
@@ -313,8 +370,10 @@ class Scheduler:
         ready = [s for s in ready if s.whole_prompt and s.pending_rows]
         if not ready:
             return
-        now = time.monotonic()  # the shortest first, for its wait so far: a long request is not starved by short ones
-        ready.sort(key=lambda s: (s.pending_rows * s.request.max_new_tokens / (1 + now - s.request.submitted_s), s.request.submitted_s))
+        self.make_way_for_head()
+        now = time.monotonic()  # the head first, then the shortest for its wait so far
+        head = self.head()
+        ready.sort(key=lambda s: (s is not head, s.pending_rows * s.request.max_new_tokens / (1 + now - s.request.submitted_s), s.request.submitted_s))
         requests_wanting = self._requests_wanting_rows()
         for state in ready:
             room = self.max_rows - len(self.rows)
@@ -345,7 +404,7 @@ class Scheduler:
         own_prompt = state.prefilled * self.bytes_per_token if state.cache is not None else 0
         others = (len(lane.rows) - state.running) * length * self.bytes_per_token + held - own_prompt
         while count:
-            fits = self.fits(lane.cache.bytes(self.bytes_per_token, len(lane.rows) + count, length) - lane_bytes)
+            fits = self.fits(lane.cache.bytes(self.bytes_per_token, len(lane.rows) + count, length) - lane_bytes, request)
             own = (state.running + count) * length * self.bytes_per_token
             if fits and (own <= self.max_share * (self.kv_budget_bytes - others) or state.running == 0 and count == 1):
                 return count
