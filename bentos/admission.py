@@ -5,8 +5,9 @@ refused naming its field (400); the body whole within ``MAX_BODY_BYTES`` (413, c
 and ``BODY_TIMEOUT_S`` (408), read before the request takes a slot (and one of its key's). Past the
 engine's row slots a request queues (its wait shows in its time to first token and ``/readyz``); a 503
 with ``Retry-After`` only before the policy is loaded, when ``$RLVR_MAX_REQUESTS`` requests are in flight,
-or when its estimated start is past the request timeout (429 past its key's share). Every public request
-is counted in ``rlvr_requests_total`` with its status; one whose client hangs up is cancelled.
+or when its estimated start is past the request timeout (429 past its key's share); the handler, which
+knows the request's size, raises :class:`FinishesTooLate` when its start and run would pass it. Every public
+request is counted in ``rlvr_requests_total`` with its status; one whose client hangs up is cancelled.
 """
 
 from __future__ import annotations
@@ -63,6 +64,21 @@ class RequestSlots:
     @property
     def saturated(self) -> bool:
         return self.in_flight >= self.capacity
+
+
+class FinishesTooLate(Exception):
+    """A request that the queue ahead of it would make finish past the request timeout: a 503 with
+    ``Retry-After`` (the seconds until it would finish in time), not a wait that ends in a 504."""
+
+    def __init__(self, wait_s: float, run_s: float, timeout_s: float):
+        timing = f"would start in about {wait_s:.0f} s and run about {run_s:.0f} s"
+        super().__init__(f"overloaded: this request {timing}, past the request timeout of {timeout_s:.0f} s")
+        self.retry_after_s = max(RETRY_AFTER_S, math.ceil(wait_s + run_s - timeout_s))
+
+    def response(self, openai: bool) -> JSONResponse:
+        """The 503 in the route's error shape."""
+        content = openai_api.error_body(503, str(self), code="service_unavailable") if openai else {"error": str(self)}
+        return JSONResponse(content, status_code=503, headers={"Retry-After": str(self.retry_after_s)})
 
 
 def max_requests_from_env() -> int:

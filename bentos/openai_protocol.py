@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from bentos import openai_api
-from bentos.admission import EXCHANGE, request_timeout_s
+from bentos.admission import EXCHANGE, FinishesTooLate, request_timeout_s
 from bentos.limits import MAX_COMPLETION_TOKENS, MAX_SAMPLES
 from bentos.openai_models import (
     AssistantMessage,
@@ -117,6 +117,9 @@ class OpenAIProtocol:
             )
         except ValidationError as err:
             return self._openai_refusal(endpoint, 400, *openai_api.error_parts(err))
+        except FinishesTooLate as late:
+            logger.info("503 on %s: %s", endpoint, late)
+            return late.response(openai=True)
         record = {"endpoint": endpoint, "params": body.model_dump(exclude={"messages", "prompt"}, mode="json")}
         if chat:  # the traffic log's prompt: the question, as /solve logs it
             users = [m.content for m in body.messages if m.role == "user"]

@@ -1,8 +1,9 @@
 """A request's cost on the loaded model, checked before it is queued: a 400 naming the field when a
 prompt is over ``MAX_PROMPT_TOKENS``, its new tokens over the model's context or sliding window, a token
 id outside the vocabulary, the KV cache of all its rows over the budget (``$RLVR_KV_CACHE_BUDGET_MIB``),
-or its work more than the engine's measured speed finishes within the request timeout
-(``$RLVR_REFUSE_PAST_TIMEOUT=0`` admits it to run into the timeout instead)."""
+or its work more than the engine's measured speed finishes within the request timeout; a 503
+(:class:`~bentos.admission.FinishesTooLate`) when the queue ahead would make it finish past the timeout
+(``$RLVR_REFUSE_PAST_TIMEOUT=0`` admits either to run into the timeout instead)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import NamedTuple
 from pydantic import ValidationError
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from bentos.admission import refuse_past_timeout, request_timeout_s
+from bentos.admission import FinishesTooLate, refuse_past_timeout, request_timeout_s
 from bentos.limits import MAX_PROMPT_TOKENS
 from rlvr.generation import EngineRequest
 from rlvr.prompts import render_prompt, system_prompt_for
@@ -39,7 +40,8 @@ class RequestCost:
     A request's ``max_new_tokens`` bounds its rows' tokens, the environment's injected ones included."""
 
     def _within_timeout(self, names: CostFields, prompt_tokens: int, rows: int, max_new_tokens: int) -> None:
-        """A 400 naming the new-tokens field when the engine's measured speed cannot finish the request in time."""
+        """A 400 naming the new-tokens field when the engine's measured speed cannot finish the request in
+        time; :class:`FinishesTooLate` when it could alone but not after the work queued ahead of it."""
         if not refuse_past_timeout():
             return
         timeout_s, estimated_s = request_timeout_s(), self.serving_engine.estimated_s(prompt_tokens, rows, max_new_tokens)
@@ -52,6 +54,8 @@ class RequestCost:
                 f"at least {estimated_s:.0f} s at the engine's measured {step_ms:.0f} ms per step, over the request "
                 f"timeout of {timeout_s:.0f} s",
             )
+        if (wait_s := self.serving_engine.start_wait_s()) + estimated_s > timeout_s:
+            raise FinishesTooLate(wait_s, estimated_s, timeout_s)
 
     def _rendered(self, title: str, text_field: str, question: str) -> list[int]:
         """The question in the training prompt (the policy's environment's instructions included), as

@@ -28,7 +28,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from bentos import MODEL_NAME, MODEL_VERSION_LABEL, SERVICE_NAME, header_timeout
-from bentos.admission import REQUEST_SLOTS, REQUEST_TIMEOUT_S, RequestGuard
+from bentos.admission import REQUEST_SLOTS, REQUEST_TIMEOUT_S, FinishesTooLate, RequestGuard
 from bentos.api_keys import ACCESS, access_from_env
 from bentos.limits import DEFAULT_KV_CACHE_BUDGET_MIB, EXTRACTION_MODE, SERVED_REWARDS
 from bentos.metrics import REWARD, VOTE_SHARE
@@ -136,14 +136,17 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
         started, request_id = time.perf_counter(), uuid.uuid4().hex
         temperatures = request.temperatures()
         prompt = self._rendered("GenerateRequest", "prompt", request.prompt)
-        (engine_request,) = self._requests_within_limits(
-            CostFields("GenerateRequest", "prompt", "num_rollouts", "max_new_tokens", True),
-            [prompt],
-            request.num_rollouts,
-            request.max_new_tokens,
-            temperatures=tuple(temperatures),
-            top_p=request.top_p,
-        )
+        try:
+            (engine_request,) = self._requests_within_limits(
+                CostFields("GenerateRequest", "prompt", "num_rollouts", "max_new_tokens", True),
+                [prompt],
+                request.num_rollouts,
+                request.max_new_tokens,
+                temperatures=tuple(temperatures),
+                top_p=request.top_p,
+            )
+        except FinishesTooLate as late:
+            return late.response(openai=False)
         record = {"endpoint": "/generate", "prompt": request.prompt, "params": request.model_dump(exclude={"prompt", "ground_truth"})}
         async with self._traffic_record(request_id, started, record):
             result = await self._rollouts(engine_request)
@@ -200,14 +203,17 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
         """Answer a math word problem by majority vote over ``k`` samples (greedy when k = 1)."""
         started, request_id = time.perf_counter(), uuid.uuid4().hex
         question = self._rendered("SolveRequest", "question", request.question)
-        (engine_request,) = self._requests_within_limits(
-            CostFields("SolveRequest", "question", "k", "max_new_tokens", True),
-            [question],
-            request.k,
-            request.max_new_tokens,
-            temperatures=tuple(request.temperatures()),
-            top_p=1.0,
-        )
+        try:
+            (engine_request,) = self._requests_within_limits(
+                CostFields("SolveRequest", "question", "k", "max_new_tokens", True),
+                [question],
+                request.k,
+                request.max_new_tokens,
+                temperatures=tuple(request.temperatures()),
+                top_p=1.0,
+            )
+        except FinishesTooLate as late:
+            return late.response(openai=False)
         record = {"endpoint": "/solve", "prompt": request.question, "params": request.model_dump(exclude={"question"})}
         async with self._traffic_record(request_id, started, record):
             result = await self._rollouts(engine_request)

@@ -60,12 +60,12 @@ def test_a_prompt_starts_only_when_its_whole_cache_fits_and_those_after_it_wait(
     too_long, short = _request(41, submitted_s=1.0), _request(40, submitted_s=2.0)
     scheduler.add(too_long)
     scheduler.add(short)
-    assert scheduler.schedule(scheduler.prefill_budget()).prefill == []
+    assert scheduler.schedule().prefill == []
     assert scheduler.states[too_long].cache is None and scheduler.states[short].cache is None
     _start_rows(scheduler, running, 1)  # the engine allocates its slot where its prompt was: held the same
     scheduler.lanes[0].rows.clear()
     assert scheduler.release_row(running, 10) is False and scheduler.release(running) is True
-    plan = scheduler.schedule(scheduler.prefill_budget())
+    plan = scheduler.schedule()
     assert plan.prefill == [PrefillChunk(short, 0, 40), PrefillChunk(too_long, 0, 41)]  # both started; the shorter prefills first
 
 
@@ -75,7 +75,7 @@ def test_a_long_prompt_prefills_in_chunks_of_the_step_token_budget():
     scheduler.add(request)
     chunks, state = [], scheduler.states[request]
     while not state.whole_prompt:
-        (chunk,) = scheduler.schedule(scheduler.prefill_budget()).prefill
+        (chunk,) = scheduler.schedule().prefill
         chunks.append((chunk.begin, chunk.end))
         state.prefilled = chunk.end  # what the engine records after the forward
     assert chunks == [(0, 128), (128, 256), (256, 300)]
@@ -87,7 +87,7 @@ def test_the_step_budget_grows_with_free_row_slots():
     scheduler = _scheduler(step_tokens=256, max_step_tokens=2048, max_rows=64)
     request = _request(1500)
     scheduler.add(request)
-    (chunk,) = scheduler.schedule(scheduler.prefill_budget()).prefill
+    (chunk,) = scheduler.schedule().prefill
     assert (chunk.begin, chunk.end) == (0, 1500)
     budgets = []
     running = _prefilled(scheduler, _request(5, samples=64))
@@ -99,6 +99,17 @@ def test_the_step_budget_grows_with_free_row_slots():
     assert _scheduler(step_tokens=256).step_budget() == 256  # no max_step_tokens: a fixed budget
 
 
+def test_the_step_budget_stays_short_while_requests_queue_unstarted():
+    """Few rows but the KV budget full: the queued request cannot start, so no step grows for prompts."""
+    scheduler = _scheduler(step_tokens=256, max_step_tokens=2048, max_rows=64, kv_budget_bytes=1_000)
+    running = _prefilled(scheduler, _request(5, samples=2))
+    _start_rows(scheduler, running, 2)
+    assert scheduler.step_budget() > 1_500
+    scheduler.add(queued := _request(1_200))
+    assert scheduler.schedule().prefill == [] and scheduler.states[queued].cache is None
+    assert scheduler.step_budget() == 256
+
+
 def test_running_rows_decode_first_and_prompts_get_the_rest_of_the_step():
     scheduler = _scheduler(step_tokens=64, max_rows=64)
     running = _prefilled(scheduler, _request(5, samples=60))
@@ -106,7 +117,7 @@ def test_running_rows_decode_first_and_prompts_get_the_rest_of_the_step():
     assert scheduler.prefill_budget() == 64 - 3
     prompt = _request(100)
     scheduler.add(prompt)
-    plan = scheduler.schedule(scheduler.prefill_budget())
+    plan = scheduler.schedule()
     assert plan.decode == [(scheduler.lanes[0], [0, 1, 2])]
     assert plan.prefill == [PrefillChunk(prompt, 0, 61)]
     _start_rows(scheduler, running, 60 - 3)
@@ -118,7 +129,7 @@ def test_parked_rows_do_not_decode():
     request = _prefilled(scheduler, _request(5, samples=3))
     _start_rows(scheduler, request, 3)
     scheduler.lanes[0].rows[1].parked = Future()
-    assert scheduler.schedule(scheduler.prefill_budget()).decode == [(scheduler.lanes[0], [0, 2])]
+    assert scheduler.schedule().decode == [(scheduler.lanes[0], [0, 2])]
     assert scheduler.has_work()
     scheduler.lanes[0].rows[0].parked = scheduler.lanes[0].rows[2].parked = Future()
     scheduler.waiting.clear()
@@ -147,14 +158,14 @@ def test_short_requests_do_not_take_the_kv_the_oldest_waiting_prompt_needs():
     scheduler.add(long)
     scheduler.add(short)
     assert scheduler.head().request is long and scheduler.head_need(scheduler.head()) == 100 + 256
-    assert scheduler.fits(5) and not scheduler.fits(5, short)  # alone it would fit; beside the long one's need, not
-    assert scheduler.schedule(scheduler.prefill_budget()).prefill == []
+    assert scheduler.fits(5) and not scheduler.fits(5, scheduler.kept_for_head(short))  # alone it would fit; beside the long one's need, not
+    assert scheduler.schedule().prefill == []
     for finished in range(3):
         scheduler.lanes[0].rows.pop()
         assert scheduler.release_row(running, 10) is False
         if finished == 1:  # 4 x 128 + 356 is still past 860: no copy for nothing
-            assert scheduler.schedule(scheduler.prefill_budget()).prefill == [] and scheduler.lanes[0].cache.capacity_rows == 6
-    assert scheduler.schedule(scheduler.prefill_budget()).prefill == [PrefillChunk(short, 0, 5), PrefillChunk(long, 0, 100)]
+            assert scheduler.schedule().prefill == [] and scheduler.lanes[0].cache.capacity_rows == 6
+    assert scheduler.schedule().prefill == [PrefillChunk(short, 0, 5), PrefillChunk(long, 0, 100)]
     assert scheduler.lanes[0].cache.capacity_rows == 3 and scheduler.held_bytes() == 3 * 128 + 105
     scheduler.states[long].prefilled, scheduler.states[short].prefilled = 100, 5
     assert [request for request, _ in scheduler.admissions()] == [long]  # the head's row first; the short one's would leave it no room
@@ -165,7 +176,7 @@ def test_free_slots_give_way_only_when_that_lets_the_oldest_prompt_start():
     scheduler.add(long := _request(100, max_new_tokens=100, submitted_s=1.0))
     scheduler.make_way_for_head()
     assert scheduler.lanes[0].cache.capacity_rows == 6  # 7 x 128 + 356 > 1,200; 6 x 128 + 356 fits
-    assert scheduler.schedule(scheduler.prefill_budget()).prefill == [PrefillChunk(long, 0, 100)]
+    assert scheduler.schedule().prefill == [PrefillChunk(long, 0, 100)]
     scheduler, _ = _two_lanes(kv_budget_bytes=1_000, running_rows=6, capacity_rows=7)
     scheduler.add(_request(100, max_new_tokens=100, submitted_s=1.0))
     scheduler.make_way_for_head()
@@ -182,13 +193,13 @@ def test_requests_start_while_the_rows_ahead_are_within_the_lookahead():
     later = [_request(5, samples=2, submitted_s=float(k)) for k in (1, 2, 3)]
     for request in later:
         scheduler.add(request)
-    assert scheduler.schedule(scheduler.prefill_budget()).prefill == []
+    assert scheduler.schedule().prefill == []
     _start_rows(scheduler, running, 4)
     scheduler.lanes[0].rows[:6] = []
     for _ in range(6):
         scheduler.release_row(running, 10)
     # 2 running + 2 waiting to start: two more requests of two rows fit in the lookahead of 10
-    assert [chunk.request for chunk in scheduler.schedule(scheduler.prefill_budget()).prefill] == later
+    assert [chunk.request for chunk in scheduler.schedule().prefill] == later
 
 
 def test_prefilled_requests_share_the_rows_fairly_the_oldest_then_short_ones_first():
@@ -232,7 +243,7 @@ def test_only_the_oldest_max_requests_are_scheduled():
     old, new = _request(10, submitted_s=1.0), _request(3, submitted_s=2.0)
     scheduler.add(new)
     scheduler.add(old)
-    assert [chunk.request for chunk in scheduler.schedule(scheduler.prefill_budget()).prefill] == [old]
+    assert [chunk.request for chunk in scheduler.schedule().prefill] == [old]
 
 
 def test_release_frees_the_prompt_and_the_last_row_finishes_the_request():
@@ -255,7 +266,7 @@ def test_a_cancelled_waiting_request_is_released_and_done():
     assert scheduler.release_row(request) is True and request not in scheduler.states
     waiting = _request(20)
     scheduler.add(waiting)
-    scheduler.schedule(scheduler.prefill_budget())
+    scheduler.schedule()
     assert list(scheduler.skip_pending(waiting)) == [0]
     assert scheduler.release(waiting) is True and scheduler.waiting == [] and scheduler.held_bytes() == 0
     assert scheduler.states == {}

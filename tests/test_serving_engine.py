@@ -68,10 +68,10 @@ def test_readyz_is_503_while_a_new_request_would_wait_past_its_bound_and_200_aft
     server.assert_ready()
 
 
-def test_a_request_that_would_start_past_the_timeout_gets_503_with_retry_after(server):
-    """Long requests, one after another, queue until the rows ahead of the next would take past the
-    request timeout (300 s) to free a slot: that one is a 503 with Retry-After and the estimate at once,
-    instead of a wait that would end in a 504. Once they leave, the service is ready again."""
+def test_a_request_that_would_finish_past_the_timeout_gets_503_with_retry_after(server):
+    """Long requests, one after another, queue until the next would start and run past the request
+    timeout (300 s): that one is a 503 with Retry-After and the estimate at once, on either API, instead
+    of a wait that would end in a 504. Once they leave, the service is ready again."""
     body = json.dumps({"question": f"{QUESTION} [flood]", **LONG}).encode()
     flood, refusal = [], None
     try:
@@ -89,8 +89,12 @@ def test_a_request_that_would_start_past_the_timeout_gets_503_with_retry_after(s
         head, _, payload = refusal.partition("\r\n\r\n")
         retry_after = re.search(r"(?im)^retry-after: *(\d+)", head)
         assert head.startswith("HTTP/1.1 503") and retry_after and int(retry_after[1]) >= 2, refusal
-        assert re.fullmatch(r"overloaded: a new request would start in about \d+ s, past the request timeout of 300 s", json.loads(payload)["error"])
+        timing = r"would start in about \d+ s and run about \d+ s"
+        assert re.fullmatch(rf"overloaded: this request {timing}, past the request timeout of 300 s", json.loads(payload)["error"])
         assert len(flood) > 2  # the first ones were queued, not refused
+        completion = {"prompt": QUESTION, "n": LONG["k"], "max_tokens": LONG["max_new_tokens"], "temperature": 1.0}
+        status, text, headers = server.call("/v1/completions", completion)
+        assert status == 503 and json.loads(text)["error"]["code"] == "service_unavailable" and int(headers["Retry-After"]) >= 2, text
     finally:
         for sock in flood:
             sock.close()

@@ -221,7 +221,7 @@ class Engine:
         with torch.inference_mode():
             self._drop_cancelled()
             self._admit_rows()
-            tokens = self._forward(self.scheduler.prefill_budget())
+            tokens = self._forward()
             self._admit_rows()
         if self._backlog_asked:
             self.backlog = self.scheduler.backlog()
@@ -273,7 +273,7 @@ class Engine:
         if self.scheduler.release(request):
             self._finish(request)
 
-    def _forward(self, prefill_budget: int) -> int:
+    def _forward(self) -> int:
         """One forward of the model over the step's tokens: the scheduler's plan (every lane's running
         rows, one token each, and the prompt chunks it picks), so the weights are read once per step
         however many lanes and prompts take part; then each lane's rows sample and record their
@@ -281,7 +281,7 @@ class Engine:
         the tokens it ran."""
         for lane in self.lanes:
             self._resume_parked(lane)
-        plan = self.scheduler.schedule(prefill_budget)
+        plan = self.scheduler.schedule()
         chunks = plan.prefill
         if self.graphed is not None and not chunks and self._graphed_step():
             return len(self.rows)

@@ -194,13 +194,15 @@ class Scheduler:
         """What the KV budget leaves beside what requests hold: the most the prefix cache may keep."""
         return self.kv_budget_bytes - self.held_bytes()
 
-    def fits(self, extra_bytes: int, request: EngineRequest | None = None) -> bool:
-        """Whether ``request`` may hold ``extra_bytes`` more (negative: less) within the KV budget, leaving
-        what the head still needs unless ``request`` is the head (None: no request's, nothing left)."""
-        beside = 0
-        if request is not None and (head := self.head()) is not None and head.request is not request:
-            beside = self.head_need(head)
-        return self.held_bytes() + extra_bytes + beside <= self.kv_budget_bytes
+    def fits(self, extra_bytes: int, kept_bytes: int = 0) -> bool:
+        """Whether requests may hold ``extra_bytes`` more (negative: less) within the KV budget, leaving
+        ``kept_bytes`` free (:meth:`kept_for_head`)."""
+        return self.held_bytes() + extra_bytes + kept_bytes <= self.kv_budget_bytes
+
+    def kept_for_head(self, request: EngineRequest) -> int:
+        """The KV ``request`` must leave free: what the head still needs, unless it is the head."""
+        head = self.head()
+        return 0 if head is None or head.request is request else self.head_need(head)
 
     def head(self) -> RequestState | None:
         """The oldest live request with no row started yet: no other request takes the KV it needs."""
@@ -231,7 +233,7 @@ class Scheduler:
     def reserve(self, request: EngineRequest) -> bool:
         """Start ``request``'s prompt cache if its whole prompt fits the budget (beside the head's need),
         after the blocks of it the prefix cache holds (which then gives way to it); False: not now."""
-        if not self.fits(len(request.prompt_ids) * self.bytes_per_token, request):
+        if not self.fits(len(request.prompt_ids) * self.bytes_per_token, self.kept_for_head(request)):
             return False
         self.reserved_tokens += len(request.prompt_ids)
         state = self.states[request]
@@ -281,12 +283,13 @@ class Scheduler:
 
     def slot_capacity(self, lane: Lane, rows_needed: int, length: int, request: EngineRequest) -> int:
         """Slots to allocate in ``lane`` for ``rows_needed`` rows of ``length`` positions, ``request``'s
-        joining: room to grow (doubling, at least 8, at most ``max_rows``) where the budget holds it
-        beside the head's need."""
+        joining: room to grow (doubling, at least 8, at most ``max_rows``, the free slots within an eighth
+        of the KV budget) where the budget holds it beside the head's need."""
         cache = lane.cache
         capacity = min(self.max_rows, max(rows_needed, 8, 2 * cache.capacity_rows if cache.capacity_rows < rows_needed else 0))
-        lane_bytes = cache.bytes(self.bytes_per_token)
-        while capacity > rows_needed and not self.fits(cache.bytes(self.bytes_per_token, capacity, length) - lane_bytes, request):
+        capacity = min(capacity, rows_needed + self.kv_budget_bytes // (8 * length * self.bytes_per_token))
+        lane_bytes, kept = cache.bytes(self.bytes_per_token), self.kept_for_head(request)
+        while capacity > rows_needed and not self.fits(cache.bytes(self.bytes_per_token, capacity, length) - lane_bytes, kept):
             capacity -= 1
         return capacity
 
@@ -313,9 +316,12 @@ class Scheduler:
 
     def step_budget(self) -> int:
         """Tokens this step may carry: ``max_step_tokens`` with every row slot free, shrinking in step with
-        the slots taken to ``step_tokens`` with none free. A long prompt on an idle engine prefills in one
-        step; with many rows decoding, a step stays short (their next tokens wait for it), and prompts
-        that could not start rows yet need no more than that."""
+        the slots taken to ``step_tokens`` with none free, and ``step_tokens`` while requests queue unstarted
+        (the rows or the KV budget are full: prompts ahead of them would only wait). A long prompt on an
+        idle engine prefills in one step; under load a step stays short (the running rows' next tokens
+        wait for it)."""
+        if any(s.cache is None and not s.whole_prompt for q in self.waiting if not q.cancelled.is_set() and (s := self.states[q])):
+            return self.step_tokens
         free = 1 - min(len(self.rows), self.max_rows) / self.max_rows
         return self.step_tokens + int((self.max_step_tokens - self.step_tokens) * free)
 
@@ -324,8 +330,9 @@ class Scheduler:
         rest of :meth:`step_budget`, and at least an eighth of ``step_tokens``."""
         return max(self.step_budget() - len(self.rows), self.step_tokens // 8)
 
-    def schedule(self, prefill_budget: int) -> StepPlan:
-        """This step's plan: every lane's live rows, and prompt chunks within ``prefill_budget`` tokens."""
+    def schedule(self, prefill_budget: int | None = None) -> StepPlan:
+        """This step's plan: every lane's live rows, and prompt chunks within ``prefill_budget`` tokens
+        (None: :meth:`prefill_budget` once the prompts that may start have started)."""
         prefill = self._prefill_chunks(prefill_budget)
         decode = []
         for lane in self.lanes:
@@ -334,11 +341,12 @@ class Scheduler:
                 decode.append((lane, live))
         return StepPlan(decode, prefill)
 
-    def _prefill_chunks(self, budget: int) -> list[PrefillChunk]:
+    def _prefill_chunks(self, budget: int | None) -> list[PrefillChunk]:
         """Prompt chunks of the started requests, shortest remaining first (for its wait so far), within
         ``budget`` tokens, after :meth:`start_prompts`."""
         live = [self.states[q] for q in self._active([q for q in self.waiting if not q.cancelled.is_set()])]
         self.start_prompts(live)
+        budget = self.prefill_budget() if budget is None else budget
         now = time.monotonic()
         todo = [s for s in live if s.cache is not None and not s.whole_prompt]
         todo.sort(key=lambda s: ((len(s.request.prompt_ids) - s.prefilled) / (1 + now - s.request.submitted_s), s.request.submitted_s))
@@ -395,16 +403,18 @@ class Scheduler:
     def rows_that_fit(self, request: EngineRequest, count: int) -> int:
         """As many of ``count`` rows as the KV budget holds (slots padded to the longest row of their
         lane), the request keeping to ``max_share`` of what the others leave of it (so there is always
-        room for one more request's first row); a request's first row needs only to fit."""
+        room for one more request's first row) and leaving the head's need; a request's first row needs
+        only to fit."""
         lane = self.lane_for(request)
         length = lane.slot_length(request)
         lane_bytes = lane.cache.bytes(self.bytes_per_token)
         held = self.held_bytes() - lane_bytes
         state = self.states[request]
-        own_prompt = state.prefilled * self.bytes_per_token if state.cache is not None else 0
+        own_prompt = len(request.prompt_ids) * self.bytes_per_token if state.cache is not None else 0
         others = (len(lane.rows) - state.running) * length * self.bytes_per_token + held - own_prompt
+        kept = self.kept_for_head(request)
         while count:
-            fits = self.fits(lane.cache.bytes(self.bytes_per_token, len(lane.rows) + count, length) - lane_bytes, request)
+            fits = self.fits(lane.cache.bytes(self.bytes_per_token, len(lane.rows) + count, length) - lane_bytes, kept)
             own = (state.running + count) * length * self.bytes_per_token
             if fits and (own <= self.max_share * (self.kv_budget_bytes - others) or state.running == 0 and count == 1):
                 return count
