@@ -1,5 +1,6 @@
 """The engine's scheduler (rlvr.generation.scheduler) without a model: the KV budget's gate, prompt chunks
-under the step's token budget, running rows before prompts, fair shares, and releasing on finish or cancel.
+under the step's token budget, running rows before prompts, arrival order and the oldest request's room,
+fair shares, and releasing on finish or cancel.
 One byte per token keeps the budgets readable; slots are padded to 128 positions (kv_cache.quantized)."""
 
 import time

@@ -371,8 +371,8 @@ class Scheduler:
             ahead += state.pending_rows
 
     def admissions(self) -> Iterator[tuple[EngineRequest, int]]:
-        """(request, rows to start) for the prefilled requests, short requests first (for their wait so
-        far), each within a fair share of ``max_rows`` and the KV budget. Lazy: the caller starts each request's rows (see
+        """(request, rows to start) for the prefilled requests, the head first, then short requests (for
+        their wait so far), each within a fair share of ``max_rows`` and the KV budget. Lazy: the caller starts each request's rows (see
         :meth:`admit`) before the next is weighed."""
         ready = [self.states[q] for q in self._active(list(self.waiting))]
         ready = [s for s in ready if s.whole_prompt and s.pending_rows]
