@@ -175,12 +175,12 @@ def test_short_requests_do_not_take_the_kv_the_oldest_waiting_prompt_needs():
 def test_free_slots_give_way_only_when_that_lets_the_oldest_prompt_start():
     scheduler, _ = _two_lanes(kv_budget_bytes=1_200, running_rows=6, capacity_rows=7)
     scheduler.add(long := _request(100, max_new_tokens=100, submitted_s=1.0))
-    scheduler.make_way_for_head()
+    scheduler.make_way_for_head(scheduler.head())
     assert scheduler.lanes[0].cache.capacity_rows == 6  # 7 x 128 + 356 > 1,200; 6 x 128 + 356 fits
     assert scheduler.schedule().prefill == [PrefillChunk(long, 0, 100)]
     scheduler, _ = _two_lanes(kv_budget_bytes=1_000, running_rows=6, capacity_rows=7)
     scheduler.add(_request(100, max_new_tokens=100, submitted_s=1.0))
-    scheduler.make_way_for_head()
+    scheduler.make_way_for_head(scheduler.head())
     assert scheduler.lanes[0].cache.capacity_rows == 7  # trimmed, it would still not fit: no copy for nothing
 
 

@@ -199,9 +199,9 @@ class Scheduler:
         ``kept_bytes`` free (:meth:`kept_for_head`)."""
         return self.held_bytes() + extra_bytes + kept_bytes <= self.kv_budget_bytes
 
-    def kept_for_head(self, request: EngineRequest) -> int:
-        """The KV ``request`` must leave free: what the head still needs, unless it is the head."""
-        head = self.head()
+    def kept_for_head(self, request: EngineRequest, head: RequestState | None = None) -> int:
+        """The KV ``request`` must leave free: what the head (None: :meth:`head`) still needs, unless it is the head."""
+        head = head or self.head()
         return 0 if head is None or head.request is request else self.head_need(head)
 
     def head(self) -> RequestState | None:
@@ -219,9 +219,8 @@ class Scheduler:
         growth = 0 if len(lane.rows) < rows and padded <= length else (len(lane.rows) + 1) * padded - rows * length
         return (growth + (0 if head.cache is not None else len(request.prompt_ids))) * self.bytes_per_token
 
-    def make_way_for_head(self) -> None:
-        """Lanes give up their free slots (:meth:`Lane.trim`) when the head does not fit and that makes it fit."""
-        head = self.head()
+    def make_way_for_head(self, head: RequestState | None) -> None:
+        """Lanes give up their free slots (:meth:`Lane.trim`) when ``head`` does not fit and that makes it fit."""
         if head is None or self.fits(self.head_need(head)):
             return
         slack = sum(lane.slack_bytes(self.bytes_per_token) for lane in self.lanes if lane.rows)
@@ -363,7 +362,7 @@ class Scheduler:
         """Start the ``live`` requests' prompt caches in arrival order while fewer than ``lookahead_rows``
         rows run or wait in started requests, and :meth:`reserve` holds each; the first that does not
         fit waits, and so do those after it."""
-        self.make_way_for_head()
+        self.make_way_for_head(self.head())
         ahead = len(self.rows) + sum(s.pending_rows for s in live if s.cache is not None or s.whole_prompt)
         for state in sorted((s for s in live if s.cache is None and not s.whole_prompt), key=lambda s: s.request.submitted_s):
             if ahead >= self.lookahead_rows or not self.reserve(state.request):
@@ -378,18 +377,20 @@ class Scheduler:
         ready = [s for s in ready if s.whole_prompt and s.pending_rows]
         if not ready:
             return
-        self.make_way_for_head()
+        head = self.head()  # once a pass: each request's rows leave it room, until its own rows start
+        self.make_way_for_head(head)
         now = time.monotonic()  # the head first, then the shortest for its wait so far
-        head = self.head()
         ready.sort(key=lambda s: (s is not head, s.pending_rows * s.request.max_new_tokens / (1 + now - s.request.submitted_s), s.request.submitted_s))
         requests_wanting = self._requests_wanting_rows()
         for state in ready:
             room = self.max_rows - len(self.rows)
             share = self.max_rows if requests_wanting == 1 else max(1, self.max_rows // requests_wanting)
             count = min(state.pending_rows, room, max(0, share - state.running))
-            count = self.rows_that_fit(state.request, count)
+            count = self.rows_that_fit(state.request, count, head)
             if count:
                 yield state.request, count
+                if state is head:
+                    head = self.head()
 
     def admit(self, request: EngineRequest, count: int) -> range:
         """Count ``count`` more of ``request``'s rows as running; returns their samples."""
@@ -400,7 +401,7 @@ class Scheduler:
         self.running.add(request)
         return samples
 
-    def rows_that_fit(self, request: EngineRequest, count: int) -> int:
+    def rows_that_fit(self, request: EngineRequest, count: int, head: RequestState | None = None) -> int:
         """As many of ``count`` rows as the KV budget holds (slots padded to the longest row of their
         lane), the request keeping to ``max_share`` of what the others leave of it (so there is always
         room for one more request's first row) and leaving the head's need; a request's first row needs
@@ -412,7 +413,7 @@ class Scheduler:
         state = self.states[request]
         own_prompt = len(request.prompt_ids) * self.bytes_per_token if state.cache is not None else 0
         others = (len(lane.rows) - state.running) * length * self.bytes_per_token + held - own_prompt
-        kept = self.kept_for_head(request)
+        kept = self.kept_for_head(request, head)
         while count:
             fits = self.fits(lane.cache.bytes(self.bytes_per_token, len(lane.rows) + count, length) - lane_bytes, kept)
             own = (state.running + count) * length * self.bytes_per_token
