@@ -175,3 +175,25 @@ def test_the_start_wait_follows_the_rows_ahead_once_asked(model, tokenizer):
     while not second.done_s:
         engine.step()
     assert engine.start_wait_s() == 0.0
+
+
+def test_requests_submitted_since_the_last_step_count_in_the_start_wait(model, tokenizer):
+    """A burst between two steps: each new request's wait counts the rows of those submitted before it."""
+    engine = Engine(model, tokenizer, max_rows=1, step_tokens=64, kv_budget_bytes=2**24)
+    engine.stops.stop_ids = set()
+    first, second, third = (_request(tokenizer, PROMPTS[0], new_tokens=20, stop_at_final_answer=False) for _ in range(3))
+    engine.submit(first)
+    engine.take_submissions()
+    engine.start_wait_s()
+    engine.step()
+    engine.step()
+    assert engine.backlog.running and not engine.backlog.waiting
+    alone = engine.start_wait_s()
+    engine.submit(second)
+    behind_one = engine.start_wait_s()
+    engine.submit(third)
+    behind_two = engine.start_wait_s()
+    assert 0 < alone < behind_one < behind_two
+    engine.take_submissions()
+    engine.step()
+    assert engine.backlog.waiting == ((1, 20), (1, 20))  # now the step's backlog holds them

@@ -282,6 +282,14 @@ def test_a_new_request_starts_when_the_rows_ahead_of_it_free_a_slot():
     assert Backlog((9,), ((1, 10),), 0, rows=4).start_steps(step_tokens=128) == 0  # a slot is free
 
 
+def test_requests_posted_since_the_backlog_was_built_queue_behind_it():
+    backlog = Backlog((9, 5), ((2, 10),), 64, rows=2)
+    posted = backlog.with_posted([_request(64, samples=1, max_new_tokens=40)], row_fill=0.5)
+    assert posted == Backlog((9, 5), ((2, 10), (1, 20)), 128, rows=2)
+    assert posted.start_steps(step_tokens=128) == 19 + 1  # its row took the slot freed at 15, a new one gets 19; two prompts: a step
+    assert backlog.with_posted([], row_fill=0.5) is backlog
+
+
 def test_the_backlog_counts_rows_at_the_share_of_their_budget_rows_have_used():
     scheduler = _scheduler(max_rows=2, kv_budget_bytes=100_000)
     running = _prefilled(scheduler, _request(5, samples=2, max_new_tokens=100))

@@ -163,9 +163,11 @@ class Engine:
     def start_wait_s(self) -> float:
         """How long a new request would wait for its first row to start, at the measured step time: the
         rows and prompts ahead of it as of the last step (:class:`~rlvr.generation.scheduler.Backlog`;
-        each step builds it from the first call on)."""
+        each step builds it from the first call on) and the requests submitted since."""
         self._backlog_asked = True
-        return self.backlog.start_steps(self.step_tokens) * self.step_seconds
+        with self._wakeup:
+            posted = [item for item in self._inbox if isinstance(item, EngineRequest)]
+        return self.backlog.with_posted(posted, self.scheduler.row_fill).start_steps(self.step_tokens) * self.step_seconds
 
     # ---- on the engine's thread ---------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import heapq
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 import torch
@@ -129,6 +129,20 @@ class Backlog:
             for _ in range(rows):
                 heapq.heapreplace(slots, slots[0] + tokens)
         return slots[0] + self.prompt_tokens / step_tokens
+
+    def with_posted(self, requests: list[EngineRequest], row_fill: float) -> Backlog:
+        """This backlog with ``requests`` queued behind it: those posted since the step that built it, so
+        a burst arriving between two steps sees each other's rows and prompts."""
+        if not requests:
+            return self
+        waiting = tuple((r.num_samples, expected_tokens(r, row_fill)) for r in requests)
+        prompt_tokens = sum(len(r.prompt_ids) for r in requests)
+        return replace(self, waiting=self.waiting + waiting, prompt_tokens=self.prompt_tokens + prompt_tokens)
+
+
+def expected_tokens(request: EngineRequest, row_fill: float) -> int:
+    """The tokens a row of ``request`` is expected to make: ``row_fill``, the share of their budget finished rows have lately used."""
+    return max(1, round(row_fill * request.max_new_tokens))
 
 
 class Scheduler:
@@ -299,13 +313,10 @@ class Scheduler:
     def backlog(self) -> Backlog:
         """The work ahead of a new request now (see :class:`Backlog`)."""
 
-        def expected(request: EngineRequest) -> int:
-            return max(1, round(self.row_fill * request.max_new_tokens))
-
-        rows = self.rows
-        running = tuple(max(1, expected(row.request) - len(row.request.token_ids[row.sample])) for row in rows)
+        rows, fill = self.rows, self.row_fill
+        running = tuple(max(1, expected_tokens(row.request, fill) - len(row.request.token_ids[row.sample])) for row in rows)
         live = [self.states[q] for q in self.waiting if not q.cancelled.is_set()]
-        waiting = tuple((s.pending_rows, expected(s.request)) for s in live if s.pending_rows)
+        waiting = tuple((s.pending_rows, expected_tokens(s.request, fill)) for s in live if s.pending_rows)
         prompt_tokens = sum(len(s.request.prompt_ids) - s.prefilled for s in live)
         lengths = [quantized(row.request.slot_length) for row in rows] + [quantized(s.request.slot_length) for s in live if s.pending_rows]
         fit = self.kv_budget_bytes * len(lengths) // (self.bytes_per_token * sum(lengths)) if lengths else self.max_rows
