@@ -6,7 +6,8 @@ On ``serve_mixed.py``'s seeded prompts, each engine in its own process (float32,
 caching): prefill tokens/s over ``--long-prompts`` long prompts, and for each ``--mix`` entry ``L+S``
 the ms per decode step of L long and S short rows together, as (time to 65 tokens - time to 1) / 64.
 Ours is ``rlvr.generation.Engine`` (the Bento's), vLLM's is ``vllm.LLM`` from ``--vllm-python``'s
-environment. Each figure is the median of ``--repeats`` timings.
+environment. Both processes stay up and the engines take turns, one timing each per round, so a host
+whose speed drifts slows both alike; each figure is the median of ``--repeats`` rounds.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def prompts(checkpoint: str, long_prompts: int, long_tokens: int, shorts: int) -
     return {"long": longs[: long_prompts + 1], "short": chats[:shorts]}
 
 
-def run_ours(checkpoint: str, data: dict, mixes: list[tuple[int, int]], step_tokens: tuple[int, int], repeats: int) -> dict:
+def ours(checkpoint: str, step_tokens: tuple[int, int]):
+    """Our engine's ``generate(prompts, new_tokens) -> seconds``."""
     import torch
 
     from rlvr.generation import Engine, EngineRequest
@@ -69,10 +71,11 @@ def run_ours(checkpoint: str, data: dict, mixes: list[tuple[int, int]], step_tok
                 engine.step()
         return time.perf_counter() - started
 
-    return measure(generate, data, mixes, repeats)
+    return generate
 
 
-def run_vllm(checkpoint: str, data: dict, mixes: list[tuple[int, int]], step_tokens: tuple[int, int], repeats: int) -> dict:
+def vllm(checkpoint: str, step_tokens: tuple[int, int]):
+    """vLLM's ``generate(prompts, new_tokens) -> seconds``."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -83,21 +86,54 @@ def run_vllm(checkpoint: str, data: dict, mixes: list[tuple[int, int]], step_tok
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True), use_tqdm=False)
         return time.perf_counter() - started
 
-    return measure(generate, data, mixes, repeats)
+    return generate
 
 
-def measure(generate, data: dict, mixes: list[tuple[int, int]], repeats: int) -> dict:
-    """Prefill tokens/s and ms per decode step of each mix, each the median of ``repeats`` timings, with
-    ``generate(prompts, new_tokens) -> seconds``."""
+def serve(generate, data: dict, mixes: list[tuple[int, int]], commands, reply) -> None:
+    """Answer the parent's commands, a line each, with ``generate(prompts, new_tokens) -> seconds``:
+    ``warm-up`` (every batch's shapes once), ``prefill`` (tokens/s over the long prompts, one at a
+    time) and ``L+S`` (ms per decode step of that mix), each answered with a JSON line on ``reply``."""
     longs, shorts = data["long"], data["short"]
-    generate(longs[:1], 2)  # warm-up
-    prefill = [sum(map(len, longs[1:])) / sum(generate([p], 1) for p in longs[1:]) for _ in range(repeats)]
-    result = {"prefill_tok_s": statistics.median(prefill)}
-    for n_long, n_short in mixes:
-        batch = longs[1 : 1 + n_long] + shorts[:n_short]
-        generate(batch, 2)  # warm-up of this batch's shapes
-        result[f"decode_ms {n_long}+{n_short}"] = decode_step_ms(partial(generate, batch), NEW_TOKENS, repeats)
-    return result
+    batches = {f"{n_long}+{n_short}": longs[1 : 1 + n_long] + shorts[:n_short] for n_long, n_short in mixes}
+    for command in commands:
+        command = command.strip()
+        if command == "warm-up":
+            generate(longs[:1], 2)
+            for batch in batches.values():
+                generate(batch, 2)
+            result = None
+        elif command == "prefill":
+            result = sum(map(len, longs[1:])) / sum(generate([p], 1) for p in longs[1:])
+        else:
+            result = decode_step_ms(partial(generate, batches[command]), NEW_TOKENS, 1)
+        reply.write(json.dumps(result) + "\n")
+        reply.flush()
+
+
+class Worker:
+    """One engine's process, answering :func:`serve`'s commands (its own output goes to a log file)."""
+
+    def __init__(self, engine: str, command: list[str], env: dict[str, str], cwd: str):
+        read, write = os.pipe()
+        self.engine, self.log = engine, Path(cwd) / f"{engine}.log"
+        with self.log.open("w") as log:
+            command = command + ["--reply-fd", str(write)]
+            self.process = subprocess.Popen(command, env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=log, stderr=log, text=True, pass_fds=(write,))
+        os.close(write)
+        self.replies = os.fdopen(read)
+
+    def ask(self, command: str):
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+        line = self.replies.readline()
+        if not line:
+            sys.stderr.write(self.log.read_text()[-4000:])
+            raise SystemExit(f"{self.engine} failed (exit {self.process.wait()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=120)
 
 
 def main() -> int:
@@ -111,41 +147,52 @@ def main() -> int:
     parser.add_argument("--mix", default="0+8,3+8", help="decode steps to time: L+S, L long rows with S short ones (comma-separated)")
     parser.add_argument("--step-tokens", type=int, default=256, help="our engine's step token budget with every row slot taken (the Bento's)")
     parser.add_argument("--max-step-tokens", type=int, default=2048, help="and with every row slot free (the Bento's)")
-    parser.add_argument("--repeats", type=int, default=3, help="timings per figure (the median is reported)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of timings (each figure is their median)")
     parser.add_argument("--worker", choices=["ours", "vllm"], help=argparse.SUPPRESS)
     parser.add_argument("--prompts", help=argparse.SUPPRESS)
+    parser.add_argument("--reply-fd", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     mixes = [tuple(int(n) for n in mix.split("+")) for mix in args.mix.split(",")]
-    if args.worker:  # one engine, in its own process: its result goes to a file beside the prompts'
-        data = json.loads(Path(args.prompts).read_text())
-        run = run_ours if args.worker == "ours" else run_vllm
-        result = run(args.checkpoint, data, mixes, (args.step_tokens, args.max_step_tokens), args.repeats)
-        Path(args.prompts).with_name(f"{args.worker}.json").write_text(json.dumps(result))
+    if args.worker:  # one engine, in its own process, answering the parent's commands
+        build = ours if args.worker == "ours" else vllm
+        generate = build(args.checkpoint, (args.step_tokens, args.max_step_tokens))
+        with os.fdopen(args.reply_fd, "w") as reply:
+            serve(generate, json.loads(Path(args.prompts).read_text()), mixes, sys.stdin, reply)
         return 0
     engines = args.engines.split(",")
     if "vllm" in engines and not args.vllm_python:
         parser.error("--engines ...,vllm needs --vllm-python")
     data = prompts(args.checkpoint, args.long_prompts, args.long_prompt_tokens, max(s for _, s in mixes))
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_KVCACHE_SPACE": "2"}
-    results = {}
+    columns = ["prefill"] + [f"{n_long}+{n_short}" for n_long, n_short in mixes]
+    timings = {engine: {c: [] for c in columns} for engine in engines}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "prompts.json"
         path.write_text(json.dumps(data))
+        workers = []
         for engine in engines:
             python = args.vllm_python if engine == "vllm" else sys.executable
             command = [python, __file__, args.checkpoint, "--worker", engine, "--prompts", str(path), "--mix", args.mix]
-            command += ["--step-tokens", str(args.step_tokens), "--max-step-tokens", str(args.max_step_tokens), "--repeats", str(args.repeats)]
-            done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=tmp)
-            if done.returncode:
-                sys.stderr.write(done.stderr[-4000:])
-                raise SystemExit(f"{engine} failed (exit {done.returncode})")
-            results[engine] = json.loads(path.with_name(f"{engine}.json").read_text())
-    columns = list(next(iter(results.values())))
-    print(f"prompts: {args.long_prompts} x {args.long_prompt_tokens} tokens (prefill), short chats; float32, greedy; OMP_NUM_THREADS={args.threads}\n")
-    print("| engine | prefill tok/s | " + " | ".join(f"decode step ms, {c.split()[1].replace('+', ' long + ')} short" for c in columns[1:]) + " |")
+            workers.append(Worker(engine, command + ["--step-tokens", str(args.step_tokens), "--max-step-tokens", str(args.max_step_tokens)], env, tmp))
+        for worker in workers:
+            worker.ask("warm-up")
+        for round_ in range(args.repeats):
+            for column in columns:
+                for worker in workers if round_ % 2 == 0 else workers[::-1]:  # who goes first alternates
+                    timings[worker.engine][column].append(worker.ask(column))
+        for worker in workers:
+            worker.close()
+    results = {engine: {c: statistics.median(values) for c, values in columns_.items()} for engine, columns_ in timings.items()}
+    first = engines[0]
+    print(f"prompts: {args.long_prompts} x {args.long_prompt_tokens} tokens (prefill), short chats; float32, greedy; OMP_NUM_THREADS={args.threads}")
+    print(f"median of {args.repeats} rounds, the engines taking turns\n")
+    print("| engine | prefill tok/s | " + " | ".join(f"decode step ms, {c.replace('+', ' long + ')} short" for c in columns[1:]) + " |")
     print("|---" * len(columns) + "|---|")
     for engine, result in results.items():
-        print(f"| {engine} | " + " | ".join(f"{result[c]:.0f}" if c == "prefill_tok_s" else f"{result[c]:.1f}" for c in columns) + " |")
+        print(f"| {engine} | " + " | ".join(f"{result[c]:.0f}" if c == "prefill" else f"{result[c]:.1f}" for c in columns) + " |")
+    for engine in engines[1:]:  # how much faster the first engine is: tokens/s over tokens/s, ms over ms
+        ratios = [results[first]["prefill"] / results[engine]["prefill"]] + [results[engine][c] / results[first][c] for c in columns[1:]]
+        print(f"| {first} speed / {engine}'s | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
     return 0
 
 

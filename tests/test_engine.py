@@ -195,5 +195,6 @@ def test_requests_submitted_since_the_last_step_count_in_the_start_wait(model, t
     behind_two = engine.start_wait_s()
     assert 0 < alone < behind_one < behind_two
     engine.take_submissions()
+    assert engine.start_wait_s() == behind_two  # taken in, but the backlog is the last step's until the next
     engine.step()
     assert engine.backlog.waiting == ((1, 20), (1, 20))  # now the step's backlog holds them

@@ -99,6 +99,7 @@ class Engine:
         self.step_seconds = 0.0  # a moving average of steps with rows (0: none measured yet), for the time estimates
         self.backlog = Backlog()  # the work ahead of a new request, as of the last step since start_wait_s was first asked
         self._backlog_asked = False  # training and evaluation never ask: their steps skip building it
+        self._since_backlog: list[EngineRequest] = []  # submitted after the backlog was built (kept once it is asked)
 
     @property
     def rows(self) -> list[Row]:
@@ -152,6 +153,8 @@ class Engine:
     def _post(self, item) -> None:
         with self._wakeup:
             self._inbox.append(item)
+            if self._backlog_asked and isinstance(item, EngineRequest):
+                self._since_backlog.append(item)
             self._wakeup.notify()
 
     def estimated_seconds(self, prompt_tokens: int, rows: int, max_new_tokens: int) -> float:
@@ -164,10 +167,10 @@ class Engine:
         """How long a new request would wait for its first row to start, at the measured step time: the
         rows and prompts ahead of it as of the last step (:class:`~rlvr.generation.scheduler.Backlog`;
         each step builds it from the first call on) and the requests submitted since."""
-        self._backlog_asked = True
         with self._wakeup:
-            posted = [item for item in self._inbox if isinstance(item, EngineRequest)]
-        return self.backlog.with_posted(posted, self.scheduler.row_fill).start_steps(self.step_tokens) * self.step_seconds
+            self._backlog_asked = True
+            backlog = self.backlog.with_posted(list(self._since_backlog), self.scheduler.row_fill)
+        return backlog.start_steps(self.step_tokens) * self.step_seconds
 
     # ---- on the engine's thread ---------------------------------------------------------------
 
@@ -226,7 +229,9 @@ class Engine:
             tokens = self._forward()
             self._admit_rows()
         if self._backlog_asked:
-            self.backlog = self.scheduler.backlog()
+            backlog = self.scheduler.backlog()
+            with self._wakeup:  # requests still in the inbox are not in it yet
+                self.backlog, self._since_backlog = backlog, [item for item in self._inbox if isinstance(item, EngineRequest)]
         if self.rows and tokens <= self.step_tokens:  # steps past the base budget (an idle engine's long prefills) are not typical
             elapsed = time.monotonic() - started
             self.step_seconds = elapsed if not self.step_seconds else 0.9 * self.step_seconds + 0.1 * elapsed
