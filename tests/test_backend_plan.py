@@ -69,16 +69,16 @@ def test_every_switch_off_plans_the_plain_path():
     plan = plan_backend(model, ALL_OFF, threads=1)
     assert plan.runner == MODEL_FORWARD and not any(switches(plan).values())
     engine = Engine(model, char_tokenizer(), max_rows=2, kv_budget_bytes=2**22, fast_paths=ALL_OFF)
-    assert not any(switches(engine.plan).values()) and engine.graphed is None and not engine.slot_kernel
-    assert isinstance(engine.runner, ModelForward) and engine.runner.packed is None
+    assert not any(switches(engine.plan).values()) and engine.executor.graphed is None and not engine.executor.slot_kernel
+    assert isinstance(engine.executor.runner, ModelForward) and engine.executor.runner.packed is None
 
 
 def test_the_engine_follows_a_plan_it_is_given():
     model = tiny_llama(50)
     given = plan_backend(model, FastPaths(fused_decode=False, packed_linears=False, slot_attention=False))
     engine = Engine(model, char_tokenizer(), max_rows=2, kv_budget_bytes=2**22, plan=given)  # its fast_paths (defaults) unused
-    assert engine.plan is given and isinstance(engine.runner, ModelForward) and not engine.slot_kernel
-    assert isinstance(Engine(model, char_tokenizer(), max_rows=2, kv_budget_bytes=2**22).runner, FusedDecoder)
+    assert engine.plan is given and isinstance(engine.executor.runner, ModelForward) and not engine.executor.slot_kernel
+    assert isinstance(Engine(model, char_tokenizer(), max_rows=2, kv_budget_bytes=2**22).executor.runner, FusedDecoder)
 
 
 def _greedy(engine: Engine, tokenizer) -> list[list[int]]:
@@ -98,7 +98,7 @@ def test_the_service_engine_decodes_a_gpt2_on_packed_linears(monkeypatch):
     forward = packed_linear._packed_forward
     monkeypatch.setattr(packed_linear, "_packed_forward", lambda *args: packed_calls.append(1) or forward(*args))
     engine = Engine(model, tokenizer, max_rows=8, step_tokens=64, kv_budget_bytes=2**24, max_requests=None)
-    assert engine.plan.packed_linears and engine.runner.packed is not None
+    assert engine.plan.packed_linears and engine.executor.runner.packed is not None
     served = _greedy(engine, tokenizer)
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     assert linears and len(packed_calls) >= len(linears)  # at least one forward's worth of packed layers

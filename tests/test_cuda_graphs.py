@@ -23,10 +23,10 @@ def _completions(model, tokenizer, rows: int, graphed: bool, device: str = "cpu"
     engine = Engine(model, tokenizer, max_rows=8, step_tokens=2048, kv_budget_bytes=2**24)  # every prompt prefilled at once
     engine.stops.stop_ids = set()  # every row runs to its budget: each step has them all
     if graphed:
-        engine.graphed = GraphedDecode(engine.runner, engine.device, graphs=device == "cuda")
+        engine.executor.graphed = GraphedDecode(engine.executor.runner, engine.executor.device, graphs=device == "cuda")
         steps = []
-        step = engine.graphed.step
-        engine.graphed.step = lambda *args: steps.append(len(args[1])) or step(*args)
+        step = engine.executor.graphed.step
+        engine.executor.graphed.step = lambda *args: steps.append(len(args[1])) or step(*args)
     prompts = (PROMPTS * 2)[:rows]
     requests = [EngineRequest(tokenizer(p).input_ids, 1, (0.0,), 10, stop_at_final_answer=False) for p in prompts]
     with torch.inference_mode():

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import rlvr.generation.engine as engine_module
+import rlvr.generation.executor as executor_module
 from rlvr.fastpaths.slot_attention import slot_attention
 from rlvr.generation import Engine, EngineRequest, SamplingConfig, generate_rollouts
 from support.tiny_models import char_tokenizer, tiny_llama
@@ -43,9 +43,9 @@ def test_the_engine_decodes_through_it_and_matches_the_rollout_engine(monkeypatc
     config = SamplingConfig(max_new_tokens=10, temperatures=[0.0], stop_at_final_answer=False)
     expected = generate_rollouts(model, tokenizer, prompts, 1, config)
     calls = []
-    monkeypatch.setattr(engine_module, "slot_attention", lambda *args: calls.append(len(args[0])) or slot_attention(*args))
+    monkeypatch.setattr(executor_module, "slot_attention", lambda *args: calls.append(len(args[0])) or slot_attention(*args))
     engine = Engine(model, tokenizer, max_rows=4, step_tokens=8, kv_budget_bytes=2**24)
-    assert engine.slot_kernel
+    assert engine.executor.slot_kernel
     requests = [
         EngineRequest(prompt_ids=tokenizer(p).input_ids, num_samples=1, max_new_tokens=10, temperatures=(0.0,), stop_at_final_answer=False) for p in prompts
     ]

@@ -1,4 +1,4 @@
-"""Tool-calling rollouts (rlvr.environments.driver in rlvr.generation.engine): an injection's tokens
+"""Tool-calling rollouts (rlvr.environments.driver in rlvr.generation.outputs): an injection's tokens
 are written into the row's KV cache (what re-prefilling would give), marked as the environment's, and
 never end the row; without an environment nothing changes."""
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 import torch
 
-import rlvr.generation.engine as engine_module
+import rlvr.generation.executor as executor_module
 from rlvr.environments.base import Injection, SingleTurn, ToolCall
 from rlvr.generation import Engine, EngineRequest, SamplingConfig, generate_rollouts
 from rlvr.generation.model_runner import ModelForward
@@ -214,7 +214,7 @@ def test_the_calculator_answers_an_annotation(model, tokenizer, monkeypatch):
     """A scripted policy writes '<<48/2='; the calculator writes '24>>' into the row, then the model decodes on."""
     calculator = pytest.importorskip("rlvr.environments.calculator")
     script = _ids(tokenizer, "<<48/2=")
-    sample = engine_module.sample_tokens
+    sample = executor_module.sample_tokens
     steps = iter(range(10**6))
 
     def scripted(logits, *args, **kwargs):
@@ -224,7 +224,7 @@ def test_the_calculator_answers_an_annotation(model, tokenizer, monkeypatch):
             tokens[:] = script[step]
         return tokens, logprobs
 
-    monkeypatch.setattr(engine_module, "sample_tokens", scripted)
+    monkeypatch.setattr(executor_module, "sample_tokens", scripted)
     out = generate_rollouts(model, tokenizer, PROMPTS[:1], 1, _config(environment=calculator.Calculator()))
     ids = out.completion_token_lists()[0]
     assert tokenizer.decode(ids).startswith("<<48/2=24>>")
@@ -242,7 +242,7 @@ def test_a_program_turn_gets_a_tool_turn_and_the_row_goes_on(monkeypatch):
     model, tokenizer = tiny_llama_with_embedded_tokenizer()
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     script = _ids(tokenizer, "```python\nprint(6*7)\n```") + [im_end]
-    sample, steps = engine_module.sample_tokens, iter(range(10**6))
+    sample, steps = executor_module.sample_tokens, iter(range(10**6))
 
     def scripted(logits, *args, **kwargs):
         tokens, logprobs = sample(logits, *args, **kwargs)
@@ -250,7 +250,7 @@ def test_a_program_turn_gets_a_tool_turn_and_the_row_goes_on(monkeypatch):
             tokens[:] = script[step]
         return tokens, logprobs
 
-    monkeypatch.setattr(engine_module, "sample_tokens", scripted)
+    monkeypatch.setattr(executor_module, "sample_tokens", scripted)
     config = SamplingConfig(max_new_tokens=len(script) + 30, temperatures=[0.0], environment=code.CodeTool.for_tokenizer(tokenizer))
     out = generate_rollouts(model.requires_grad_(False), tokenizer, [_ids(tokenizer, "Question: 6*7?")], 1, config)
     ids, turn = out.completion_token_lists()[0], _ids(tokenizer, "\n<|im_start|>tool\n42\n<|im_end|>\n<|im_start|>assistant\n")

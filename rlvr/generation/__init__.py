@@ -1,8 +1,10 @@
 """One generation engine for training rollouts, evaluation and serving.
 
 Parts, as vLLM's v1 engine separates them: the engine (``engine``), its requests (``request``), the
-scheduler and its KV budget (``scheduler``), the KV cache (``kv_cache``, ``prefix_cache``), the model runner (``model_runner``), the sampler (``sampler``), the
-stop checker (``stops``), and the rollout call training and evaluation make (``rollouts``).
+scheduler and its KV budget (``scheduler``), the executor that runs a step's plan (``executor``: the model
+runner, ``model_runner``, and the sampler, ``sampler``), the output processor (``outputs``: stops, ``stops``,
+and tool episodes), the KV cache (``kv_cache``, ``prefix_cache``), and the rollout call training and
+evaluation make (``rollouts``).
 """
 
 from rlvr.generation.engine import Engine

@@ -2,10 +2,10 @@
 
 Every caller submits :class:`EngineRequest`s: training rollouts and evaluation (``rlvr.generation.rollouts``,
 stepping until every row is done) and the service (stepping on its model thread). Each :meth:`Engine.step`
-drops cancelled rows, starts the rows the scheduler admits (``rlvr.generation.scheduler``), runs one forward
-over its plan: every running row's next token and the prompt chunks that fit the step's token budget
-(``rlvr.generation.model_runner``), samples (``rlvr.generation.sampler``), applies the stop rules
-(``rlvr.generation.stops``) and the rows' tool episodes, and retires finished rows.
+drops cancelled rows, starts the rows the scheduler admits (``rlvr.generation.scheduler``), has the
+executor run one forward over its plan and sample (``rlvr.generation.executor``): every running row's next
+token and the prompt chunks that fit the step's token budget; the output processor records the tokens,
+applies the stop rules and the rows' tool episodes, and retires finished rows (``rlvr.generation.outputs``).
 docs/architecture.md ("The generation engine") tells the whole mechanism.
 """
 
@@ -14,31 +14,25 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 import torch
-from transformers import DynamicCache
 
 from rlvr.cpu_threads import tune_threads
-from rlvr.environments.base import Injection
 from rlvr.environments.driver import EpisodeDriver, TokenTexts, drives_episodes
 from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.eligibility import attention_window
-from rlvr.fastpaths.fused_decode import Attend, cached_attention, gqa_attention
 from rlvr.fastpaths.plan import BackendPlan, log_plan, plan_backend
-from rlvr.fastpaths.slot_attention import slot_attention
-from rlvr.generation.cuda_graphs import GraphedDecode
-from rlvr.generation.kv_cache import SlotCache, kv_cache_bytes_per_token, quantized
-from rlvr.generation.model_runner import model_runner
+from rlvr.generation.executor import StepExecutor
+from rlvr.generation.kv_cache import kv_cache_bytes_per_token, quantized
+from rlvr.generation.outputs import OutputProcessor, finish
 from rlvr.generation.prefix_cache import PrefixCache
 from rlvr.generation.request import EngineRequest
-from rlvr.generation.sampler import draw_uniforms, row_generator, sample_tokens
+from rlvr.generation.sampler import row_generator
 from rlvr.generation.scheduler import Backlog, Lane, Row, Scheduler
 from rlvr.generation.stops import StopChecker
 
 SHORT_LANE_TOKENS = 512  # rows of at most this many tokens (prompt + new) decode in a lane of their own
-TOOL_WORKERS = 4  # threads observing turn ends (tools that may run for seconds) off the engine's thread
 
 
 class Engine:
@@ -71,16 +65,12 @@ class Engine:
             plan = plan_backend(model, fast_paths)
             log_plan(plan, "engine")
         self.plan = plan
-        self.runner = model_runner(model, max_rows, plan)  # packs the linear layers where the plan says so
+        self.executor = StepExecutor(model, max_rows, plan)
         self.window = attention_window(model.config)
-        self.device = next(model.parameters()).device
-        self.graphed = GraphedDecode(self.runner, self.device, graphs=True, float32_attention=plan.float32_attention) if plan.cuda_graphs else None
-        self.slot_kernel = plan.slot_attention  # decode attention to each row's own length
         self.bytes_per_token = kv_cache_bytes_per_token(model.config, model.dtype)
         self.prefixes = PrefixCache(self.bytes_per_token, kv_budget_bytes // 8 if prefix_cache_bytes is None else prefix_cache_bytes)
         self.stops = StopChecker(model, tokenizer, stop_token_ids)
         self.token_texts = TokenTexts(tokenizer)
-        self._tool_pool: ThreadPoolExecutor | None = None
         layers = model.config.num_hidden_layers
         self.scheduler = Scheduler(
             [Lane(layers, short_lane_tokens), Lane(layers, None)] if short_lane_tokens else [Lane(layers, None)],
@@ -97,6 +87,7 @@ class Engine:
         self._inbox: deque[EngineRequest | Callable[[], None]] = deque()
         self._wakeup = threading.Condition()
         self.step_seconds = 0.0  # a moving average of steps with rows (0: none measured yet), for the time estimates
+        self.outputs = OutputProcessor(self.scheduler, self.stops, self.token_texts, self.executor.draw_tokens, lambda: self._post(_wake))
         self.backlog = Backlog()  # the work ahead of a new request, as of the last step since start_wait_s was first asked
         self._backlog_asked = False  # training and evaluation never ask: their steps skip building it
         self._since_backlog: list[EngineRequest] = []  # submitted after the backlog was built (kept once it is asked)
@@ -202,7 +193,7 @@ class Engine:
     def _fail_all(self, err: Exception) -> None:
         for request in self.scheduler.drop_all():
             request.error = err
-            self._finish(request)
+            finish(request)
 
     def take_submissions(self, block: bool = False) -> None:
         """Take in what other threads posted since the last call: submitted requests join the waiting
@@ -244,7 +235,7 @@ class Engine:
         for lane in self.lanes:
             for i in reversed(range(len(lane.rows))):
                 if lane.rows[i].request.cancelled.is_set():
-                    self._retire(lane, i, "cancelled")
+                    self.outputs.retire(lane, i, "cancelled")
 
     def _admit_rows(self) -> None:
         for request, count in self.scheduler.admissions():
@@ -268,242 +259,43 @@ class Engine:
                 request.tool_calls[sample] = driver.calls
             new_rows.append(Row(request, sample, generator, driver))
         lane.rows += new_rows
-        tokens, logprobs = self._draw_tokens(state.last_logits.expand(count, -1), new_rows)
-        lane.next_tokens = torch.cat([lane.next_tokens, tokens])
         if request.first_token_s is None:
             request.first_token_s = time.monotonic()
-        self._record(lane, list(slots), tokens, logprobs)
+        self.outputs.first_tokens(lane, list(slots), state.last_logits)
         if not state.pending_rows:
             self._release_prompt(request)
 
     def _release_prompt(self, request: EngineRequest) -> None:
         if self.scheduler.release(request):
-            self._finish(request)
+            finish(request)
 
     def _forward(self) -> int:
-        """One forward of the model over the step's tokens: the scheduler's plan (every lane's running
-        rows, one token each, and the prompt chunks it picks), so the weights are read once per step
-        however many lanes and prompts take part; then each lane's rows sample and record their
-        tokens, and each prompt that is now whole keeps its last logits for its rows' first tokens. Returns
-        the tokens it ran."""
+        """One forward of the model over the scheduler's plan (every lane's running rows, one token each,
+        and the prompt chunks it picks; ``rlvr.generation.executor``); then each lane's rows sample and
+        record their tokens, and each prompt that is now whole keeps its last logits for its rows' first
+        tokens. Returns the tokens it ran."""
         for lane in self.lanes:
-            self._resume_parked(lane)
+            self.outputs.resume_parked(lane)
         plan = self.scheduler.schedule()
-        chunks = plan.prefill
-        if self.graphed is not None and not chunks and self._graphed_step():
-            return len(self.rows)
-        tokens, positions, segments, logits_at = [], [], [], []
-        for lane, live in plan.decode:
-            start, cache = sum(map(len, tokens)), lane.cache
-            rows = len(lane.rows)
-            cache.step_length = int(cache.lengths[:rows].max()) + 1
-            lane_positions = cache.lengths[:rows].clone()
-            tokens.append(lane.next_tokens)
-            positions.append(lane_positions)
-            segments.append((start, start + rows, _slot_attention(cache, lane_positions, self.device, self.slot_kernel, self.plan.float32_attention)))
-            logits_at += [start + i for i in live]  # parked rows ride along; their outputs are dropped
-        for request, begin, end in chunks:
-            start = sum(map(len, tokens))
-            tokens.append(torch.tensor(request.prompt_ids[begin:end]))
-            positions.append(torch.arange(begin, end))
-            cache = self.scheduler.states[request].cache
-            segments.append((start, start + end - begin, _prompt_attention(cache, begin, end, self.device, self.plan.float32_attention)))
-            logits_at.append(start + end - begin - 1)
-        if not segments:
-            return 0
-        logits = self.runner.forward(
-            torch.cat(tokens).to(self.device), torch.cat(positions).to(self.device), _segmented(segments), torch.tensor(logits_at, device=self.device)
-        )
-        if plan.decode:
+        states = self.scheduler.states
+        output = self.executor.execute(plan, {request: states[request].cache for request, _, _ in plan.prefill})
+        if output.decode:
             self._note_neighbours()
-        offset = 0
-        for lane, live in plan.decode:
-            rows = len(lane.rows)
-            if len(live) < rows:  # parked rows do not advance
-                lane.cache.lengths[live] += 1
-            else:
-                lane.cache.lengths[:rows] += 1
-            self._append_next_tokens(lane, live, logits[offset : offset + len(live)])
-            offset += len(live)
-        for k, (request, _, end) in enumerate(chunks):
-            state = self.scheduler.states[request]
+        for lane, live, logits in output.decode:
+            self.outputs.next_tokens(lane, live, logits)
+        for request, end, logits in output.prefill:
+            state = states[request]
             state.prefilled = end
             if state.whole_prompt:
-                state.last_logits = logits[offset + k : offset + k + 1]
+                state.last_logits = logits
                 self.prefixes.store(request.prompt_ids, state.cache, self.scheduler.room_bytes())
-        return sum(map(len, tokens))
-
-    def _graphed_step(self) -> bool:
-        """A decode-only step of the one lane with rows, none parked, from a CUDA graph; False where it does not fit."""
-        lanes = [lane for lane in self.lanes if lane.rows]
-        if len(lanes) != 1 or any(row.parked is not None for row in lanes[0].rows):
-            return False
-        lane = lanes[0]
-        rows = len(lane.rows)
-        if not self.graphed.fits(lane.cache, rows):
-            return False
-        logits = self.graphed.step(lane.cache, lane.next_tokens.to(self.device), lane.cache.lengths[:rows].to(self.device))
-        self._note_neighbours()
-        lane.cache.lengths[:rows] += 1
-        self._append_next_tokens(lane, list(range(rows)), logits)
-        return True
+        return output.tokens
 
     def _note_neighbours(self) -> None:
         neighbours = len(self.scheduler.running)
         for request in self.scheduler.running:
             request.max_neighbours = max(request.max_neighbours, neighbours)
 
-    def _append_next_tokens(self, lane: Lane, live: list[int], logits: torch.Tensor) -> None:
-        """The live rows' next tokens from their ``logits`` (or their environment's), recorded."""
-        tokens, logprobs = self._draw_tokens(logits, [lane.rows[i] for i in live])
-        forced = self._force_tokens(lane, live, tokens, logprobs)
-        lane.next_tokens[live] = tokens
-        self._record(lane, live, tokens, logprobs, forced)
-
-    def _force_tokens(self, lane: Lane, live: list[int], tokens: torch.Tensor, logprobs: torch.Tensor) -> list[bool] | None:
-        """Replace each row's sampled token by the next one its environment writes, if any (log-prob 0)."""
-        forced = None
-        for k, i in enumerate(live):
-            driver = lane.rows[i].driver
-            if driver is not None and (token := driver.next_forced()) is not None:
-                forced = forced or [False] * len(live)
-                tokens[k], logprobs[k], forced[k] = token, 0.0, True
-        return forced
-
-    def _resume_parked(self, lane: Lane) -> None:
-        """Rows whose turn-end observation came back: an injection resumes them, none retires them."""
-        for slot in reversed(range(len(lane.rows))):
-            row = lane.rows[slot]
-            if row.parked is None or not row.parked.done():
-                continue
-            injection: Injection | None = row.parked.result()
-            reason, row.parked, row.parked_reason = row.parked_reason, None, None
-            if not row.driver.inject(injection):
-                self._retire(lane, slot, reason)
-
-    def _park(self, row: Row, token: int, reason: str) -> None:
-        """Observe a turn end on the tool pool; the row keeps its place but waits (docs/architecture.md, "Tool-calling rollouts")."""
-        if self._tool_pool is None:
-            self._tool_pool = ThreadPoolExecutor(TOOL_WORKERS, thread_name_prefix="rlvr-tools")
-        row.parked = self._tool_pool.submit(row.driver.episode.observe, self.token_texts[token], True)
-        row.parked_reason = reason
-        row.parked.add_done_callback(lambda _: self._post(_wake))
-
-    def _draw_tokens(self, logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's next token and its log-prob, drawn from its own generator at its temperature and top-p."""
-        temperatures = torch.tensor([r.request.temperature(r.sample) for r in rows], dtype=torch.float32)
-        top_p = torch.tensor([r.request.top_p for r in rows], dtype=torch.float32)
-        uniforms = draw_uniforms([r.generator for r in rows])
-        tokens, logprobs = sample_tokens(logits, temperatures.to(logits.device), top_p.to(logits.device), None, uniforms=uniforms.to(logits.device))
-        return tokens.cpu(), logprobs.cpu()
-
-    def _record(self, lane: Lane, slots: list[int], tokens: torch.Tensor, logprobs: torch.Tensor, forced: list[bool] | None = None) -> None:
-        """Append each row's new token (``forced``: the environment's), tell the streams, retire the rows
-        that finished."""
-        finished: list[tuple[int, str]] = []
-        by_request: dict[EngineRequest, list[tuple[int, int]]] = {}
-        for k, (slot, token, logprob) in enumerate(zip(slots, tokens.tolist(), logprobs.tolist())):
-            row = lane.rows[slot]
-            request, sample = row.request, row.sample
-            request.token_ids[sample].append(token)
-            request.logprobs[sample].append(logprob)
-            request.environment_masks[sample].append(int(forced is not None and forced[k]))
-            by_request.setdefault(request, []).append((sample, token))
-            if row.driver is None:
-                reason = self._finish_reason(request, sample)
-            else:
-                reason = self._environment_turn(row, token, forced is not None and forced[k])
-            if reason is not None:
-                finished.append((slot, reason))
-        for request, pairs in by_request.items():
-            if request.on_tokens is not None:
-                request.on_tokens(pairs)
-        for slot, reason in sorted(finished, reverse=True):  # highest first: a retired slot is refilled by the last
-            self._retire(lane, slot, reason)
-
-    def _environment_turn(self, row: Row, token: int, forced: bool) -> str | None:
-        """The finish reason of a row with an episode: a forced token ends it only at the budget; a
-        policy token with budget left is observed (inline, or parked for a turn end) and an
-        injection keeps the row going."""
-        request, sample = row.request, row.sample
-        budget_left = len(request.token_ids[sample]) < request.max_new_tokens
-        if forced:
-            return None if budget_left else "length"
-        reason = self._finish_reason(request, sample)
-        if not budget_left:  # no room for an answer: not observed
-            return reason
-        if token in self.stops.stop_ids:
-            self._park(row, token, reason)
-            return None
-        return None if row.driver.observe(token, False) else reason
-
-    def _finish_reason(self, request: EngineRequest, sample: int) -> str | None:
-        return self.stops.finish_reason(request.token_ids[sample], request.max_new_tokens, request.stop_at_final_answer, request.stop_strings)
-
-    def _retire(self, lane: Lane, slot: int, reason: str) -> None:
-        row = lane.rows[slot]
-        request = row.request
-        request.finish_reasons[row.sample] = reason
-        moved = lane.cache.remove_row(slot)
-        last = lane.rows.pop()
-        if moved is not None:
-            lane.rows[slot] = last
-            lane.next_tokens[slot] = lane.next_tokens[moved]
-        lane.next_tokens = lane.next_tokens[: len(lane.rows)]
-        if self.scheduler.release_row(request, None if reason == "cancelled" else len(request.token_ids[row.sample])):
-            self._finish(request)
-        if not lane.rows:
-            lane.clear()  # every slot free: the buffers go
-        elif (needed := quantized(max(r.request.slot_length for r in lane.rows))) * 2 <= lane.cache.capacity_length:
-            lane.cache.resize(lane.cache.capacity_rows, needed, lane.cache.layers[0].keys)
-
-    def _finish(self, request: EngineRequest) -> None:
-        request.done_s = time.monotonic()
-        if request.on_done is not None:
-            request.on_done(request)
-
 
 def _wake() -> None:
     """Posted when a parked row's observation is back: wakes an engine waiting for work."""
-
-
-def _slot_attention(cache: SlotCache, positions: torch.Tensor, device: torch.device, kernel: bool, upcast: bool) -> Attend:
-    """A lane's decode attention: each row's new key and value go into its slot at its position, and
-    its query attends over its slot up to there (``kernel``: through ``rlvr.fastpaths.slot_attention``,
-    which writes them and reads each slot to that position only; else SDPA over the lane's longest
-    row, masked; ``upcast``: in float32 for bf16 / fp16)."""
-    if kernel:
-
-        def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
-            layer = cache.layers[index]
-            return slot_attention(queries, keys, values, layer.keys, layer.values, positions, scaling)
-
-        return attend
-    key_mask = (torch.arange(cache.step_length).unsqueeze(0) <= positions.unsqueeze(1))[:, None, None, :]
-    return cached_attention(cache, None if bool(key_mask.all()) else key_mask.to(device), upcast)
-
-
-def _prompt_attention(cache: DynamicCache, begin: int, end: int, device: torch.device, upcast: bool) -> Attend:
-    """A prompt chunk's attention (positions ``begin`` .. ``end`` - 1): its keys and values are appended
-    to the prompt's cache, each query attends causally over the prompt so far (a first chunk without a
-    mask, so SDPA skips the blocks above the diagonal; ``upcast``: in float32 for bf16 / fp16)."""
-    first = begin == 0
-    mask = None if first else (torch.arange(end).unsqueeze(0) <= torch.arange(begin, end).unsqueeze(1)).to(device)  # [chunk, end]
-
-    def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
-        keys, values = cache.layers[index].update(keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0))
-        attended = gqa_attention(queries.transpose(0, 1).unsqueeze(0), keys, values, mask, scaling, upcast, causal=first)
-        return attended[0].transpose(0, 1).reshape(len(queries), -1)
-
-    return attend
-
-
-def _segmented(segments: list[tuple[int, int, Attend]]) -> Attend:
-    """One :data:`Attend` over a flat batch whose rows ``start`` .. ``end`` - 1 belong to each segment."""
-    if len(segments) == 1:
-        return segments[0][2]
-
-    def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
-        return torch.cat([fn(index, queries[a:b], keys[a:b], values[a:b], scaling) for a, b, fn in segments])
-
-    return attend

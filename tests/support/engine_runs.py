@@ -27,10 +27,10 @@ def run_engine(engine: Engine, arrivals: dict[int, list[EngineRequest]], max_ste
 
 def watch_forwards(engine: Engine, seen: Callable[[torch.Tensor], None]) -> None:
     """Show ``seen`` the tokens of each of the engine's forwards (before it runs)."""
-    forward = engine.runner.forward
+    forward = engine.executor.runner.forward
 
     def watched(tokens, positions, attend, logits_at=None):
         seen(tokens)
         return forward(tokens, positions, attend, logits_at)
 
-    engine.runner = type("Watched", (), {"forward": staticmethod(watched)})()
+    engine.executor.runner = type("Watched", (), {"forward": staticmethod(watched)})()

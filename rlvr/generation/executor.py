@@ -1,0 +1,151 @@
+"""The executor: a step's plan run as one forward over a flat batch, and the rows' next tokens sampled.
+
+:meth:`StepExecutor.execute` takes the scheduler's :class:`~rlvr.generation.scheduler.StepPlan`: every
+lane's running rows (one token each) and the prompt chunks, flattened so the weights are read once per
+step; each segment's attention goes where its keys live (a lane's slots, a prompt's cache). A decode-only
+step of one lane runs from a CUDA graph where the plan built them. :meth:`StepExecutor.draw_tokens`
+samples each row from its own generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from rlvr.fastpaths.fused_decode import Attend, cached_attention, gqa_attention
+from rlvr.fastpaths.plan import BackendPlan
+from rlvr.fastpaths.slot_attention import slot_attention
+from rlvr.generation.cuda_graphs import GraphedDecode
+from rlvr.generation.kv_cache import SlotCache
+from rlvr.generation.model_runner import model_runner
+from rlvr.generation.request import EngineRequest
+from rlvr.generation.sampler import draw_uniforms, sample_tokens
+from rlvr.generation.scheduler import Lane, Row, StepPlan
+
+
+@dataclass
+class StepOutput:
+    """What a step computed: each decoding lane's live row slots with their logits, each prompt chunk's
+    request, its end and (for a whole prompt) its last logits, and the tokens the forward ran."""
+
+    decode: list[tuple[Lane, list[int], torch.Tensor]] = field(default_factory=list)
+    prefill: list[tuple[EngineRequest, int, torch.Tensor]] = field(default_factory=list)
+    tokens: int = 0
+
+
+class StepExecutor:
+    """Runs step plans on ``model`` with what ``plan`` (the backend plan) chose: the runner (packed
+    linears where it says), slot attention, CUDA graphs per row bucket."""
+
+    def __init__(self, model: Any, max_rows: int, plan: BackendPlan):
+        self.plan = plan
+        self.runner = model_runner(model, max_rows, plan)  # packs the linear layers where the plan says so
+        self.device = next(model.parameters()).device
+        self.graphed = GraphedDecode(self.runner, self.device, graphs=True, float32_attention=plan.float32_attention) if plan.cuda_graphs else None
+        self.slot_kernel = plan.slot_attention  # decode attention to each row's own length
+
+    def execute(self, plan: StepPlan, prompt_caches: dict[EngineRequest, DynamicCache]) -> StepOutput:
+        """One forward over ``plan``: its lanes' rows write their keys and values at their positions and
+        advance (parked rows ride along, their outputs dropped, their lengths kept); each chunk's keys
+        join its prompt's cache (``prompt_caches``)."""
+        if self.graphed is not None and not plan.prefill and (graphed := self._graphed_step(plan)) is not None:
+            return graphed
+        tokens, positions, segments, logits_at = [], [], [], []
+        for lane, live in plan.decode:
+            start, cache = sum(map(len, tokens)), lane.cache
+            rows = len(lane.rows)
+            cache.step_length = int(cache.lengths[:rows].max()) + 1
+            lane_positions = cache.lengths[:rows].clone()
+            tokens.append(lane.next_tokens)
+            positions.append(lane_positions)
+            segments.append((start, start + rows, _slot_attention(cache, lane_positions, self.device, self.slot_kernel, self.plan.float32_attention)))
+            logits_at += [start + i for i in live]
+        for request, begin, end in plan.prefill:
+            start = sum(map(len, tokens))
+            tokens.append(torch.tensor(request.prompt_ids[begin:end]))
+            positions.append(torch.arange(begin, end))
+            segments.append((start, start + end - begin, _prompt_attention(prompt_caches[request], begin, end, self.device, self.plan.float32_attention)))
+            logits_at.append(start + end - begin - 1)
+        if not segments:
+            return StepOutput()
+        logits = self.runner.forward(
+            torch.cat(tokens).to(self.device), torch.cat(positions).to(self.device), _segmented(segments), torch.tensor(logits_at, device=self.device)
+        )
+        output, offset = StepOutput(tokens=sum(map(len, tokens))), 0
+        for lane, live in plan.decode:
+            rows = len(lane.rows)
+            if len(live) < rows:  # parked rows do not advance
+                lane.cache.lengths[live] += 1
+            else:
+                lane.cache.lengths[:rows] += 1
+            output.decode.append((lane, live, logits[offset : offset + len(live)]))
+            offset += len(live)
+        for k, (request, _, end) in enumerate(plan.prefill):
+            output.prefill.append((request, end, logits[offset + k : offset + k + 1]))
+        return output
+
+    def _graphed_step(self, plan: StepPlan) -> StepOutput | None:
+        """A decode-only step of the one lane with rows, none parked, from a CUDA graph; None where it does not fit."""
+        if len(plan.decode) != 1:
+            return None
+        lane, live = plan.decode[0]
+        rows = len(lane.rows)
+        if len(live) != rows or any(row.parked is not None for row in lane.rows) or not self.graphed.fits(lane.cache, rows):
+            return None
+        logits = self.graphed.step(lane.cache, lane.next_tokens.to(self.device), lane.cache.lengths[:rows].to(self.device))
+        lane.cache.lengths[:rows] += 1
+        return StepOutput(decode=[(lane, live, logits)], tokens=rows)
+
+    @staticmethod
+    def draw_tokens(logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's next token and its log-prob, drawn from its own generator at its temperature and top-p."""
+        temperatures = torch.tensor([r.request.temperature(r.sample) for r in rows], dtype=torch.float32)
+        top_p = torch.tensor([r.request.top_p for r in rows], dtype=torch.float32)
+        uniforms = draw_uniforms([r.generator for r in rows])
+        tokens, logprobs = sample_tokens(logits, temperatures.to(logits.device), top_p.to(logits.device), None, uniforms=uniforms.to(logits.device))
+        return tokens.cpu(), logprobs.cpu()
+
+
+def _slot_attention(cache: SlotCache, positions: torch.Tensor, device: torch.device, kernel: bool, upcast: bool) -> Attend:
+    """A lane's decode attention: each row's new key and value go into its slot at its position, and
+    its query attends over its slot up to there (``kernel``: through ``rlvr.fastpaths.slot_attention``,
+    which writes them and reads each slot to that position only; else SDPA over the lane's longest
+    row, masked; ``upcast``: in float32 for bf16 / fp16)."""
+    if kernel:
+
+        def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+            layer = cache.layers[index]
+            return slot_attention(queries, keys, values, layer.keys, layer.values, positions, scaling)
+
+        return attend
+    key_mask = (torch.arange(cache.step_length).unsqueeze(0) <= positions.unsqueeze(1))[:, None, None, :]
+    return cached_attention(cache, None if bool(key_mask.all()) else key_mask.to(device), upcast)
+
+
+def _prompt_attention(cache: DynamicCache, begin: int, end: int, device: torch.device, upcast: bool) -> Attend:
+    """A prompt chunk's attention (positions ``begin`` .. ``end`` - 1): its keys and values are appended
+    to the prompt's cache, each query attends causally over the prompt so far (a first chunk without a
+    mask, so SDPA skips the blocks above the diagonal; ``upcast``: in float32 for bf16 / fp16)."""
+    first = begin == 0
+    mask = None if first else (torch.arange(end).unsqueeze(0) <= torch.arange(begin, end).unsqueeze(1)).to(device)  # [chunk, end]
+
+    def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+        keys, values = cache.layers[index].update(keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0))
+        attended = gqa_attention(queries.transpose(0, 1).unsqueeze(0), keys, values, mask, scaling, upcast, causal=first)
+        return attended[0].transpose(0, 1).reshape(len(queries), -1)
+
+    return attend
+
+
+def _segmented(segments: list[tuple[int, int, Attend]]) -> Attend:
+    """One :data:`Attend` over a flat batch whose rows ``start`` .. ``end`` - 1 belong to each segment."""
+    if len(segments) == 1:
+        return segments[0][2]
+
+    def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+        return torch.cat([fn(index, queries[a:b], keys[a:b], values[a:b], scaling) for a, b, fn in segments])
+
+    return attend
