@@ -2,7 +2,7 @@
 
 The candidate process runs the untrusted program and answers calls of its entry point; the tests process runs
 the trusted prompt and tests, ``candidate`` there a stand-in that forwards each call over a pipe, values
-crossing as plain data (:mod:`rlvr.function_tests_child`). Only the tests process holds the verdict pipe and
+crossing as data the tests' side rebuilds (:mod:`rlvr.function_tests_child`). Only the tests process holds the verdict pipe and
 the run's nonce (sent on its stdin): a run passes only when it wrote ``{"nonce": <nonce>, "verdict": "passed"}``
 after ``check`` returned and then exited 0. What the program prints, or its exit status, counts for nothing.
 Both processes have every layer of :mod:`rlvr.sandbox`; the limits bound each, the wall time the whole run.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlvr.function_tests_child import EXITED, PASSED
-from rlvr.sandbox import SandboxLimits, SandboxProcess, SandboxResult
+from rlvr.sandbox import SandboxLimits, SandboxProcess, SandboxResult, package_imports
 
 MAX_PROGRAM_CHARS = 1 << 18
 _CHILD_SOURCE = (Path(__file__).parent / "function_tests_child.py").read_text(encoding="utf-8")
@@ -54,7 +54,7 @@ def run_function_tests(
         compile(program, "<candidate>", "exec", dont_inherit=True)
     except (SyntaxError, ValueError, RecursionError, MemoryError) as error:
         return FunctionTestReport(False, f"syntax error: {type(error).__name__}: {str(error)[:200]}", 0, time.monotonic() - start, ())
-    preload = ("__future__", "hashlib", *trusted_imports(prompt + "\n" + test))  # importable after the uid drop without namespaces
+    preload = ("__future__", "hashlib", *trusted_imports(prompt + "\n" + test), *package_imports(program))  # for the fallback's uid drop
     nonce = secrets.token_hex(16)
     request_read, request_write = os.pipe()
     response_read, response_write = os.pipe()

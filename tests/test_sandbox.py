@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import platform
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +15,7 @@ from rlvr.sandbox import CodeTest, SandboxLimits, as_test_cases, outputs_match, 
 from support.waiting import wait_for
 
 FAST = SandboxLimits(cpu_time_s=1, wall_time_s=2)
+SECCOMP = platform.machine() in ("x86_64", "aarch64") and "Seccomp_filters:" in Path("/proc/self/status").read_text()
 MODES = [pytest.param(True, id="namespaces"), pytest.param(False, id="fallback")]
 
 DOUBLE = "print(2 * int(input()))"
@@ -58,11 +61,43 @@ def test_isolation_layers_on_this_host():
     assert "netns" in result.isolation or "audit-hook" in result.isolation
 
 
-def test_environment_is_scrubbed_and_only_stdlib_is_importable(monkeypatch):
+def test_environment_is_scrubbed_and_other_packages_are_not_importable(monkeypatch):
     monkeypatch.setenv("GRADER_TOKEN", "s3cret")
     result = run_python("import os\nprint(sorted(os.environ))\nimport torch", limits=FAST)
     assert "GRADER_TOKEN" not in result.stdout
     assert "No module named 'torch'" in result.stderr
+
+
+@pytest.mark.parametrize("use_namespaces", MODES)
+def test_numpy_imports_and_other_installed_packages_do_not(use_namespaces):
+    result = run_python("import numpy as np\nprint(np.arange(4).sum())\nimport torch", limits=FAST, use_namespaces=use_namespaces)
+    assert result.stdout == "6\n" and "No module named 'torch'" in result.stderr
+
+
+@pytest.mark.skipif(not SECCOMP, reason="no seccomp filters on this host: threads are refused with processes")
+@pytest.mark.parametrize("use_namespaces", MODES)
+def test_threads_run_and_new_processes_are_refused(use_namespaces):
+    code = (
+        "import os, threading\nfrom concurrent.futures import ThreadPoolExecutor\n"
+        "with ThreadPoolExecutor(32) as pool:\n    print(sum(pool.map(lambda i: i, range(1000))))\n"
+        "done = []\nthreads = [threading.Thread(target=done.append, args=(i,)) for i in range(40)]\n"
+        "for t in threads:\n    t.start()\nfor t in threads:\n    t.join()\nprint(len(done))\nos.fork()"
+    )
+    result = run_python(code, limits=FAST, use_namespaces=use_namespaces)
+    assert "seccomp" in result.isolation
+    assert result.stdout == "499500\n40\n" and "PermissionError" in result.stderr
+    too_many = run_python("import threading, time\nfor _ in range(80):\n    threading.Thread(target=time.sleep, args=(1,)).start()", limits=FAST)
+    assert "can't start new thread" in too_many.stderr  # max_threads, 64
+
+
+def test_lone_surrogate_prints_as_its_escape():
+    result = run_python("print('\\ud800', 'é')", limits=FAST)
+    assert result.ok and result.stdout == "\\ud800 é\n"
+
+
+def test_default_memory_limit_holds_700_mb():
+    result = run_python("block = bytearray(700 << 20)\nprint(len(block) >> 20)", limits=SandboxLimits(cpu_time_s=2, wall_time_s=4))
+    assert result.ok and result.stdout == "700\n", result.stderr
 
 
 def test_infinite_loop_is_stopped_by_the_cpu_limit():
