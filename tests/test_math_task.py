@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from dataclasses import replace
 
 import pytest
 
+import rlvr.rewards.symbolic
 from rlvr.rewards import RewardPool, score
+from rlvr.rewards.sympy_worker import TIMEOUT_S
 from rlvr.tasks import MATH, TaskError, get_task, problem_record
 
 ROWS = [
@@ -33,6 +36,7 @@ GRADED = [
     (4, "I am not sure.", 0.0),
     (4, "\\boxed{9^{9^{9}}}", 0.0),  # refused before sympy sees it
 ]
+ROTATION = r"\begin{pmatrix} \frac{\sqrt{2}}{2} & -\frac{\sqrt{2}}{2} & 0 \\ \frac{\sqrt{2}}{2} & \frac{\sqrt{2}}{2} & 0 \\ 0 & 0 & 1 \end{pmatrix}"
 
 
 def write_jsonl(path, rows):
@@ -61,7 +65,7 @@ def test_math_verify_grades_equivalent_answers_and_boxed_checks_the_format(probl
         assert result.value == verdict, (completion, result.details)
         assert score("boxed", completion).value == float("\\boxed{" in completion)
     refused = score("math_verify", "\\boxed{9^{9^{9}}}", **records[4])
-    assert refused.details["refused"] == "answer: stacked exponents"
+    assert refused.details["refused"] == "answer: a power of over 100,000,000 digits"
 
 
 def test_math_verify_outside_the_main_thread_runs_without_its_alarms(problems):
@@ -78,6 +82,69 @@ def test_math_verify_in_reward_pool_workers(problems):
         batch = pool.score_batch({"math_verify": 1.0, "boxed": 0.1}, [c for _, c, _ in GRADED], records)
     assert [b["math_verify"].value for b in batch] == [v for _, _, v in GRADED]
     assert not any("error" in b["math_verify"].details for b in batch)
+
+
+@pytest.fixture
+def sympy_forbidden(monkeypatch):
+    """The worker process is never asked: an answer written as the gold scores without sympy."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("sympy was asked")
+
+    monkeypatch.setattr(rlvr.rewards.symbolic, "run_bounded", forbidden)
+
+
+@pytest.mark.parametrize("gold", [ROTATION, "9^{9^{9}}", "\\frac{" + "7" * 400 + "}{3}"])
+def test_a_gold_scores_against_itself_however_long_or_explosive(sympy_forbidden, gold):
+    assert len(ROTATION) > 120
+    for completion in (f"\\boxed{{{gold}}}", f"So $\\boxed{{ {gold.replace('frac', 'dfrac')} }}$."):
+        result = score("math_verify", completion, gold=gold)
+        assert result.value == 1.0 and result.details["match"] == "text", result.details
+
+
+def test_a_long_matrix_gold_scores_an_equivalent_form_and_not_a_wrong_one():
+    equivalent = r"\begin{bmatrix} \frac{1}{\sqrt{2}} & -\frac{1}{\sqrt{2}} & 0 \\ \frac{\sqrt2}{2} & \frac{2}{2\sqrt{2}} & 0 \\ 0 & 0 & 1 \end{bmatrix}"
+    right = score("math_verify", f"\\boxed{{{equivalent}}}", gold=ROTATION)
+    assert right.value == 1.0 and "match" not in right.details and right.details["parsed"][0].startswith("Matrix(")
+    assert score("math_verify", f"\\boxed{{{ROTATION.replace('-', '')}}}", gold=ROTATION).value == 0.0
+
+
+@pytest.mark.parametrize(
+    "answer, gold, verdict",
+    [
+        ("2^{100}", "1267650600228229401496703205376", 1.0),
+        ("1267650600228229401496703205376", "2^{100}", 1.0),
+        ("1267650600228229401496703205377", "2^{100}", 0.0),
+        ("\\binom{10}{3}", "120", 1.0),
+        ("120", "\\binom{10}{3}", 1.0),
+        ("\\binom{10}{4}", "120", 0.0),
+    ],
+)
+def test_long_integers_and_binomials_are_verified_both_ways(answer, gold, verdict):
+    result = score("math_verify", f"\\boxed{{{answer}}}", gold=gold)
+    assert result.value == verdict and not {"refused", "aborted", "error"} & set(result.details), result.details
+
+
+@pytest.mark.parametrize("answer, why", [("(x+y+z)^{200}", "aborted"), ("9^{9^{9}}", "refused")])
+def test_an_answer_sympy_cannot_finish_scores_zero_within_the_limit_in_a_thread(answer, why):
+    assert score("math_verify", "\\boxed{2}", gold="2").value == 1.0  # the worker is up: its start is not timed
+    results = []
+    worker = threading.Thread(target=lambda: results.append(score("math_verify", f"\\boxed{{{answer}}}", gold="x^2+2x+1")))
+    started = time.monotonic()
+    worker.start()
+    worker.join(timeout=TIMEOUT_S + 30)
+    assert time.monotonic() - started < TIMEOUT_S + 3
+    assert results[0].value == 0.0 and why in results[0].details, results[0].details
+    assert score("math_verify", "\\boxed{(x+1)^2}", gold="x^2+2x+1").value == 1.0  # a fresh worker took over
+
+
+def test_an_endless_answer_in_a_reward_pool_worker_is_cut_at_the_symbolic_limit():
+    completions = ["\\boxed{(x+y+z)^{200}}", "\\boxed{(x+1)^2}"]
+    with RewardPool(workers=1, timeout_s=30) as pool:
+        batch = pool.score_batch({"math_verify": 1.0}, completions, [{"gold": "x^2+2x+1"}] * 2)
+    endless, right = (row["math_verify"] for row in batch)
+    assert endless.value == 0.0 and f"ran past {TIMEOUT_S:g} s" in endless.details["aborted"]  # not the pool's 30 s
+    assert right.value == 1.0
 
 
 def test_json_and_parquet_files_and_limit(tmp_path, problems):

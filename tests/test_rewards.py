@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+import rlvr.rewards.math
 from rlvr.rewards import (
     DEFAULT_GSM8K_REWARD,
     CompositeReward,
@@ -17,6 +20,7 @@ from rlvr.rewards import (
     reward_names,
     score,
 )
+from rlvr.rewards.sympy_worker import TIMEOUT_S, SymbolicCheckAborted, run_bounded
 from support.reward_cases import GSM8K, unique_name
 
 
@@ -93,6 +97,63 @@ def test_math_answer_symbolic_equivalence(completion, mode, answer_text, answer_
 def test_math_answer_symbolic_path_rejects_wrong_answers():
     assert score("math_answer", "#### \\frac{2}{3}", answer_text="3/4", answer_value=0.75).value == 0.0
     assert score("math_answer", "#### \\frac{3}{4}", answer_text="3/4", answer_value=0.75, symbolic=False).value == 0.0
+
+
+@pytest.mark.parametrize(
+    "right, wrong, answer_text, answer_value",
+    [
+        ("#### 1267650600228229401496703205376", "#### 1267650600228229401496703205377", "2^{100}", None),
+        ("#### 2^{100}", "#### 2^{101}", "1267650600228229401496703205376", 2**100),
+        ("#### \\binom{10}{3}", "#### \\binom{10}{4}", "120", 120),
+        ("#### 120", "#### 121", "\\binom{10}{3}", None),
+    ],
+)
+def test_math_answer_verifies_long_integers_and_binomials(right, wrong, answer_text, answer_value):
+    result = score("math_answer", right, answer_text=answer_text, answer_value=answer_value)
+    assert result.value == 1.0 and result.details["match"] == "symbolic", result.details
+    assert score("math_answer", wrong, answer_text=answer_text, answer_value=answer_value).value == 0.0
+
+
+@pytest.mark.parametrize("gold", ["9^{9^{9}}", "\\frac{" + "7" * 400 + "}{3}", "x^{2} + " * 30 + "1"])
+def test_math_answer_written_as_the_reference_scores_without_sympy(monkeypatch, gold):
+    monkeypatch.setattr(rlvr.rewards.math, "run_bounded", lambda *args, **kwargs: pytest.fail("sympy was asked"))
+    for completion in (f"#### {gold}", f"#### $ {gold.replace(' ', '')} $."):
+        result = score("math_answer", completion, answer_text=gold)
+        assert result.value == 1.0 and result.details["match"] == "text", result.details
+
+
+@pytest.mark.parametrize("answer, why", [("(x+y+z)^{200}", "aborted"), ("9^{9^{9}}", "refused")])
+def test_math_answer_sympy_cannot_finish_scores_zero_within_the_limit(answer, why):
+    assert score("math_answer", "#### 2^{3}", **GSM8K | {"answer_text": "8", "answer_value": 8}).value == 1.0  # the worker is up
+    started = time.monotonic()
+    result = score("math_answer", f"#### {answer}", **GSM8K)
+    assert time.monotonic() - started < TIMEOUT_S + 3
+    assert result.value == 0.0 and why in result.details, result.details
+
+
+# ---- the sympy worker --------------------------------------------------------------------------
+
+
+def test_sympy_worker_returns_values_and_raises_what_the_function_raised():
+    assert run_bounded(divmod, 7, 2) == (3, 1)
+    with pytest.raises(ValueError, match="invalid literal"):
+        run_bounded(int, "x")
+
+
+def test_sympy_worker_past_its_limit_is_killed_and_replaced():
+    run_bounded(abs, -1)
+    started = time.monotonic()
+    with pytest.raises(SymbolicCheckAborted, match="ran past 0.5 s"):
+        run_bounded(pow, 3, 10**9, timeout_s=0.5)  # a big-integer power holds the GIL: no alarm could stop it
+    assert time.monotonic() - started < 2.5
+    with pytest.raises(SymbolicCheckAborted, match=r"died \(exit code 3\)"):
+        run_bounded(os._exit, 3)
+    assert run_bounded(abs, -2) == 2
+
+
+def test_sympy_worker_serves_threads_at_once():
+    with ThreadPoolExecutor(8) as threads:
+        assert list(threads.map(lambda i: run_bounded(abs, -i), range(40))) == list(range(40))
 
 
 def test_math_answer_on_huge_completions_is_fast():

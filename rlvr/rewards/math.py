@@ -3,10 +3,10 @@
 Extraction is ``rlvr.answers.extract_final_answer`` (strict: the number on the last ``####`` line;
 flexible: then ``\\boxed{x}``, then the last number), so training, evaluation and serving grade
 alike. The two modes are registered separately so strict and flexible accuracy are reported side
-by side. The answer is compared numerically with tolerance; when that fails and the final answer
-is written as LaTeX or an expression (``\\frac{3}{4}``, ``2^3``), math-verify checks symbolic
-equivalence, unless :func:`explosive_reason` refuses the answer or the reference first (sympy on
-``9^{9^{9}}`` held a process, and the GIL, past 40 s).
+by side. The answer is compared numerically with tolerance; an answer written as the reference
+scores 1 as it stands; otherwise, when either is LaTeX or an expression (``\\frac{3}{4}``, ``2^3``),
+math-verify checks symbolic equivalence in a worker process killed past its time limit
+(:mod:`rlvr.rewards.sympy_worker`), unless :func:`explosive_reason` finds it hopeless first.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import numbers
 import re
-import threading
 
 from rlvr.answers import (
     answers_match,
@@ -26,22 +25,13 @@ from rlvr.answers import (
     with_ascii_minus,
 )
 from rlvr.rewards.registry import RewardResult, register_reward
+from rlvr.rewards.sympy_worker import TIMEOUT_S, SymbolicCheckAborted, run_bounded
 
 _SYMBOLIC_HINT_RE = re.compile(r"[\\^{}!]|\*\*|\d\s*[*/]\s*\(|sqrt|pi")  # LaTeX, powers, factorials
-MAX_SYMBOLIC_CHARS = 120  # longer answers (or references) are not handed to sympy: parsing cost grows fast
-MAX_SYMBOLIC_DIGITS = 20  # a longer run of digits is refused
-MAX_OPERATORS = 12
-MAX_NESTING = 5  # brackets and braces
-MAX_EXPONENT = 1000  # bound on the numbers of one exponent, multiplied together
-MAX_FACTORIAL = 100
-_OPERATOR_RE = re.compile(r"[-+*/^!]|\\(?:cdot|times|div|d?t?frac|sqrt)")
-_COSTLY_RE = re.compile(
-    r"\\(?:sum|prod|i*int|oint|lim|[dt]?binom|choose|Gamma|uparrow)"
-    r"|\b(?:pow|factorial|binomial|gamma|Sum|Product|Integral|Limit)\b"
-)
-_EXP_FUNCTION_RE = re.compile(r"\\?\bexp\b")
-_NUMBER_IN_TEXT_RE = re.compile(r"\d+(?:\.\d+)?")
-_CLOSING = {")": "(", "}": "{", "]": "["}
+MAX_POWER_DIGITS = 10**8  # a power of numbers past this is never computed (3^(3*10^7), 1.4e7 digits: 14 s)
+_NUMBER = r"\d+(?:\.\d+)?"
+_POWER_OF_NUMBERS_RE = re.compile(rf"(?<![\d.]){_NUMBER}(?:\^\{{?{_NUMBER})+")  # 2^{10}, 9^{9^{9}}, 9^9^9
+_LATEX_SPACING_RE = re.compile(r"\$|\\[,;:! ]|\\q?quad\b|\\left\b|\\right\b|\\displaystyle\b")
 
 
 @register_reward("math_answer")
@@ -53,8 +43,8 @@ def math_answer(
     Reference keys: ``answer_value`` (number) and/or ``answer_text`` (normalized text); ``mode``
     ("strict" or "flexible"); ``rel_tol``/``abs_tol`` for the numeric comparison; ``symbolic``
     to allow math-verify on LaTeX answers. Details: ``extracted``, ``method`` (hash, boxed,
-    last_number), ``strict`` (found by the ``####`` marker), ``match`` (numeric, symbolic or None),
-    and ``refused`` (why the symbolic check was not run) when :func:`explosive_reason` refused.
+    last_number), ``strict`` (found by the ``####`` marker), ``match`` (numeric, text, symbolic or None),
+    and ``refused`` (:func:`explosive_reason`) or ``aborted`` (the time limit) when math-verify gave no verdict.
     """
     reference = reference_value(answer_value, answer_text)
     gold_text = answer_text if isinstance(answer_text, str) and answer_text.strip() else (format_number(reference) if reference is not None else None)
@@ -71,12 +61,19 @@ def math_answer(
     if extracted and reference is not None and answers_match(extracted.value, reference, rel_tol, abs_tol):
         return RewardResult(1.0, {**details, "match": "numeric"})
     span, method = final_answer_span(with_ascii_minus(completion), mode)
-    if symbolic and span and _SYMBOLIC_HINT_RE.search(span):
-        refused = symbolic_refusal(span, gold_text)
-        if refused:
+    if not span:
+        return RewardResult(0.0, details)
+    found = {**details, "extracted": span, "method": method, "strict": method == "hash"}
+    if written_form(span) == written_form(gold_text):
+        return RewardResult(1.0, {**found, "match": "text"})
+    if symbolic and (_SYMBOLIC_HINT_RE.search(span) or _SYMBOLIC_HINT_RE.search(gold_text)):
+        if refused := symbolic_refusal(span, gold_text):
             return RewardResult(0.0, {**details, "refused": refused})
-        if symbolically_equal(span, gold_text):
-            return RewardResult(1.0, {**details, "extracted": span, "method": method, "strict": method == "hash", "match": "symbolic"})
+        try:
+            if symbolically_equal(span, gold_text):
+                return RewardResult(1.0, {**found, "match": "symbolic"})
+        except SymbolicCheckAborted as err:
+            return RewardResult(0.0, {**details, "aborted": f"math-verify {err}"})
     return RewardResult(0.0, details)
 
 
@@ -110,8 +107,16 @@ def final_answer_span(text: str, mode: str) -> tuple[str | None, str | None]:
     return None, None
 
 
+def written_form(answer: str) -> str:
+    """``answer`` as written, less what never changes its value: ``$``, LaTeX spacing, ``\\left``/``\\right``,
+    ``\\dfrac``/``\\tfrac`` for ``\\frac``, a final period, and spaces not between two letters or digits."""
+    text = _LATEX_SPACING_RE.sub(" ", answer).replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    text = " ".join(text.split()).rstrip(".").strip()
+    return re.sub(r"(?<![A-Za-z0-9]) | (?![A-Za-z0-9])", "", text)
+
+
 def symbolic_refusal(predicted: str, gold: str) -> str | None:
-    """Why the pair must not reach sympy (``"answer: stacked exponents"``), or None when both may."""
+    """Why the pair must not reach sympy (``"answer: a power of over 100,000,000 digits"``), or None."""
     for role, expression in (("answer", predicted), ("reference", gold)):
         reason = explosive_reason(expression)
         if reason:
@@ -120,94 +125,47 @@ def symbolic_refusal(predicted: str, gold: str) -> str | None:
 
 
 def explosive_reason(expression: str) -> str | None:
-    """Why parsing ``expression`` could run for hours, found without parsing it; None when it is safe.
+    """Why no time limit would let sympy finish with ``expression``, found without parsing it; else None.
 
-    Refused: over ``MAX_SYMBOLIC_CHARS`` characters, a digit run over ``MAX_SYMBOLIC_DIGITS``,
-    sums/products/integrals/limits/binomials, over ``MAX_OPERATORS`` operators, nesting deeper
-    than ``MAX_NESTING``, stacked exponents (``9^{9^{9}}``, ``(9^9)^9``, ``9^99!``), an exponent
-    whose numbers multiply past ``MAX_EXPONENT``, a factorial of anything but an integer up to
-    ``MAX_FACTORIAL``. ``**`` counts as ``^`` and ``\\exp(x)`` as ``e^(x)``.
+    Refused: a power of numbers, towers included (``9^{9^{9}}``, ``9**9**9``, ``2^{10^{9}}``), one of
+    whose powers has over ``MAX_POWER_DIGITS`` digits. Anything else, however long, is left to the
+    time limit of :mod:`rlvr.rewards.sympy_worker`. Callers compare an answer written as the gold
+    first (:func:`written_form`): a refused gold still scores against itself.
     """
-    if len(expression) > MAX_SYMBOLIC_CHARS:
-        return f"longer than {MAX_SYMBOLIC_CHARS} characters"
-    text = _EXP_FUNCTION_RE.sub("e^", expression.replace("**", "^"))
-    if re.search(r"\d{%d}" % (MAX_SYMBOLIC_DIGITS + 1), text.replace(",", "")):
-        return f"a digit string longer than {MAX_SYMBOLIC_DIGITS} digits"
-    if _COSTLY_RE.search(text):
-        return "a sum, product, integral, limit or combinatorial function"
-    if len(_OPERATOR_RE.findall(text)) > MAX_OPERATORS:
-        return f"more than {MAX_OPERATORS} operators"
-    depth = 0
-    for char in text:
-        depth += (char in "({[") - (char in ")}]")
-        if depth > MAX_NESTING:
-            return f"nested deeper than {MAX_NESTING}"
-    for caret in (i for i, char in enumerate(text) if char == "^"):
-        exponent, end = _operand_after(text, caret + 1)
-        if "^" in exponent or "^" in _operand_before(text, caret) or text[end:].lstrip()[:1] in ("^", "!"):
-            return "stacked exponents"
-        if math.prod(max(1.0, float(n)) for n in _NUMBER_IN_TEXT_RE.findall(exponent)) > MAX_EXPONENT:
-            return f"an exponent above {MAX_EXPONENT}"
-    for bang in (i for i, char in enumerate(text) if char == "!"):
-        argument = re.search(r"(?<![\d.])(\d+)\s*$", text[:bang])
-        if argument is None or int(argument.group(1)) > MAX_FACTORIAL or text[bang + 1 : bang + 2] == "!":
-            return f"a factorial of more than {MAX_FACTORIAL} or of an expression"
+    text = re.sub(r"\s+", "", expression).replace("**", "^")
+    for power in _POWER_OF_NUMBERS_RE.finditer(text):
+        if _largest_power_digits(re.findall(_NUMBER, power.group(0))) > MAX_POWER_DIGITS:
+            return f"a power of over {MAX_POWER_DIGITS:,} digits"
     return None
 
 
-def _operand_after(text: str, start: int) -> tuple[str, int]:
-    """The operand that starts at ``start`` (a bracketed group, a ``\\command`` with its groups, or a
-    run of letters, digits and dots) and the index after it."""
-    i = len(text) - len(text[start:].lstrip())
-    if i < len(text) and text[i] in "({[":
-        end = _matching_close(text, i)
-        return text[i:end], end
-    command = re.match(r"\\[A-Za-z]+", text[i:])
-    if command:
-        end = i + command.end()
-        while end < len(text) and text[end] in "{[":
-            end = _matching_close(text, end)
-        return text[i:end], end
-    run = re.match(r"[\w.]*", text[i:])
-    return run.group(0), i + run.end()
+def _largest_power_digits(tower: list[str]) -> float:
+    """Digits of the largest power sympy computes for ``tower[0]^(tower[1]^(...))``, right to left
+    (inf past a float): log10(b^e) = e * log10(b), bases up to 1 counting as 1."""
+    largest = exponent_log10 = _log10(tower[-1])
+    for base in reversed(tower[:-1]):
+        base_log10 = _log10(base)
+        exponent_log10 = 0.0 if base_log10 == 0 else (math.inf if exponent_log10 > 300 else 10**exponent_log10) * base_log10
+        largest = max(largest, exponent_log10)
+    return largest
 
 
-def _operand_before(text: str, end: int) -> str:
-    """The bracketed group that ends just before ``end`` (spaces skipped), else ``""``."""
-    j = len(text[:end].rstrip()) - 1
-    if j < 0 or text[j] not in _CLOSING:
-        return ""
-    depth = 0
-    for i in range(j, -1, -1):
-        depth += (text[i] in _CLOSING) - (text[i] in "({[")
-        if depth == 0:
-            return text[i : j + 1]
-    return text[: j + 1]
+def _log10(number: str) -> float:
+    """log10 of a literal (0 for values up to 1), without turning a very long one into a float."""
+    whole = number.split(".")[0].lstrip("0")
+    return float(len(whole)) if len(whole) > 300 else math.log10(max(float(number), 1.0))
 
 
-def _matching_close(text: str, start: int) -> int:
-    """Index after the bracket closing the one at ``start`` (the end of ``text`` when unbalanced)."""
-    depth = 0
-    for i in range(start, len(text)):
-        depth += (text[i] in "({[") - (text[i] in ")}]")
-        if depth == 0:
-            return i + 1
-    return len(text)
+def symbolically_equal(predicted: str, gold: str, timeout_s: float = TIMEOUT_S) -> bool:
+    """math-verify's verdict on two LaTeX answers (False when either does not parse), computed in a
+    worker process killed past ``timeout_s``: then :class:`SymbolicCheckAborted`."""
+    return run_bounded(_math_verify_equal, predicted, gold, timeout_s=timeout_s)
 
 
-def symbolically_equal(predicted: str, gold: str) -> bool:
-    """math-verify's verdict on two LaTeX answers (False when either does not parse or is refused).
-
-    Its timeouts rely on SIGALRM, which only the main thread may use, and cannot interrupt a big
-    integer power holding the GIL: :func:`explosive_reason` keeps those from it.
-    """
-    if symbolic_refusal(predicted, gold):
-        return False
+def _math_verify_equal(predicted: str, gold: str) -> bool:
+    """In the worker: math-verify with its own (SIGALRM) timeouts off, as the worker's kill bounds it."""
     from math_verify import parse, verify
 
-    timeout_s = 3 if threading.current_thread() is threading.main_thread() else None
-    gold_parsed = parse(f"${gold}$", parsing_timeout=timeout_s)
-    predicted_parsed = parse(f"${predicted}$", parsing_timeout=timeout_s)
-    if not gold_parsed or not predicted_parsed:
-        return False
-    return bool(verify(gold_parsed, predicted_parsed, timeout_seconds=timeout_s))
+    gold_parsed = parse(f"${gold}$", parsing_timeout=None)
+    predicted_parsed = parse(f"${predicted}$", parsing_timeout=None)
+    return bool(gold_parsed and predicted_parsed and verify(gold_parsed, predicted_parsed, timeout_seconds=None))

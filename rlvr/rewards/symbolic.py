@@ -2,22 +2,21 @@
 
 The answer is the completion's last ``\\boxed{}``, else its last non-empty line (math-verify finds
 ``the answer is $x$`` there); it is verified against the reference ``gold``, gold first (math-verify's
-``verify`` is not symmetric). Both first pass :func:`rlvr.rewards.math.symbolic_refusal`, so sympy never
-sees what could hold the process for hours. math-verify times out with ``signal.alarm``, which only the
-main thread may set: in any other thread its timeouts are off and the guards (and, in a ``RewardPool``
-worker, the pool's timeout) bound the work.
+``verify`` is not symmetric). An answer written as the gold scores 1 without sympy
+(:func:`rlvr.rewards.math.written_form`); any other is parsed and verified in a worker process killed
+past its time limit (:mod:`rlvr.rewards.sympy_worker`), in any thread or process, unless
+:func:`rlvr.rewards.math.symbolic_refusal` finds it hopeless first.
 """
 
 from __future__ import annotations
 
 import re
-import threading
 
 from rlvr.answers import last_boxed, with_ascii_minus
-from rlvr.rewards.math import symbolic_refusal
+from rlvr.rewards.math import symbolic_refusal, written_form
 from rlvr.rewards.registry import RewardResult, register_reward
+from rlvr.rewards.sympy_worker import SymbolicCheckAborted, run_bounded
 
-TIMEOUT_S = 5  # math-verify's own limit per parse and per comparison, in the main thread
 _DELIMITED_RE = re.compile(r"(?<!\\)\$|\\boxed\b")  # a gold that already marks its math (an unescaped $, or \boxed)
 
 
@@ -25,11 +24,10 @@ _DELIMITED_RE = re.compile(r"(?<!\\)\$|\\boxed\b")  # a gold that already marks 
 def math_verify_reward(completion: str, gold: str, **_) -> RewardResult:
     """1 when math-verify finds the completion's final answer equivalent to ``gold`` (LaTeX), else 0.
 
-    Details: ``extracted`` (the answer's text), ``method`` ("boxed" or "last_line"), ``parsed``
-    (math-verify's reading of it), and ``refused`` (why sympy was not run) or ``reason``.
+    Details: ``extracted`` (the answer's text), ``method`` ("boxed" or "last_line"), ``match`` ("text"
+    for an answer written as the gold), ``parsed`` (math-verify's reading of it), and ``refused`` or
+    ``aborted`` (why sympy gave no verdict) or ``reason``. A gold math-verify cannot parse is an error.
     """
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
     if not isinstance(gold, str) or not gold.strip():
         raise ValueError(f"math_verify needs a non-empty 'gold' answer, got {gold!r}")
     completion = with_ascii_minus(completion)
@@ -38,20 +36,33 @@ def math_verify_reward(completion: str, gold: str, **_) -> RewardResult:
     details = {"extracted": answer, "method": method if answer else None}
     if not answer:
         return RewardResult(0.0, {**details, "reason": "no answer"})
+    if written_form(answer) == written_form(gold):
+        return RewardResult(1.0, {**details, "match": "text"})
     if refused := symbolic_refusal(answer, gold):
         return RewardResult(0.0, {**details, "refused": refused})
-    timeout_s = TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    try:
+        verdict, parsed = run_bounded(_verify, gold, answer, method)
+    except SymbolicCheckAborted as err:
+        return RewardResult(0.0, {**details, "aborted": f"math-verify {err}"})
+    if not parsed:
+        return RewardResult(0.0, {**details, "parsed": [], "reason": "math-verify found no answer"})
+    return RewardResult(verdict, {**details, "parsed": parsed})
+
+
+def _verify(gold: str, answer: str, method: str) -> tuple[float, list[str]]:
+    """In the worker: math-verify's verdict and its reading of ``answer`` (its own timeouts off, as the
+    worker's kill bounds it); ValueError when the gold does not parse."""
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
     gold_text = gold if _DELIMITED_RE.search(gold) else f"${gold}$"
-    gold_parsed = parse(gold_text, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=timeout_s)
+    gold_parsed = parse(gold_text, extraction_config=[LatexExtractionConfig(), ExprExtractionConfig()], parsing_timeout=None)
     if not gold_parsed:
         raise ValueError(f"math-verify cannot parse the gold answer {gold!r}")
     answer_text = f"\\boxed{{{answer}}}" if method == "boxed" else answer
     config = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-    answer_parsed = parse(answer_text, extraction_config=config, extraction_mode="first_match", parsing_timeout=timeout_s)
-    details["parsed"] = [str(item)[:200] for item in answer_parsed]
-    if not answer_parsed:
-        return RewardResult(0.0, {**details, "reason": "math-verify found no answer"})
-    return RewardResult(float(verify(gold_parsed, answer_parsed, timeout_seconds=timeout_s)), details)
+    answer_parsed = parse(answer_text, extraction_config=config, extraction_mode="first_match", parsing_timeout=None)
+    parsed = [str(item)[:200] for item in answer_parsed]
+    return (float(verify(gold_parsed, answer_parsed, timeout_seconds=None)) if answer_parsed else 0.0), parsed
 
 
 @register_reward("boxed")
