@@ -18,10 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from rlvr import gsm8k
 from rlvr.evaluation.runner import EvalConfig, compare, evaluate_policy, summarize
 from rlvr.grpo.profiles import build_config
 from rlvr.policy import load_policy
+from rlvr.tasks.gsm8k import dataset as gsm8k
 from rlvr.training_run import train_grpo
 
 

@@ -61,7 +61,7 @@ def ours(checkpoint: str, step_tokens: tuple[int, int]):
     engine = Engine(model, tokenizer, max_rows=64, step_tokens=low, max_step_tokens=high, kv_budget_bytes=2**31, prefix_cache_bytes=0, stop_token_ids=[])
 
     def generate(batch: list[list[int]], new_tokens: int) -> float:
-        requests = [EngineRequest(prompt_ids=list(p), num_samples=1, temperatures=(0.0,), max_new_tokens=new_tokens, stop_at_final_answer=False) for p in batch]
+        requests = [EngineRequest(prompt_ids=list(p), num_samples=1, temperatures=(0.0,), max_new_tokens=new_tokens) for p in batch]
         for request in requests:
             engine.submit(request)
         engine.take_submissions()

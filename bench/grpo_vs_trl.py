@@ -26,6 +26,7 @@ from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig, GRPOTrainer
 from rlvr.policy import load_policy
 from rlvr.prompts import build_messages, render_prompt
+from rlvr.tasks import GSM8K
 
 QUESTIONS = [  # the first GSM8k train problems
     (
@@ -52,7 +53,8 @@ def correctness_reward(text: str, answer: float) -> float:
 
 def run_rlvr(args, stop_at_final_answer: bool, compute_dtype: str = "float32") -> list[dict]:
     model, tokenizer = load_policy(args.model, args.device)
-    problems = [{"prompt": render_prompt(tokenizer, q), "answer_value": a, "problem_id": f"q{i}"} for i, (q, a) in enumerate(QUESTIONS)]
+    stop = GSM8K.stop_rule if stop_at_final_answer else None  # GSM8k's rule: the row ends after its '#### <number>' line
+    problems = [{"prompt": render_prompt(tokenizer, q), "answer_value": a, "problem_id": f"q{i}", "stop": stop} for i, (q, a) in enumerate(QUESTIONS)]
 
     def reward_fn(completions, batch):
         scores = [correctness_reward(c, p["answer_value"]) for c, p in zip(completions, batch)]
@@ -69,7 +71,7 @@ def run_rlvr(args, stop_at_final_answer: bool, compute_dtype: str = "float32") -
         micro_batch_size=args.micro_batch,
         skip_zero_variance=False,
         compute_dtype=compute_dtype,
-        sampling=SamplingConfig(max_new_tokens=args.tokens, temperatures=[1.0], stop_at_final_answer=stop_at_final_answer),
+        sampling=SamplingConfig(max_new_tokens=args.tokens, temperatures=[1.0]),
     )
     trainer = GRPOTrainer(model, tokenizer, config, reward_fn)
     steps = []
@@ -161,7 +163,7 @@ ROWS = [
     ("TRL GRPOTrainer (fp32: bf16=False, gradient checkpointing on)", "fp32", lambda args: run_trl(args, gradient_checkpointing=True, bf16=False)),
     ("TRL GRPOTrainer (fp32: bf16=False, gradient checkpointing off)", "fp32", lambda args: run_trl(args, gradient_checkpointing=False, bf16=False)),
     ("rlvr-ops (default: fp32, stop after the #### line)", "fp32", lambda args: run_rlvr(args, stop_at_final_answer=True)),
-    ("rlvr-ops (fp32, stop at final answer off)", "fp32", lambda args: run_rlvr(args, stop_at_final_answer=False)),
+    ("rlvr-ops (fp32, stop at final answer off)", "fp32", lambda args: run_rlvr(args)),
     (
         "rlvr-ops (compute_dtype=bfloat16: bf16 rollouts, bf16 autocast update)",
         "bf16",

@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))  # the repo root: `bench` and this tree's rlvr, al
 
 from bench.harness import ServedBento, build_served_bento, post  # noqa: E402
 from rlvr.answers import lm_eval_gsm8k_answers  # noqa: E402
-from rlvr.gsm8k import make_problem  # noqa: E402
 from rlvr.settings import Settings  # noqa: E402
+from rlvr.tasks.gsm8k.dataset import make_problem  # noqa: E402
 
 TASK = "gsm8k_local"
 TASK_YAML = ROOT / "bench" / "lm_eval" / f"{TASK}.yaml"

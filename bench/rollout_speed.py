@@ -42,7 +42,7 @@ else:
     model, tokenizer = load_policy(args["checkpoint"])
 model.requires_grad_(False)
 prompts = [render_prompt(tokenizer, q) for q in args["questions"]]
-config = SamplingConfig(max_new_tokens=args["new_tokens"], temperatures=[1.0], seed=0, stop_at_final_answer=False, stop_token_ids=[])
+config = SamplingConfig(max_new_tokens=args["new_tokens"], temperatures=[1.0], seed=0, stop_token_ids=[])
 generate_rollouts(model, tokenizer, prompts[:1], 1, SamplingConfig(max_new_tokens=4, stop_token_ids=[]))
 started = time.perf_counter()
 out = generate_rollouts(model, tokenizer, prompts, args["samples"], config)

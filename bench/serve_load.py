@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `
 
 from bench.harness import ServedBento, build_served_bento, percentile, post, questions  # noqa: E402
 from bentos.limits import MAX_COMPLETION_TOKENS, MAX_NEW_TOKENS  # noqa: E402
-from rlvr.traffic import read_traffic  # noqa: E402
+from rlvr.monitoring.traffic import read_traffic  # noqa: E402
 
 
 def requests_by_status(metrics_url: str) -> dict[str, float]:

@@ -19,9 +19,9 @@ from dagster import AssetExecutionContext, DagsterInstance, MaterializeResult, a
 
 from resources.launcher import TrainingJob, TrainingLauncher
 from rlvr.grpo.profiles import build_config
-from rlvr.gsm8k import load_local
-from rlvr.rewards import DEFAULT_GSM8K_REWARD
 from rlvr.settings import Settings
+from rlvr.tasks.gsm8k import REWARDS as GSM8K_REWARDS
+from rlvr.tasks.gsm8k.dataset import load_local
 from rlvr.training_run import train_grpo
 
 
@@ -30,7 +30,7 @@ def through_launcher(checkpoint: Path, rows: list[dict], config, nproc: int, scr
 
     @asset
     def bench_training(context: AssetExecutionContext) -> MaterializeResult:
-        job = TrainingJob("bench", checkpoint, rows, config, DEFAULT_GSM8K_REWARD, scratch, "cpu" if nproc == 1 else None)
+        job = TrainingJob("bench", checkpoint, rows, config, GSM8K_REWARDS, scratch, "cpu" if nproc == 1 else None)
         started = time.perf_counter()
         timing["history"] = TrainingLauncher().train(context, job, nproc)
         timing["wall"] = time.perf_counter() - started
@@ -52,7 +52,7 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         started = time.perf_counter()
-        trained = train_grpo(args.checkpoint, rows, config, DEFAULT_GSM8K_REWARD, Path(tmp) / "in-process", "cpu")
+        trained = train_grpo(args.checkpoint, rows, config, GSM8K_REWARDS, Path(tmp) / "in-process", "cpu")
         results.append(("in process (before the launcher)", time.perf_counter() - started, trained.history))
         for nproc in (1, 2):
             wall, history = through_launcher(args.checkpoint, rows, config, nproc, Path(tmp) / f"launcher-{nproc}")

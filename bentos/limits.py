@@ -8,11 +8,11 @@ loaded, by what it would cost that model (``MAX_PROMPT_TOKENS``, its context, th
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from rlvr.rewards import DEFAULT_GSM8K_REWARD, reward_names
+from rlvr.rewards import reward_names
 
 # Bounds of a request (the 400 message names the field that broke one).
 MAX_PROMPT_CHARS = 4_000
@@ -33,7 +33,7 @@ DEFAULT_MAX_NEW_TOKENS = 256
 DEFAULT_SAMPLES = 5
 DEFAULT_SOLVE_TEMPERATURE = 0.7
 
-EXTRACTION_MODE = "strict"  # the final answer is the last '#### <number>', as in evaluation's maj@k
+MAX_TASK_NAME_CHARS = 200
 
 # The OpenAI-compatible API's own (/v1), in OpenAI's field names.
 MAX_MESSAGES = 64
@@ -46,15 +46,15 @@ MAX_NAME_CHARS = 256  # model, user
 MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 5  # /v1/completions logprobs: the k most likely tokens at each position (OpenAI's bound)
 
-DEFAULT_REWARD = "gsm8k"
 SERVED_REWARDS: dict[str, dict[str, float]] = {
-    DEFAULT_REWARD: dict(DEFAULT_GSM8K_REWARD),  # the training reward: correctness + 0.2 format
-    # Every registered reward that grades against a reference answer. code_execution is left out:
-    # it runs model-written programs against test cases that a request does not carry.
+    # Every registered reward that grades against a reference answer (a request's default is its task's own
+    # training reward). code_execution is left out: it runs model-written programs against test cases that a
+    # request does not carry.
     **{name: {name: 1.0} for name in reward_names() if name != "code_execution"},
 }
 
-RewardName = Literal[tuple(SERVED_REWARDS)]
+TaskName = Annotated[str, Field(min_length=1, max_length=MAX_TASK_NAME_CHARS)]
+RewardName = TaskName  # a served reward, or one of the policy's tasks (its training reward): checked once the policy is loaded
 Temperature = Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE, allow_inf_nan=False)]
 Question = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
 NewTokens = Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)]

@@ -15,7 +15,6 @@ from pydantic import BaseModel, Field, ValidationInfo, field_validator
 from bentos.limits import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_NUM_ROLLOUTS,
-    DEFAULT_REWARD,
     DEFAULT_SAMPLES,
     DEFAULT_SOLVE_TEMPERATURE,
     DEFAULT_TEMPERATURE,
@@ -26,12 +25,15 @@ from bentos.limits import (
     Question,
     RewardName,
     StrictRequest,
+    TaskName,
     Temperature,
     TopP,
     completion_tokens_bounded,
     not_blank,
 )
 from rlvr.answers import format_number
+
+TASK_FIELD = "the task whose prompt renders the request and whose parser reads its answers: one of the policy's tasks; default: the policy's first"
 
 
 class GenerateRequest(StrictRequest):
@@ -46,7 +48,11 @@ class GenerateRequest(StrictRequest):
     max_new_tokens: NewTokens = DEFAULT_MAX_NEW_TOKENS
     top_p: TopP = 1.0
     ground_truth: Annotated[str, Field(min_length=1, max_length=MAX_GROUND_TRUTH_CHARS)] | Annotated[float, Field(allow_inf_nan=False)] | None = None
-    reward: RewardName = Field(default=DEFAULT_REWARD, description="the reward that grades against ground_truth")
+    reward: RewardName | None = Field(
+        default=None,
+        description="the reward grading against ground_truth: a registered reward, or a task of the policy (its training reward); default: the request's task",
+    )
+    task: TaskName | None = Field(default=None, description=TASK_FIELD)
 
     _blank_refused = field_validator("prompt", "ground_truth")(not_blank)
     _bounded = completion_tokens_bounded("num_rollouts")
@@ -65,12 +71,12 @@ class GenerateRequest(StrictRequest):
         return [float(values[j % len(values)]) for j in range(self.num_rollouts)]
 
     def reference(self) -> dict | None:
-        """The reference fields the served rewards read: ``answer_text``, ``answer_value``, ``target``, ``label``."""
+        """The reference fields the served rewards read: ``answer_text``, ``answer_value``, ``target``, ``label``, ``gold``."""
         if self.ground_truth is None:
             return None
         text = self.ground_truth if isinstance(self.ground_truth, str) else format_number(self.ground_truth)
         value = None if isinstance(self.ground_truth, str) else float(self.ground_truth)
-        return {"answer_text": text, "answer_value": value, "target": text, "label": text}
+        return {"answer_text": text, "answer_value": value, "target": text, "label": text, "gold": text}
 
 
 class ToolCall(BaseModel):
@@ -86,9 +92,12 @@ class ToolCall(BaseModel):
 
 class Rollout(BaseModel):
     text: str = Field(description="the completion, with the text its environment's tool wrote into it")
-    answer: str | None = Field(description="the extracted final answer (normalized), None when there is none")
+    answer: str | None = Field(description="the answer its task's parser reads in it (GSM8k: the normalized '####' number), None when there is none")
     reward: float | None = Field(description="None without ground_truth")
-    finish_reason: Literal["eos", "answer", "length"] = Field(description="eos, answer (stopped after the '#### <number>' line) or length")
+    finish_reason: Literal["eos", "answer", "stop", "length"] = Field(
+        description="eos, answer (stopped after its task's answer line, e.g. GSM8k's '#### <number>'), stop (a stop string of its task, "
+        "e.g. '</answer>') or length"
+    )
     completion_tokens: int = Field(description="tokens of the completion, the tool's included (max_new_tokens bounds them all)")
     temperature: float
     tool_calls: list[ToolCall] = Field(default_factory=list, description="the tool calls it made, in order (none when the policy has no tool)")
@@ -97,23 +106,25 @@ class Rollout(BaseModel):
 class GenerateResponse(BaseModel):
     request_id: str
     model_version: str
+    task: str = Field(description="the task that rendered the prompt and parsed the answers")
     rollouts: list[Rollout]
     best_index: int = Field(description="highest reward (first on ties); without ground_truth the first rollout giving the majority answer")
     best_response: str
     best_reward: float | None
     mean_reward: float | None
-    reward: str | None = Field(description="the reward used, None without ground_truth")
+    reward: str | None = Field(description="the reward used (a task's name: its training reward), None without ground_truth")
     answer: str | None = Field(description="the majority answer of the rollouts")
     vote_share: float = Field(description="share of rollouts giving the majority answer (abstentions count)")
 
 
 class SolveRequest(StrictRequest):
-    """``POST /solve``: self-consistency over ``k`` samples (k = 1: one greedy decode)."""
+    """``POST /solve``: self-consistency over ``k`` samples (k = 1: one greedy decode) on a question of one of the policy's tasks."""
 
     question: Question
     k: Annotated[int, Field(ge=1, le=MAX_SAMPLES)] = DEFAULT_SAMPLES
     temperature: Temperature = Field(default=DEFAULT_SOLVE_TEMPERATURE, description="used when k > 1")
     max_new_tokens: NewTokens = DEFAULT_MAX_NEW_TOKENS
+    task: TaskName | None = Field(default=None, description=TASK_FIELD)
 
     _blank_refused = field_validator("question")(not_blank)
     _bounded = completion_tokens_bounded("k")
@@ -125,6 +136,7 @@ class SolveRequest(StrictRequest):
 class SolveResponse(BaseModel):
     request_id: str
     model_version: str
+    task: str = Field(description="the task that rendered the question and parsed the answers")
     environment: str = Field(default="single_turn", description="the environment the policy rolls out in (its lineage), e.g. calculator")
     answer: str | None = Field(description="majority answer of the k samples, None when no sample gave one")
     vote_share: float = Field(description="the confidence: votes for the answer / k")

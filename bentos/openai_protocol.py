@@ -44,7 +44,7 @@ from bentos.serving_engine import RolloutResult
 from bentos.tokenizer_models import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, TokenizerInfo
 from bentos.traffic_log import generation_fields
 from rlvr.evaluation import majority_vote
-from rlvr.generation import EngineRequest, TokenScores, score_tokens
+from rlvr.generation import EngineRequest, StopRule, TokenScores, score_tokens
 from rlvr.prompts import ControlTokensError, render_messages, with_instructions
 
 logger = logging.getLogger("bentoml.rlvr_policy")
@@ -111,8 +111,7 @@ class OpenAIProtocol:
                 max_tokens,
                 temperatures=(body.temperature,),
                 top_p=body.top_p,
-                stop_at_final_answer=False,
-                stop_strings=tuple(body.stop),
+                stop=StopRule(tuple(body.stop)),
                 seed=body.seed,
             )
         except ValidationError as err:

@@ -15,7 +15,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from bentos.admission import FinishesTooLate, refuse_past_timeout, request_timeout_s
 from bentos.limits import MAX_PROMPT_TOKENS
 from rlvr.generation import EngineRequest
-from rlvr.prompts import render_prompt, system_prompt_for
+from rlvr.tasks import Task
 
 
 def invalid_request(title: str, field_name: str, message: str) -> ValidationError:
@@ -57,11 +57,11 @@ class RequestCost:
         if (wait_s := self.serving_engine.start_wait_s()) + estimated_s > timeout_s:
             raise FinishesTooLate(wait_s, estimated_s, timeout_s)
 
-    def _rendered(self, title: str, text_field: str, question: str) -> list[int]:
-        """The question in the training prompt (the policy's environment's instructions included), as
+    def _rendered(self, title: str, text_field: str, question: str, task: Task) -> list[int]:
+        """The question in ``task``'s training prompt (the policy's environment's instructions included), as
         token ids; a 400 naming the field when the prompt builder refuses it (control tokens)."""
         try:
-            prompt = render_prompt(self.prompt_tokenizer, question, system_prompt_for(self.environment))
+            prompt = task.render_prompt(self.prompt_tokenizer, {"problem_id": "request", "question": question}, self.environment)
         except ValueError as err:
             raise invalid_request(title, text_field, f"{text_field} refused by the prompt builder: {err}") from None
         return self.prompt_tokenizer(prompt, add_special_tokens=False).input_ids

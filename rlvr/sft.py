@@ -28,7 +28,7 @@ from rlvr.grpo.sampler import step_problems
 from rlvr.grpo.scoring import CompletionScorer, PackedRows
 from rlvr.grpo.trainer_loop import TrainerLoop, float32_master_weights
 from rlvr.policy import load_policy
-from rlvr.prompts import SYSTEM_PROMPT, render_prompt
+from rlvr.tasks import GSM8K, problem_record
 from rlvr.training_run import TrainedPolicy
 
 _CALCULATOR = re.compile(r"<<[^<>]*>>")  # GSM8k's calculator annotations: 48/2 = <<48/2=24>>24
@@ -104,15 +104,15 @@ def train_sft(
     checkpoint_dir: Path,
     device: Any = None,
     on_step: Callable[[int, dict], None] | None = None,
-    system_prompt: str = SYSTEM_PROMPT,
+    environment: Any = None,
 ) -> TrainedPolicy:
-    """Fine-tune the checkpoint at ``start`` on the problem ``rows``' reference solutions; resumes from
-    the latest checkpoint in ``checkpoint_dir``. ``system_prompt``: the one the rollouts will use
-    (with an environment's instructions appended, when GRPO runs with one)."""
+    """Fine-tune the checkpoint at ``start`` on the GSM8k problem ``rows``' reference solutions; resumes from
+    the latest checkpoint in ``checkpoint_dir``. ``environment``: the one the rollouts will use (its
+    instructions join the prompt, when GRPO runs with one)."""
     model, tokenizer = load_policy(start, device)
     trainer = SFTTrainer(model, tokenizer, config, checkpoint_dir=checkpoint_dir, on_step=on_step)
-    history = trainer.train(sft_examples(rows, tokenizer, config.keep_calculator_annotations, system_prompt))
-    return TrainedPolicy(trainer.policy, tokenizer, history, trainer.step_count)
+    history = trainer.train(sft_examples(rows, tokenizer, config.keep_calculator_annotations, environment))
+    return TrainedPolicy(trainer.policy, tokenizer, history, trainer.step_count, environment, {GSM8K.name: 1.0})
 
 
 def sft_target(solution: str, answer_text: str, keep_calculator_annotations: bool = False) -> str:
@@ -128,14 +128,15 @@ def sft_target(solution: str, answer_text: str, keep_calculator_annotations: boo
     return f"{reasoning}\n#### {str(answer_text).strip()}" if reasoning else f"#### {str(answer_text).strip()}"
 
 
-def sft_examples(rows: Sequence[dict], tokenizer: Any, keep_calculator_annotations: bool = False, system_prompt: str = SYSTEM_PROMPT) -> list[dict]:
-    """Token ids of each problem's prompt (the shared prompt builder) and target (ending with the
-    end-of-turn token, so the policy learns to stop), and the target's ``environment_mask``: 1 on
-    the tokens of kept calculator results, which the calculator writes at rollout time."""
+def sft_examples(rows: Sequence[dict], tokenizer: Any, keep_calculator_annotations: bool = False, environment: Any = None) -> list[dict]:
+    """Token ids of each problem's prompt (GSM8k's, with ``environment``'s instructions, as its rollouts
+    render it) and target (ending with the end-of-turn token, so the policy learns to stop), and the
+    target's ``environment_mask``: 1 on the tokens of kept calculator results, which the calculator
+    writes at rollout time."""
     end = tokenizer.eos_token or ""
     examples = []
-    for row in rows:
-        prompt = render_prompt(tokenizer, row["question"], system_prompt)
+    for row in map(problem_record, rows):
+        prompt = GSM8K.render_prompt(tokenizer, row, environment)
         target = sft_target(row["solution"], row["answer_text"], keep_calculator_annotations) + end
         target_ids, environment_mask = [], []
         for text, by_environment in _target_pieces(target):  # each piece on its own, as the rollout's turns are

@@ -16,13 +16,12 @@ from typing import Any, Callable, Mapping
 
 import pandas as pd
 
-from rlvr.grpo import GRPOConfig, GRPOTrainer, export_merged, gsm8k_prompts
-from rlvr.policy import load_policy, write_environment
+from rlvr.grpo import GRPOConfig, GRPOTrainer, export_merged
+from rlvr.policy import load_policy, write_environment, write_tasks
 from rlvr.process_lifetime import die_with_parent
-from rlvr.prompts import system_prompt_for
 from rlvr.rewards import RewardPool
-from rlvr.tasks import TaskMixture, get_task
-from rlvr.tasks.mixture import mixture_sampling, training_records
+from rlvr.tasks import DEFAULT_TASK, TaskMixture, get_task
+from rlvr.tasks.mixture import training_records
 
 REWARD_WORKERS = 2
 
@@ -36,12 +35,15 @@ class TrainedPolicy:
     history: list[dict]  # metrics of the steps run by this call (a resumed run: only the remaining ones)
     steps: int  # training steps completed in all, resumed ones included
     environment: Any = None  # the environment it rolled out in (None: single-turn), recorded with the checkpoint
+    tasks: Mapping[str, float] | None = None  # the task mixture it was trained on, recorded with the checkpoint
 
     def export(self, folder: Path) -> None:
-        """Write the policy (LoRA merged) with its tokenizer as a standard HF checkpoint, and the
-        environment it was trained in (``rlvr.policy.write_environment``)."""
+        """Write the policy (LoRA merged) with its tokenizer as a standard HF checkpoint, the environment it
+        was trained in and its tasks (``rlvr.policy.write_environment``, ``write_tasks``)."""
         export_merged(self.policy, self.tokenizer, folder)
         write_environment(folder, self.environment)
+        if self.tasks:
+            write_tasks(folder, self.tasks)
 
 
 def train_grpo(
@@ -56,27 +58,25 @@ def train_grpo(
     environment: Any = None,
     tasks: Mapping[str, float] | None = None,
 ) -> TrainedPolicy:
-    """Train the checkpoint at ``start`` with GRPO on problem ``rows`` (question + reference fields),
-    rewarded by the weighted ``rewards``; resumes from the latest checkpoint in ``checkpoint_dir``.
-    ``environment`` (``rlvr.environments``; None: single-turn) is where its rollouts happen: its
-    instructions join the system prompt and it is recorded with the exported checkpoint.
-
-    ``on_step`` runs on rank 0 with every rank's records, or with ``records_per_rank`` on every
-    rank with its own (each rank then writes its rows itself). ``tasks`` (task name -> weight) trains on
-    a mixture: rows name their task, each group is one task's, each task rewarded by its own rewards."""
+    """Train the checkpoint at ``start`` with GRPO on problem ``rows``; resumes from ``checkpoint_dir``'s latest.
+    ``environment`` (None: single-turn): where rollouts happen, its instructions in the prompt, recorded with
+    the export. ``on_step``: rank 0 with every rank's records, or each rank with its own (``records_per_rank``).
+    ``tasks`` (name -> weight): a mixture, each group one task's, rewarded by its own rewards; unset: one
+    task, the rows' own (``DEFAULT_TASK`` where they name none), rewarded by ``rewards``. Each row stops on
+    its task's rule; the exported checkpoint records the tasks."""
     model, tokenizer = load_policy(start, device)  # float32 master weights (GRPOConfig.compute_dtype: mixed precision)
     if environment is not None:
         config = replace(config, sampling=replace(config.sampling, environment=environment))
     if tasks:
-        config = replace(config, sampling=replace(config.sampling, **mixture_sampling(list(tasks))))
         problems = TaskMixture(training_records(rows, tokenizer, environment), tasks)
-    else:
-        problems = gsm8k_prompts(rows, tokenizer, system_prompt_for(environment))
+    else:  # one task, the rows' own (DEFAULT_TASK's where they name none), rewarded by ``rewards``
+        problems = training_records([{**row, "task": row.get("task") or DEFAULT_TASK} for row in rows], tokenizer, environment)
     with RewardPool(workers=REWARD_WORKERS) as pool:
         reward_fn = pool.reward_fn_by_task({name: get_task(name).rewards for name in tasks}) if tasks else pool.reward_fn(rewards)
         trainer = GRPOTrainer(model, tokenizer, config, reward_fn, checkpoint_dir=checkpoint_dir, on_step=on_step, records_per_rank=records_per_rank)
         history = trainer.train(problems)
-    return TrainedPolicy(trainer.policy, tokenizer, history, trainer.step_count, environment)
+    trained_tasks = dict(tasks) if tasks else {name: 1.0 for name in dict.fromkeys(p["task"] for p in problems)}
+    return TrainedPolicy(trainer.policy, tokenizer, history, trainer.step_count, environment, trained_tasks)
 
 
 def start_training_process(parent: int | None = None) -> None:
@@ -110,7 +110,7 @@ def training_tables(records: list[dict], run_id: str, weights: Mapping[str, floa
                 "completion_id": completion_id,
                 "step": r["step"],
                 "problem_id": r["problem_id"],
-                "task": r.get("task") or "gsm8k",  # the single-task path trains GSM8k rows
+                "task": r["task"],
                 "group_index": r["group_index"],
                 "sample_index": r["sample_index"],
                 "temperature": r["temperature"],
@@ -146,7 +146,7 @@ def training_tables(records: list[dict], run_id: str, weights: Mapping[str, floa
                     "run_id": run_id,
                     "completion_id": completion_id,
                     "step": r["step"],
-                    "task": r.get("task") or "gsm8k",  # the single-task path trains GSM8k rows
+                    "task": r["task"],
                     "reward_name": name,
                     "value": value,
                     "weight": weights.get(name, 1.0),

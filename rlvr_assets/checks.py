@@ -4,7 +4,7 @@ from typing import Generator, Sequence
 
 from dagster import AssetCheckResult, AssetCheckSeverity, Failure
 
-from rlvr.gsm8k import CheckOutcome
+from rlvr.tasks.gsm8k.dataset import CheckOutcome
 
 
 def blocking_checks(outcomes: Sequence[CheckOutcome], what: str) -> Generator[AssetCheckResult, None, list[AssetCheckResult]]:

@@ -1,4 +1,4 @@
-"""Group ``data``: the GSM8k problems table and its quality checks."""
+"""Group ``data``: GSM8k's problems, the pipeline's task, with the quality checks of its source."""
 
 import pandas as pd
 from dagster import (
@@ -11,11 +11,11 @@ from dagster import (
 )
 
 from resources import WRITER_POOL, Warehouse, config_from
-from rlvr import gsm8k
 from rlvr.plots import histogram_markdown
-from rlvr.problem_source import ProblemSource, load_problems
 from rlvr.tasks import GSM8K
-from rlvr.tasks.gsm8k_task import gsm8k_task_problem
+from rlvr.tasks.gsm8k import dataset as gsm8k
+from rlvr.tasks.gsm8k import gsm8k_task_problem
+from rlvr.tasks.gsm8k.source import ProblemSource, load_problems
 from rlvr_assets.checks import blocking_checks
 
 CHECKS = {
@@ -39,30 +39,35 @@ class GSM8kSourceConfig(config_from(ProblemSource)):
     check_specs=[AssetCheckSpec(name, asset="gsm8k_problems", description=text, blocking=True) for name, text in CHECKS.items()],
 )
 def gsm8k_problems(context: AssetExecutionContext, config: GSM8kSourceConfig, duckdb: Warehouse):
-    """GSM8k problems, one row per problem: id, split, question, reference solution, normalized
-    final answer (text and number), reasoning-step count, source and content hash; as every task's
-    problems, also its ``task`` (``gsm8k``) and the ``reference`` its rewards grade against (JSON).
+    """GSM8k's problems in ``task_problems``, as every task's (task ``gsm8k``: id, split, question, the ``reference``
+    its rewards grade against as JSON: solution and normalized final answer; reasoning steps, source, hashes),
+    and the view ``gsm8k_problems`` of them with those columns spread (SQL written for the older table still runs).
 
-    The table is validated before it is written and replaced in one transaction: a failed check or
-    a bad source leaves the previous table untouched.
+    Checked against the source before it is written, in one transaction: a failed check or a bad source leaves
+    the previous rows untouched. The pipeline's handle on the ``task_problems`` partition ``gsm8k``.
     """
     try:
         problems, expected = load_problems(config.to_core())
     except gsm8k.DataSourceError as err:
         raise Failure(description=f"gsm8k_problems: {err}") from None
     results = yield from blocking_checks(gsm8k.validate_problems(problems, expected), "gsm8k_problems")
-    frame = pd.DataFrame([{**p.as_row(), "task": GSM8K.name, "reference": gsm8k_task_problem(p).as_row()["reference"]} for p in problems])
-    duckdb.replace_tables({"gsm8k_problems": frame})
+    frame = pd.DataFrame([gsm8k_task_problem(p).as_row() for p in problems])
+    duckdb.replace_task_problems(GSM8K.name, frame)
     counts = frame.groupby("split").size().to_dict()
     context.log.info(f"gsm8k_problems: {counts} from source {config.source!r}")
     yield MaterializeResult(
         metadata={
             "dagster/row_count": len(frame),
-            "table": f"{duckdb.database}:gsm8k_problems",
+            "table": f"{duckdb.database}:task_problems",
+            "view": f"{duckdb.database}:gsm8k_problems",
             "source": config.source,
             **{f"{split}_rows": int(n) for split, n in counts.items()},
-            "preview": MetadataValue.md(frame.head(5)[["problem_id", "split", "question", "answer_text", "num_steps"]].to_markdown(index=False)),
-            "solution_length_words": MetadataValue.md(histogram_markdown(frame["solution"].str.split().str.len(), "Reference solution length (words)")),
+            "preview": MetadataValue.md(
+                pd.DataFrame([p.as_row() for p in problems[:5]])[["problem_id", "split", "question", "answer_text", "num_steps"]].to_markdown(index=False)
+            ),
+            "solution_length_words": MetadataValue.md(
+                histogram_markdown(pd.Series([len(p.solution.split()) for p in problems]), "Reference solution length (words)")
+            ),
             "num_steps": MetadataValue.md(histogram_markdown(frame["num_steps"], "Reasoning steps per problem", discrete=True)),
         },
         check_results=results,

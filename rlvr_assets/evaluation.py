@@ -18,9 +18,10 @@ from pydantic import Field
 
 from resources import WRITER_POOL, EvalProtocol, Evaluation, Evaluator, MLflowResource, ModelStore, Warehouse, build_environment
 from resources.tracking import EVAL_PROTOCOL_TAG, POLICY_VERSION_TAG, run_name
-from rlvr import gsm8k
 from rlvr.evaluation.report import TRAINING_CURVES, evaluation_report, headline, moved_accuracy
 from rlvr.evaluation.runner import summarize
+from rlvr.tasks import DEFAULT_TASK
+from rlvr.tasks.gsm8k import dataset as gsm8k
 from rlvr_assets.metadata import evaluation_headline, markdown_table, metrics_table, percent, rounded
 from rlvr_assets.partitions import parse_policy_key, policy_versions
 
@@ -42,7 +43,7 @@ def baseline_eval(context: AssetExecutionContext, config: EvalProtocol, duckdb: 
     reused while only the trained policy changes. Rows in ``eval_results`` (``policy_role`` ``base_policy``)."""
     check_environment(config, "baseline_eval")
     base = model_store.require("base_policy")
-    problems = duckdb.problems(config.split, config.limit)
+    problems = duckdb.task_problems(DEFAULT_TASK, config.split, config.limit)
     evaluation = evaluator.evaluate("base_policy", base.version, base.path, config, problems, context.log)
     metrics = summarize(evaluation.results, config.to_core())
     return MaterializeResult(
@@ -75,7 +76,7 @@ def eval_report(
     check_environment(config, "eval_report")
     trained = model_store.require("grpo_checkpoint")
     base = model_store.require("base_policy", trained.manifest["base_policy_version"])
-    problems = duckdb.problems(config.split, config.limit)
+    problems = duckdb.task_problems(DEFAULT_TASK, config.split, config.limit)
     try:
         gsm8k.check_no_contamination(trained.manifest.get("data_source", ""), problems[0]["source"], config.split)
     except gsm8k.DataSourceError as err:
@@ -197,7 +198,7 @@ def policy_evaluation(
         raise Failure(description=f"policy_evaluation: {err}") from None
     check_environment(config, "policy_evaluation")
     stored = model_store.require(name, version)
-    problems = duckdb.problems(config.split, config.limit)
+    problems = duckdb.task_problems(DEFAULT_TASK, config.split, config.limit)
     protocol = EvalProtocol(**config.model_dump(exclude={"recompute"}))
     evaluation = evaluator.evaluate(name, version, stored.path, protocol, problems, context.log, reuse=not config.recompute)
     metrics = summarize(evaluation.results, protocol.to_core())

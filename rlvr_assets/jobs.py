@@ -25,8 +25,8 @@ retraining_job = define_asset_job(
     "retraining",
     selection=RETRAINING,
     tags=DUCKDB_WRITER,
-    config={"ops": {"grpo_training": {"config": {"init_from": "champion"}}}},
-    description="GRPO from the current champion -> evaluation -> promotion gate -> Bento (rebuilt only when promoted).",
+    config={"ops": {"grpo_training": {"config": {"init_from": "champion"}}}},  # no tasks: the champion's own mixture (grpo_training)
+    description="GRPO from the current champion on its own task mixture -> evaluation -> promotion gate -> Bento (rebuilt only when promoted).",
 )
 champion_evaluation_job = define_asset_job(
     "champion_evaluation",

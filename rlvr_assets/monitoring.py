@@ -1,4 +1,4 @@
-"""Group ``monitoring``: serving traffic in DuckDB, and drift of each day's traffic from the training reference.
+"""Group ``monitoring``: serving traffic in DuckDB, and drift of each day's traffic (overall and per task) from the training reference.
 
 Both are partitioned by UTC day (``partitions.traffic_days``): a run of a day ingests that day's
 log files and reports that day's drift; the traffic sensor requests the days whose logs grew, and a
@@ -7,14 +7,15 @@ backfill re-ingests or re-reports any day within retention (``TrafficConfig.rete
 from datetime import datetime, timezone
 
 import numpy as np
-from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
+from dagster import AllPartitionMapping, AssetDep, AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
 from pydantic import Field
 
 from resources import WRITER_POOL, ModelStore, Settings, Warehouse, config_from
 from rlvr import plots
-from rlvr.drift import DriftThresholds, history_curves, traffic_drift
-from rlvr.embeddings import embed_texts
-from rlvr.traffic import TrafficBatch, delete_expired_files, first_kept_day, read_traffic, retention_days_from_env
+from rlvr.monitoring.drift import DriftThresholds, drift_by_task, history_curves
+from rlvr.monitoring.embeddings import embed_texts
+from rlvr.monitoring.traffic import TrafficBatch, delete_expired_files, first_kept_day, read_traffic, retention_days_from_env
+from rlvr.tasks import DEFAULT_TASK
 from rlvr_assets.freshness import DAILY
 from rlvr_assets.partitions import traffic_days
 
@@ -95,45 +96,54 @@ class DriftConfig(config_from(DriftThresholds)):
     group_name="monitoring",
     kinds={"duckdb"},
     owners=["team:rlvr-serving"],
-    deps=["serving_traffic", "gsm8k_problems"],
+    deps=["serving_traffic", "gsm8k_problems", AssetDep("task_problems", partition_mapping=AllPartitionMapping())],
     freshness_policy=DAILY,
     partitions_def=traffic_days,
     pool=WRITER_POOL,
 )
 def drift_report(context: AssetExecutionContext, config: DriftConfig, duckdb: Warehouse, model_store: ModelStore) -> MaterializeResult:
-    """Drift of the day's last ``window`` requests from the training reference. Inputs: PSI and KS of prompt
-    features against train questions, and embedding distance (MMD, mean cosine). Outputs against
-    the served policy's last evaluation: format compliance, completion length, verified reward
-    (traffic with ground truth); vote share against the previous window. ``drifted`` in the
-    metadata drives the drift sensor; every run appends to ``drift_history`` (its plot: each day's latest report, by day)."""
+    """Drift of the day's last ``window`` requests, overall and per task (the task each request was rendered
+    with). Inputs: PSI and KS of prompt features and embedding distance (MMD, mean cosine), overall against the
+    served policy's training mixture, per task against that task's train questions. Outputs, per task, against
+    the served policy's last evaluation of that task: format compliance (the task's own format), completion
+    length, verified reward; vote share against the previous window. ``drifted`` in the metadata drives the
+    drift sensor; every run appends to ``drift_history`` (its plot: each day's latest report, by day)."""
     current, previous = duckdb.traffic_window(context.partition_key, config.window)
     if len(current) < config.min_requests:
         return MaterializeResult(
             metadata={"drifted": False, "requests": len(current), "status": f"insufficient traffic: {len(current)} < {config.min_requests} requests"}
         )
     served = next(iter(current["model_version"].mode()), None)  # the policy most of the window was served by
-    trained = model_store.get("grpo_checkpoint", served) if served else None  # its training mixture is the input reference
-    report = traffic_drift(
-        duckdb.reference_questions(config.reference_size, trained.manifest.get("tasks") if trained else None),
+    trained = model_store.get("grpo_checkpoint", served) if served else None
+    mixture = (trained.manifest.get("tasks") if trained else None) or {DEFAULT_TASK: 1.0}  # its training mixture: the overall reference
+    tasks = sorted(current["task"].dropna().unique())
+    report = drift_by_task(
+        duckdb.reference_questions(config.reference_size, mixture),
+        {task: duckdb.task_reference_questions(task, config.reference_size) for task in tasks},
         current,
         previous,
-        duckdb.latest_evaluation(served),
+        {task: duckdb.latest_evaluation(served, task) for task in tasks},
         config.to_core(),
         embed_texts if config.use_embeddings else None,
-        min_previous=config.min_requests,
+        min_requests=config.min_requests,
     )
+    for task, note in report.notes.items():
+        context.log.warning(f"drift of {task}: {note}")
     history = duckdb.append_drift_history(report.history_rows(context.run.run_id, datetime.now(timezone.utc), context.partition_key))
-    curves = history_curves(history, [c.name for c in report.checks if c.threshold is not None])
+    curves = history_curves(history, [c.label for c in report.checks if c.threshold is not None])
     return MaterializeResult(
         metadata={
             "drifted": bool(report.drifted),
             "drift_reasons": MetadataValue.json(report.reasons()),
             "requests": len(current),
+            "requests_by_task": MetadataValue.json({str(k): int(v) for k, v in current["task"].fillna("(none)").value_counts().sort_index().items()}),
             "served_model_version": served or "",
+            "served_tasks": MetadataValue.json(mixture),
+            "task_notes": MetadataValue.json(report.notes),
             "window_start": str(current["timestamp"].min()),
             "window_end": str(current["timestamp"].max()),
             "metrics": MetadataValue.md(report.table()),
             "drift_over_time": MetadataValue.md(plots.figure_markdown(plots.curves_figure(curves, "drift metrics by report"), "drift over time")),
-            **{name.replace("/", "_"): float(value) for name, value in report.metrics.items() if np.isfinite(value)},
+            **{c.label.replace("/", "_"): c.value for c in report.checks if np.isfinite(c.value)},
         }
     )

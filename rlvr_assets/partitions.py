@@ -6,7 +6,7 @@ from pathlib import Path
 from dagster import DailyPartitionsDefinition, DynamicPartitionsDefinition, MultiPartitionsDefinition, StaticPartitionsDefinition
 
 from resources import Settings
-from rlvr.traffic import FILE_PREFIX, FILE_SUFFIX, file_day
+from rlvr.monitoring.traffic import FILE_PREFIX, FILE_SUFFIX, file_day
 
 TRAFFIC_LOOKBACK_DAYS = 7  # without older traffic, the partitions cover this many days before today
 
@@ -19,7 +19,7 @@ def traffic_start(folder: Path, today: date, lookback_days: int = TRAFFIC_LOOKBA
     return min([*days, (today - timedelta(days=lookback_days)).isoformat()])
 
 
-# The service's log files each hold one UTC day (rlvr.traffic); today's partition exists while the day is
+# The service's log files each hold one UTC day (rlvr.monitoring.traffic); today's partition exists while the day is
 # still filling (end_offset=1). Logs older than the first day are not ingested. The start is computed
 # when the code location loads.
 traffic_days = DailyPartitionsDefinition(
@@ -54,5 +54,4 @@ def add_policy_version(instance, name: str, version: str) -> None:
 # evaluations of each stored policy (task x policy version: the base-vs-trained matrix).
 TASKS = Settings.from_env().tasks
 task_names = StaticPartitionsDefinition(TASKS)
-problem_tasks = StaticPartitionsDefinition([name for name in TASKS if name != "gsm8k"])  # GSM8k's problems: gsm8k_problems
 task_policy_versions = MultiPartitionsDefinition({"task": task_names, "policy": policy_versions})

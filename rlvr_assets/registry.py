@@ -17,6 +17,7 @@ from pydantic import Field
 from resources import CHAMPION, EvalProtocol, Evaluator, MLflowResource, ModelStore, Warehouse
 from resources.tracking import POLICY_VERSION_TAG
 from rlvr.evaluation import decide_promotion
+from rlvr.tasks import DEFAULT_TASK
 from rlvr_assets.freshness import WEEKLY
 from rlvr_assets.metadata import percent, rounded
 
@@ -54,7 +55,7 @@ def champion_policy(
     if evaluation is None:
         raise Failure(description=f"champion_policy: grpo_checkpoint {trained.version} has no evaluation: materialize eval_report first")
     protocol = EvalProtocol(**evaluation.protocol)
-    problems = duckdb.problems(protocol.split, protocol.limit)
+    problems = duckdb.task_problems(DEFAULT_TASK, protocol.split, protocol.limit)
     challenger = evaluator.evaluate("grpo_checkpoint", trained.version, trained.path, protocol, problems, context.log)
 
     registry = mlflow.registry()

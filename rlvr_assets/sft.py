@@ -11,8 +11,8 @@ from pydantic import Field
 from resources import ComputeResource, EnvironmentConfig, MLflowResource, ModelStore, Warehouse, build_environment, config_from
 from resources.tracking import POLICY_VERSION_TAG, flat_params, run_name
 from rlvr.policy import environment_spec
-from rlvr.prompts import system_prompt_for
 from rlvr.sft import PROFILES, SFTConfig, build_sft_config, train_sft
+from rlvr.tasks import DEFAULT_TASK
 from rlvr.training_run import problems_hash
 from rlvr_assets.metadata import rounded
 from rlvr_assets.partitions import add_policy_version
@@ -52,7 +52,7 @@ def sft_policy(
     except (ValueError, TypeError) as err:
         raise Failure(description=f"sft_policy: bad run config: {err}") from None
     env_spec = environment_spec(environment)
-    base, rows = model_store.require("base_policy"), duckdb.problems(config.split, config.limit)
+    base, rows = model_store.require("base_policy"), duckdb.task_problems(DEFAULT_TASK, config.split, config.limit)
     run_id = context.run.root_run_id or context.run.run_id
     lineage = {"base_policy_version": base.version, "parent_version": base.version, "data_hash": problems_hash(rows)}
     tags = {"rlvr.kind": "sft", "dagster.run_id": context.run.run_id, "rlvr.profile": config.profile, "rlvr.environment": env_spec["name"]}
@@ -64,7 +64,7 @@ def sft_policy(
             run.log_metrics(metrics, step=step)
             context.log.info(f"SFT step {step}/{sft_config.total_steps}: loss {metrics['loss']:.4f}, {metrics['tokens_per_s']:.0f} tok/s")
 
-        trained = train_sft(base.path, rows, sft_config, model_store.work_dir(work_dir), compute.torch_device(), on_step, system_prompt_for(environment))
+        trained = train_sft(base.path, rows, sft_config, model_store.work_dir(work_dir), compute.torch_device(), on_step, environment)
         stored = model_store.put(
             "sft_policy",
             replace(trained, environment=environment).export,  # the checkpoint records the environment it was trained for

@@ -1,9 +1,9 @@
 """Group ``tasks``: each task's problems (a partition per task), each task's evaluation of each stored
 policy (task x policy version: the base-vs-trained matrix), and the cross-task report.
 
-A task is named as ``rlvr.tasks.get_task`` resolves it; the partitions are ``RLVR_TASKS``'s. GSM8k's
-problems are the ``gsm8k_problems`` asset's; every other task's land in ``task_problems``, one
-partition replacing only its own rows. Evaluations land in ``eval_results`` with their ``task``.
+A task is named as ``rlvr.tasks.get_task`` resolves it; the partitions are ``RLVR_TASKS``'s. Every task's
+problems land in ``task_problems``, one partition replacing only its own rows (GSM8k's also through the
+pipeline's ``gsm8k_problems``). Evaluations land in ``eval_results`` with their ``task``.
 """
 
 import time
@@ -23,7 +23,7 @@ from dagster import (
 )
 from pydantic import Field
 
-from resources import WRITER_POOL, EvalProtocol, Evaluator, MLflowResource, ModelStore, Upsert, Warehouse
+from resources import WRITER_POOL, EvalProtocol, Evaluator, MLflowResource, ModelStore, Warehouse
 from resources.tracking import POLICY_VERSION_TAG, run_name
 from rlvr import plots
 from rlvr.evaluation.cross_task import MACRO, cross_task_table
@@ -33,7 +33,7 @@ from rlvr.tasks import Task, TaskError, get_task
 from rlvr.tasks.checks import CHECKS, validate_task_problems
 from rlvr_assets.checks import blocking_checks
 from rlvr_assets.metadata import evaluation_headline, markdown_table, metrics_table, percent, rounded
-from rlvr_assets.partitions import TASKS, parse_policy_key, problem_tasks, task_policy_versions
+from rlvr_assets.partitions import TASKS, parse_policy_key, task_names, task_policy_versions
 
 CROSS_TASK_COLUMNS = {
     "task": "task",
@@ -72,7 +72,7 @@ class TaskProblemsConfig(Config):
     group_name="tasks",
     kinds={"duckdb"},
     owners=["team:rlvr-data"],
-    partitions_def=problem_tasks,
+    partitions_def=task_names,
     pool=WRITER_POOL,
     check_specs=[AssetCheckSpec(name, asset="task_problems", description=text, blocking=True) for name, text in CHECKS.items()],
 )
@@ -87,7 +87,7 @@ def task_problems(context: AssetExecutionContext, config: TaskProblemsConfig, du
         raise Failure(description=f"task_problems {task.name}: {err}") from None
     results = yield from blocking_checks(validate_task_problems(task, problems), f"task_problems {task.name}")
     frame = pd.DataFrame([p.as_row() for p in problems])
-    duckdb.write(Upsert("task_problems", frame, "task"))
+    duckdb.replace_task_problems(task.name, frame)
     counts = frame.groupby("split").size().to_dict()
     context.log.info(f"task_problems {task.name}: {counts}")
     yield MaterializeResult(
@@ -113,7 +113,7 @@ def task_problems(context: AssetExecutionContext, config: TaskProblemsConfig, du
     kinds={"duckdb", "mlflow"},
     owners=["team:rlvr-eval"],
     partitions_def=task_policy_versions,
-    deps=["gsm8k_problems", AssetDep("task_problems", partition_mapping=AllPartitionMapping())],  # GSM8k's problems have no task_problems partition
+    deps=["gsm8k_problems", AssetDep("task_problems", partition_mapping=AllPartitionMapping())],  # GSM8k's rows come from either
     pool=WRITER_POOL,
 )
 def task_evaluation(
@@ -206,9 +206,7 @@ def cross_task_report(
 
 def available_tasks(duckdb: Warehouse) -> list[str]:
     """The tasks whose problems the warehouse holds, in ``RLVR_TASKS`` order, then any others."""
-    held = ["gsm8k"] if duckdb.table_exists("gsm8k_problems") else []
-    if duckdb.table_exists("task_problems"):
-        held += duckdb.query("SELECT DISTINCT task FROM task_problems ORDER BY task")["task"].tolist()
+    held = duckdb.problem_tasks()
     if not held:
         raise Failure(description="cross_task_report: the warehouse holds no task's problems: materialize gsm8k_problems or a task_problems partition first")
     return sorted(held, key=lambda name: TASKS.index(name) if name in TASKS else len(TASKS))

@@ -30,8 +30,8 @@ from resources.tracking import POLICY_VERSION_TAG, TRAINING_RUN_TAG, flat_params
 from rlvr.grpo import GRPOConfig
 from rlvr.grpo.profiles import PROFILES, build_config
 from rlvr.policy import environment_spec, stored_environment
-from rlvr.rewards import DEFAULT_GSM8K_REWARD, CompositeReward
-from rlvr.tasks import TaskError, TaskMixture, get_task, normalized_text_hash
+from rlvr.rewards import CompositeReward
+from rlvr.tasks import DEFAULT_TASK, TaskError, TaskMixture, get_task, normalized_text_hash
 from rlvr.training_run import problems_hash, sample_completions
 from rlvr_assets.metadata import metrics_table, percent, rounded
 from rlvr_assets.partitions import add_policy_version
@@ -64,12 +64,15 @@ class GRPORunConfig(Config):
         description="GRPOConfig fields set on top of the profile, e.g. {'total_steps': 20, 'lr': 1e-6, "
         "'sampling': {'max_new_tokens': 256}}; nested sampling / lora merge into the profile's",
     )
-    rewards: dict[str, float] = Field(default=dict(DEFAULT_GSM8K_REWARD), description="reward name -> weight (a weighted mean, in [0, 1])")
+    rewards: Optional[dict[str, float]] = Field(
+        default=None,
+        description="reward name -> weight (a weighted mean, in [0, 1]); unset: the task's own training reward (GSM8k's: math_answer + 0.2 format)",
+    )
     init_from: str = Field(
         default="base",
         description="'base' (the base_policy asset), 'sft' (the sft_policy asset: the cold start) or 'champion' (the registry's champion, for retraining)",
     )
-    split: str = Field(default="train", description="split of gsm8k_problems to train on")
+    split: str = Field(default="train", description="split of the task's problems to train on")
     limit: Optional[int] = Field(default=None, description="train on the first N problems of the split only")
     sample_completions: int = Field(default=64, description="completions logged to MLflow as a table")
     nproc: str = Field(default="1", description="training processes under torchrun: 'auto' (one per visible GPU, else 1) or an integer (CPU processes too)")
@@ -91,7 +94,8 @@ class GRPORunConfig(Config):
 
     def grpo_config(self) -> GRPOConfig:
         """The profile's GRPOConfig with the overrides applied; ValueError / TypeError when they do not fit."""
-        CompositeReward(self.rewards)  # unknown reward names fail here, before any work
+        if self.rewards is not None:
+            CompositeReward(self.rewards)  # unknown reward names fail here, before any work
         return build_config(self.profile, self.overrides.set_fields())
 
 
@@ -143,13 +147,14 @@ def grpo_training(
     except (ValueError, TypeError) as err:
         raise Failure(description=f"grpo_training: bad run config: {err}") from None
     start = start_policy(config.init_from, base := model_store.require("base_policy"), model_store, mlflow)
+    config = with_start_tasks(config, start, context.log)  # retraining without tasks: the champion's own mixture
     env_spec = env_spec or stored_environment(start.path)  # unset: the start policy's own
     rows = training_rows(context, config, duckdb)
     lineage = {"base_policy_version": base.version, "parent_version": start.version, "parent_name": start.name, "data_hash": problems_hash(rows)}
     tags = {"rlvr.kind": "training", TRAINING_RUN_TAG: run_id, "dagster.run_id": context.run.run_id, "rlvr.init_from": config.init_from}
     tags |= {"rlvr.profile": config.profile, "rlvr.nproc": str(nproc), "rlvr.environment": env_spec["name"], **{f"rlvr.{k}": v for k, v in lineage.items()}}
     work_dir, device = f"grpo-runs/{run_id}", str(compute.torch_device()) if nproc == 1 else None  # work_dir: resume points, rows, export
-    rewards = mixture_rewards(config.tasks) if config.tasks else config.rewards
+    rewards = mixture_rewards(config.tasks) if config.tasks else config.rewards or dict(get_task(DEFAULT_TASK).rewards)
     job = TrainingJob(run_id, start.path, rows, grpo_config, rewards, model_store.work_dir(work_dir), device, env_spec, config.tasks)
     for ended in mlflow.end_abandoned_runs(TRAINING_RUN_TAG, run_id, functools.partial(run_ended, context.instance)):  # killed before it could
         context.log.warning(f"MLflow run {ended} of an earlier attempt of this run, whose Dagster run has ended, was left RUNNING: marked KILLED")
@@ -169,7 +174,7 @@ def grpo_training(
                 "data_source": rows[0]["source"],
                 "training_config": asdict(grpo_config),
                 "rewards": rewards,
-                "tasks": config.tasks or {"gsm8k": 1.0},
+                "tasks": config.tasks or {DEFAULT_TASK: 1.0},
                 "environment": env_spec,
                 "steps": grpo_config.total_steps,
                 "nproc": nproc,
@@ -184,7 +189,6 @@ def grpo_training(
         run.rename(run_name("grpo", stored.version, context.run.run_id))
     model_store.remove_work_dir(work_dir)
     add_policy_version(context.instance, "grpo_checkpoint", stored.version)
-
     yield from materializations(duckdb, run_id, rewards, stored, base, grpo_config, nproc, mlflow.links().run(run.run_id), history, env_spec)
 
 
@@ -264,6 +268,7 @@ def materializations(
             "MLflow training run": MetadataValue.url(mlflow_run_url),
             "path": MetadataValue.path(str(stored.path)),
             "version": stored.version,
+            "tasks": MetadataValue.json(stored.manifest.get("tasks") or {}),
             "parent_base_policy": base.version,
             "environment": MetadataValue.json(environment),
             "nproc": nproc,
@@ -292,7 +297,7 @@ def training_rows(context: AssetExecutionContext, config: GRPORunConfig, duckdb:
     if config.split == "test":
         raise Failure(description="grpo_training: split 'test' is held out for evaluation and never feeds training")
     if not config.tasks:
-        return duckdb.problems(config.split, config.limit)
+        return duckdb.task_problems(DEFAULT_TASK, config.split, config.limit)
     try:
         tasks = [get_task(name) for name in config.tasks]
         TaskMixture([{"task": t.name} for t in tasks], config.tasks)  # weights checked before any work
@@ -325,6 +330,15 @@ def run_ended(instance: DagsterInstance, dagster_run_id: str) -> bool:
     """The Dagster run has ended (succeeded, failed, cancelled): nothing of it still logs to its MLflow runs."""
     run = instance.get_run_by_id(dagster_run_id)
     return run is not None and run.is_finished
+
+
+def with_start_tasks(config: GRPORunConfig, start: StoredModel, log) -> GRPORunConfig:
+    """``config``, training from the champion with no ``tasks`` set: on the champion's recorded mixture (its manifest's
+    ``tasks``; none recorded: ``DEFAULT_TASK``), so a retraining keeps the served policy's tasks. Logs the mixture trained."""
+    if config.init_from == "champion" and not config.tasks:
+        config = config.model_copy(update={"tasks": start.manifest.get("tasks") or {DEFAULT_TASK: 1.0}})
+    log.info(f"grpo_training: training {start.name} {start.version} on the tasks {config.tasks or {DEFAULT_TASK: 1.0}}")
+    return config
 
 
 def start_policy(init_from: str, base: StoredModel, model_store: ModelStore, mlflow: MLflowResource) -> StoredModel:

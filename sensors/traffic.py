@@ -7,7 +7,7 @@ from pathlib import Path
 from dagster import DefaultSensorStatus, RunRequest, SensorEvaluationContext, SensorResult, SkipReason, sensor
 
 from resources import Settings
-from rlvr.traffic import FILE_PREFIX, FILE_SUFFIX, file_day
+from rlvr.monitoring.traffic import FILE_PREFIX, FILE_SUFFIX, file_day
 from rlvr_assets.partitions import traffic_days
 
 

@@ -30,7 +30,7 @@ import pytest
 from bentos import api_keys
 from bentos.api_keys import AccessConfig, KeyLimits, KeyRing, TokenBucket, access_from_env, bearer_token, derived_key_id, parse_keys
 from bentos.build import bentoml_cli, bentoml_env
-from rlvr.traffic import TRAFFIC_COLUMNS, TrafficLog, read_traffic, traffic_row
+from rlvr.monitoring.traffic import TRAFFIC_COLUMNS, TrafficLog, read_traffic, traffic_row
 from support.guard import guarded
 from support.ports import free_port
 from support.served_bento import QUESTION, metric_value, scripted_bento, serving

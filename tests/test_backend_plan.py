@@ -82,7 +82,7 @@ def test_the_engine_follows_a_plan_it_is_given():
 
 
 def _greedy(engine: Engine, tokenizer) -> list[list[int]]:
-    requests = [EngineRequest(tokenizer(p).input_ids, 2, (0.0,), 8, stop_at_final_answer=False) for p in PROMPTS]
+    requests = [EngineRequest(tokenizer(p).input_ids, 2, (0.0,), 8) for p in PROMPTS]
     with torch.inference_mode():
         list(engine.run_requests(requests))
     return [ids for q in requests for ids in q.token_ids]

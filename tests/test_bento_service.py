@@ -37,8 +37,8 @@ from bentos.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES, MAX_NEW_TOKENS, MAX_PR
 from bentos.service import REWARD_TIMEOUT_S, published_openapi
 from rlvr.answers import extract_final_answer
 from rlvr.evaluation import majority_vote
+from rlvr.monitoring.traffic import read_traffic
 from rlvr.settings import Settings
-from rlvr.traffic import read_traffic
 from support.scripted_policies import GREEDY_COMPLETION
 from support.served_bento import (
     KV_CACHE_BUDGET_MIB,
@@ -146,7 +146,7 @@ def test_monitoring_reads_the_folder_the_service_writes(monkeypatch, tmp_path):
     """One resolver: RLVR_TRAFFIC_DIR moves the service's logs and the monitoring's reads together."""
     from dagster import build_sensor_context
 
-    from rlvr.traffic import TrafficLog
+    from rlvr.monitoring.traffic import TrafficLog
     from rlvr_assets.monitoring import TrafficConfig
     from sensors.traffic import traffic_sensor
 

@@ -26,7 +26,7 @@ import pytest
 from bentos.api_keys import derived_key_id
 from bentos.build import MODEL_VERSION_LABEL, bentoml_env
 from rlvr.answers import extract_final_answer
-from rlvr.traffic import read_traffic, traffic_row
+from rlvr.monitoring.traffic import read_traffic, traffic_row
 from support.ports import free_port
 from support.scripted_policies import GREEDY_COMPLETION
 from support.served_bento import LINEAGE, QUESTION, Server, metric_value, scripted_bento

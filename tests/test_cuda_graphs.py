@@ -28,7 +28,7 @@ def _completions(model, tokenizer, rows: int, graphed: bool, device: str = "cpu"
         step = engine.executor.graphed.step
         engine.executor.graphed.step = lambda *args: steps.append(len(args[1])) or step(*args)
     prompts = (PROMPTS * 2)[:rows]
-    requests = [EngineRequest(tokenizer(p).input_ids, 1, (0.0,), 10, stop_at_final_answer=False) for p in prompts]
+    requests = [EngineRequest(tokenizer(p).input_ids, 1, (0.0,), 10) for p in prompts]
     with torch.inference_mode():
         list(engine.run_requests(requests))
     if graphed:
@@ -59,7 +59,7 @@ def test_replayed_graphs_equal_eager_steps_for_every_bucket(rows):
 def test_cuda_rollouts_with_graphs_equal_them_without(dtype):
     tokenizer = char_tokenizer()
     model = tiny_causal_lm("qwen2", len(tokenizer), seed=2).to("cuda", dtype).requires_grad_(False)
-    config = SamplingConfig(max_new_tokens=16, temperatures=[0.0], stop_at_final_answer=False)
+    config = SamplingConfig(max_new_tokens=16, temperatures=[0.0])
     graphed = generate_rollouts(model, tokenizer, PROMPTS, 2, config)
     eager = generate_rollouts(model, tokenizer, PROMPTS, 2, SamplingConfig(**{**vars(config), "fast_paths": FastPaths(cuda_graphs=False)}))
     agree = (graphed.completion_ids == eager.completion_ids).float().mean()

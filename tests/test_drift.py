@@ -4,18 +4,20 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from rlvr.drift import (
+from rlvr.monitoring.drift import (
     DriftThresholds,
+    drift_by_task,
     embedding_drift,
     evaluate_drift,
     feature_drift,
     history_curves,
     ks_statistic,
+    memoized,
     output_drift,
     population_stability_index,
     traffic_drift,
 )
-from rlvr.prompt_features import PROMPT_FEATURES, prompt_features
+from rlvr.monitoring.prompt_features import PROMPT_FEATURES, prompt_features
 
 # PSI and KS -----------------------------------------------------------------------------------
 
@@ -108,7 +110,7 @@ def test_evaluate_drift_thresholds_by_family_and_skips_unthresholded_metrics():
         "format_compliance_drop": float("nan"),
     }
     checks = {check.name: check for check in evaluate_drift(metrics, DriftThresholds(psi=0.25, ks=0.2))}
-    assert checks["psi/num_words"] == ("psi/num_words", 0.3, 0.25, True)
+    assert checks["psi/num_words"] == ("psi/num_words", 0.3, 0.25, True, None)  # None: the whole window, no task
     assert not checks["psi/num_numbers"].drifted and not checks["ks/num_chars"].drifted
     assert checks["mean_cosine_distance"].drifted
     assert checks["mmd_p_value"].threshold is None and not checks["mmd_p_value"].drifted
@@ -151,10 +153,83 @@ def test_traffic_drift_reports_every_check_and_its_history():
     assert report.drifted and all(reason.split("=")[0] in report.metrics for reason in report.reasons())
     assert "**yes**" in report.table() and report.table().count("\n") == len(report.checks) + 1
     rows = report.history_rows("run-1", pd.Timestamp("2026-01-01", tz="UTC"), day="2026-01-01")
-    assert list(rows.columns) == ["reported_at", "run_id", "metric", "value", "threshold", "drifted", "day"] and set(rows["day"]) == {"2026-01-01"}
+    assert list(rows.columns) == ["reported_at", "run_id", "metric", "value", "threshold", "drifted", "day", "task"] and set(rows["day"]) == {"2026-01-01"}
     history = pd.concat([same.history_rows("run-0", pd.Timestamp("2025-12-31", tz="UTC")), rows])
     curves = history_curves(history, ["psi/num_words"])
     assert curves == {"psi/num_words": [(0, 0.0), (1, report.metrics["psi/num_words"])]}
+
+
+_RNG = np.random.default_rng(0)
+ARITHMETIC = [f"Calculate {a} + {b} * {c}." for a, b, c in _RNG.integers(1, 1000, size=(400, 3))]  # a reasoning-gym-like task's questions
+WORD_PROBLEMS = [f"Tom has {a} apples and buys {b} more at the market. How many apples does he have now?" for a, b in _RNG.integers(1, 100, size=(400, 2))]
+
+
+def requests(prompts, task, well_formed=1.0, vote_share=1.0):
+    return pd.DataFrame(
+        {
+            "prompt": prompts,
+            "task": task,
+            "well_formed": well_formed,
+            "completion_chars": 40.0,
+            "vote_share": vote_share,
+            "ground_truth": None,
+            "mean_reward": None,
+        }
+    )
+
+
+def test_drift_by_task_holds_each_task_to_its_own_questions_and_format():
+    references = {"arith": ARITHMETIC[::2], "gsm8k": WORD_PROBLEMS[::2]}  # each task's train questions; the traffic: the others
+    evaluations = {"arith": pd.DataFrame({"well_formed": [1.0] * 10, "completion_chars": [40.0] * 10, "reward_total": [1.0] * 10})}
+    no_task = requests(WORD_PROBLEMS[1:10:2], None, well_formed=None)  # e.g. the OpenAI routes: the whole window only
+    window = pd.concat([requests(ARITHMETIC[1::2], "arith"), requests(WORD_PROBLEMS[1::2], "gsm8k"), no_task])
+    mixture = ARITHMETIC[::4] + WORD_PROBLEMS[::4]
+    report = drift_by_task(mixture, references, window, evaluations=evaluations, min_requests=10)
+    assert not report.drifted, report.reasons()
+    assert set(report.task_metrics) == {"arith", "gsm8k"} and {c.task for c in report.checks} == {None, "arith", "gsm8k"}
+    assert report.task_metrics["arith"]["format_compliance_drop"] == 0.0  # against its own evaluation's rate
+    assert "format_compliance_drop" not in report.task_metrics["gsm8k"] and "no evaluation" in report.notes["gsm8k"]
+    # word problems sent to the arithmetic task drift from its questions; GSM8k's requests do not move
+    swapped = pd.concat([requests(WORD_PROBLEMS[1::2], "arith"), requests(WORD_PROBLEMS[1::2], "gsm8k")])
+    drifted = drift_by_task(mixture, references, swapped, min_requests=10)
+    assert {c.task for c in drifted.drifted} >= {"arith"} and "gsm8k" not in {c.task for c in drifted.drifted}
+    assert any(reason.startswith("[arith] psi/") for reason in drifted.reasons())
+    # its completions out of its own format drop its format compliance
+    unformatted = drift_by_task(ARITHMETIC[::2], references, requests(ARITHMETIC[1::2], "arith", well_formed=0.0), evaluations=evaluations, min_requests=10)
+    assert [c.label for c in unformatted.drifted] == ["[arith] format_compliance_drop"]
+
+
+def test_drift_by_task_leaves_out_tasks_with_too_few_requests_and_compares_vote_share_within_a_task():
+    references = {"arith": ARITHMETIC[::2]}
+    window = pd.concat([requests(ARITHMETIC[1::2], "arith", vote_share=0.5), requests(ARITHMETIC[1:6:2], "other")])
+    previous = pd.concat([requests(ARITHMETIC[1::2], "arith", vote_share=1.0), requests(ARITHMETIC[1::2], "other", vote_share=0.0)])
+    report = drift_by_task(ARITHMETIC[::2], references, window, previous, min_requests=10)
+    assert "other" not in report.task_metrics and report.notes["other"] == "not checked: 3 requests < 10"
+    assert report.task_metrics["arith"]["vote_share_drop"] == pytest.approx(0.5)  # its own earlier requests, not the other task's
+    assert [c.label for c in report.drifted] == ["[arith] vote_share_drop"]
+
+
+def test_memoized_embeds_each_distinct_text_once():
+    seen = []
+
+    def embed(texts):
+        seen.extend(texts)
+        return np.array([[len(t), 1.0] for t in texts])
+
+    once = memoized(embed)
+    np.testing.assert_array_equal(once(["ab", "c", "ab"]), [[2, 1], [1, 1], [2, 1]])
+    np.testing.assert_array_equal(once(["c", "def"]), [[1, 1], [3, 1]])
+    assert seen == ["ab", "c", "def"]
+
+
+def test_history_curves_follow_each_tasks_metric_apart():
+    history = pd.DataFrame(
+        {"metric": ["psi/num_words"] * 4, "value": [0.1, 0.2, 0.3, 0.4], "task": [None, "arith", None, "arith"]},
+    )
+    assert history_curves(history, ["psi/num_words", "[arith] psi/num_words"]) == {
+        "psi/num_words": [(0, 0.1), (1, 0.3)],
+        "[arith] psi/num_words": [(0, 0.2), (1, 0.4)],
+    }
 
 
 # embedding drift ------------------------------------------------------------------------------
@@ -199,14 +274,14 @@ UNRELATED = [
 
 @pytest.fixture(scope="module")
 def embeddings():
-    from rlvr.embeddings import embed_texts
+    from rlvr.monitoring.embeddings import embed_texts
 
     return embed_texts(GSM8K_LIKE, batch_size=3), embed_texts(UNRELATED, batch_size=8)
 
 
 @pytest.mark.slow
 def test_embed_texts_is_normalized_and_independent_of_batching(embeddings):
-    from rlvr.embeddings import embed_texts
+    from rlvr.monitoring.embeddings import embed_texts
 
     gsm, _ = embeddings
     assert gsm.shape == (len(GSM8K_LIKE), 384) and gsm.dtype == np.float32

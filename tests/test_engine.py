@@ -6,7 +6,7 @@ import gc
 import pytest
 import torch
 
-from rlvr.generation import Engine, EngineRequest, SamplingConfig, generate_rollouts
+from rlvr.generation import Engine, EngineRequest, SamplingConfig, StopRule, generate_rollouts
 from support.engine_runs import run_engine, watch_forwards
 from support.tiny_models import char_tokenizer, tiny_llama
 
@@ -32,10 +32,10 @@ def _request(tokenizer, prompt: str, samples: int = 1, new_tokens: int = 12, **k
 def test_greedy_completions_equal_the_rollout_engines_whoever_joins_and_leaves(model, tokenizer):
     """Prompts arriving at different steps, a 3-row batch, 5-token prefill chunks: each completion and
     finish reason is what ``generate_rollouts`` gives the prompt alone."""
-    config = SamplingConfig(max_new_tokens=12, temperatures=[0.0], stop_at_final_answer=False, stop_strings=("zz",))
+    config = SamplingConfig(max_new_tokens=12, temperatures=[0.0], stop_strings=("zz",))
     expected = generate_rollouts(model, tokenizer, PROMPTS, 2, config)
     engine = Engine(model, tokenizer, max_rows=3, step_tokens=5, kv_budget_bytes=2**24)
-    requests = [_request(tokenizer, p, samples=2, stop_at_final_answer=False, stop_strings=("zz",)) for p in PROMPTS]
+    requests = [_request(tokenizer, p, samples=2, stop=StopRule(("zz",))) for p in PROMPTS]
     run_engine(engine, {0: requests[:1], 2: requests[1:3], 7: requests[3:]})
     got = [ids for q in requests for ids in q.token_ids]
     assert got == expected.completion_token_lists()
@@ -49,14 +49,14 @@ def test_each_step_is_one_forward_over_both_lanes_and_the_prompt_chunks(model, t
     """With a long request in the long lane, short ones in the short lane and prompts still
     prefilling, a step still reads the weights once (one forward over all of its tokens), and every
     completion is still what ``generate_rollouts`` gives its prompt alone."""
-    config = SamplingConfig(max_new_tokens=12, temperatures=[0.0], stop_at_final_answer=False)
+    config = SamplingConfig(max_new_tokens=12, temperatures=[0.0])
     expected = generate_rollouts(model, tokenizer, PROMPTS, 2, config)
     engine = Engine(model, tokenizer, max_rows=6, step_tokens=8, kv_budget_bytes=2**24, short_lane_tokens=32)
     steps = []
     watch_forwards(engine, lambda tokens: steps[-1].append((len(tokens), [len(lane.rows) for lane in engine.lanes])))
     original_step = engine.step
     engine.step = lambda: (steps.append([]), original_step())
-    requests = [_request(tokenizer, p, samples=2, stop_at_final_answer=False) for p in PROMPTS]
+    requests = [_request(tokenizer, p, samples=2) for p in PROMPTS]
     run_engine(engine, {0: requests[3:], 3: requests[:3]})
     assert all(len(calls) <= 1 for calls in steps)
     rows_in_lanes = [lanes for calls in steps for _, lanes in calls]
@@ -83,8 +83,8 @@ def test_a_short_request_is_served_while_a_long_one_prefills_and_decodes(model, 
     the long rows'), and ends long before the long one."""
     engine = Engine(model, tokenizer, max_rows=4, step_tokens=32, kv_budget_bytes=2**24)
     engine.stops.stop_ids = set()  # no end token: the long one runs to its budget
-    long = _request(tokenizer, "y" * 300, samples=4, new_tokens=250, temperatures=(1.0,), stop_at_final_answer=False)
-    short = _request(tokenizer, PROMPTS[0], new_tokens=8, stop_at_final_answer=False)
+    long = _request(tokenizer, "y" * 300, samples=4, new_tokens=250, temperatures=(1.0,))
+    short = _request(tokenizer, PROMPTS[0], new_tokens=8)
     lanes = []
     short.on_tokens = lambda pairs: lanes.append(([len(lane.rows) for lane in engine.lanes], engine.lanes[0].cache.capacity_length))
     run_engine(engine, {0: [long], 1: [short]})
@@ -98,9 +98,9 @@ def test_a_request_holds_at_most_half_the_kv_budget_the_others_leave(model, toke
     per_token = 2 * 2 * 2 * 16 * 4  # layers x (K, V) x KV heads x head dim x float32
     engine = Engine(model, tokenizer, max_rows=8, step_tokens=64, kv_budget_bytes=8 * 128 * per_token)
     engine.stops.stop_ids = set()
-    big = _request(tokenizer, "y" * 20, samples=8, new_tokens=100, temperatures=(1.0,), stop_at_final_answer=False)
-    small = _request(tokenizer, "7", new_tokens=4, stop_at_final_answer=False)
-    other = _request(tokenizer, "y" * 20, samples=8, new_tokens=100, temperatures=(1.0,), stop_at_final_answer=False)
+    big = _request(tokenizer, "y" * 20, samples=8, new_tokens=100, temperatures=(1.0,))
+    small = _request(tokenizer, "7", new_tokens=4)
+    other = _request(tokenizer, "y" * 20, samples=8, new_tokens=100, temperatures=(1.0,))
     rows = run_engine(engine, {0: [big], 1: [other], 3: [small]})
     assert rows[0] == 4 and 4 < rows[1] <= 6  # half the budget: 4 slots of 128 positions; then at most half the rest
     assert small.done_s < big.done_s and all(len(ids) == 100 for ids in big.token_ids + other.token_ids)
@@ -120,8 +120,8 @@ def test_a_request_the_kv_budget_cannot_hold_alone_is_refused_at_submit(model, t
 def test_cancelled_requests_leave_at_the_next_step(model, tokenizer):
     engine = Engine(model, tokenizer, max_rows=4, step_tokens=64, kv_budget_bytes=2**24)
     engine.stops.stop_ids = set()
-    doomed = _request(tokenizer, PROMPTS[2], samples=2, new_tokens=100, temperatures=(1.0,), stop_at_final_answer=False)
-    other = _request(tokenizer, PROMPTS[0], samples=1, new_tokens=30, stop_at_final_answer=False)
+    doomed = _request(tokenizer, PROMPTS[2], samples=2, new_tokens=100, temperatures=(1.0,))
+    other = _request(tokenizer, PROMPTS[0], samples=1, new_tokens=30)
     doomed.on_tokens = lambda pairs: len(doomed.token_ids[0]) == 5 and doomed.cancelled.set()
     run_engine(engine, {0: [doomed, other]})
     assert doomed.finish_reasons == ["cancelled", "cancelled"] and all(len(ids) == 5 for ids in doomed.token_ids)
@@ -162,7 +162,7 @@ def test_the_start_wait_follows_the_rows_ahead_once_asked(model, tokenizer):
     then a request queued behind a running one waits for its rows, and an idle engine starts at once."""
     engine = Engine(model, tokenizer, max_rows=1, step_tokens=64, kv_budget_bytes=2**24)
     engine.stops.stop_ids = set()
-    first, second = (_request(tokenizer, PROMPTS[0], new_tokens=20, stop_at_final_answer=False) for _ in range(2))
+    first, second = (_request(tokenizer, PROMPTS[0], new_tokens=20) for _ in range(2))
     for request in (first, second):
         engine.submit(request)
     engine.take_submissions()
@@ -181,7 +181,7 @@ def test_requests_submitted_since_the_last_step_count_in_the_start_wait(model, t
     """A burst between two steps: each new request's wait counts the rows of those submitted before it."""
     engine = Engine(model, tokenizer, max_rows=1, step_tokens=64, kv_budget_bytes=2**24)
     engine.stops.stop_ids = set()
-    first, second, third = (_request(tokenizer, PROMPTS[0], new_tokens=20, stop_at_final_answer=False) for _ in range(3))
+    first, second, third = (_request(tokenizer, PROMPTS[0], new_tokens=20) for _ in range(3))
     engine.submit(first)
     engine.take_submissions()
     engine.start_wait_s()

@@ -11,9 +11,9 @@ import math
 
 import pytest
 
-from rlvr.function_tests import read_verdict, run_function_tests
-from rlvr.function_tests_child import EqualTo, decode, encode
-from rlvr.sandbox import SandboxLimits, SandboxResult
+from rlvr.code_execution.function_tests import read_verdict, run_function_tests
+from rlvr.code_execution.function_tests_child import EqualTo, decode, encode
+from rlvr.code_execution.sandbox import SandboxLimits, SandboxResult
 
 FAST = SandboxLimits(cpu_time_s=1, wall_time_s=3)
 

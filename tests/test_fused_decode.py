@@ -81,7 +81,7 @@ def test_rollouts_use_it_and_match_the_models_forward(monkeypatch):
     tokenizer = char_tokenizer()
     model = tiny_qwen2(len(tokenizer), seed=2)
     prompts = ["12+3=", "7*8 = ?", "a"]
-    config = SamplingConfig(max_new_tokens=12, temperatures=[0.0, 1.0], stop_at_final_answer=False, seed=4)
+    config = SamplingConfig(max_new_tokens=12, temperatures=[0.0, 1.0], seed=4)
     built = []
     monkeypatch.setattr(model_runner, "fused_decoder", lambda *args: built.append(fused_decoder(*args)) or built[-1])
     fused = generate_rollouts(model, tokenizer, prompts, 2, config)
@@ -110,7 +110,7 @@ def test_models_it_does_not_cover_decode_through_their_own_forward():
 def test_a_frozen_model_keeps_its_decoder_until_a_weight_changes():
     tokenizer = char_tokenizer()
     model = tiny_llama(len(tokenizer), seed=6).requires_grad_(False)
-    config = SamplingConfig(max_new_tokens=6, temperatures=[0.0], stop_at_final_answer=False)
+    config = SamplingConfig(max_new_tokens=6, temperatures=[0.0])
     built = []
     original = FusedDecoder.__init__
     with pytest.MonkeyPatch.context() as patch:

@@ -38,7 +38,7 @@ def test_the_runner_is_the_fused_decoder_for_llama_family_models_else_the_models
 
 
 def test_greedy_rollouts_equal_generate(model, tokenizer):
-    config = SamplingConfig(max_new_tokens=NEW_TOKENS, temperatures=[0.0], stop_at_final_answer=False)
+    config = SamplingConfig(max_new_tokens=NEW_TOKENS, temperatures=[0.0])
     rollouts = generate_rollouts(model, tokenizer, PROMPTS, 1, config)
     assert rollouts.completion_token_lists() == [generated(model, tokenizer, p) for p in PROMPTS]
 
@@ -46,7 +46,7 @@ def test_greedy_rollouts_equal_generate(model, tokenizer):
 def test_a_request_alone_and_beside_others_completes_as_generate_does(model, tokenizer):
     """Requests joining at different steps into a 3-row batch, prompts prefilled in 4-token chunks."""
     engine = Engine(model, tokenizer, max_rows=3, step_tokens=4, kv_budget_bytes=2**24)
-    requests = [EngineRequest(tokenizer(p).input_ids, 2, (0.0,), NEW_TOKENS, stop_at_final_answer=False) for p in PROMPTS]
+    requests = [EngineRequest(tokenizer(p).input_ids, 2, (0.0,), NEW_TOKENS) for p in PROMPTS]
     arrivals = {0: requests[:1], 3: requests[1:3], 6: requests[3:]}
     with torch.inference_mode():
         for step in range(500):
@@ -63,11 +63,11 @@ def test_a_request_alone_and_beside_others_completes_as_generate_does(model, tok
 
 def test_one_seed_samples_the_same_tokens_in_training_and_in_serving(model, tokenizer):
     """Training's call (``generate_rollouts``, prompt 0 of the call) and a served request with the same seed."""
-    config = SamplingConfig(max_new_tokens=NEW_TOKENS, temperatures=[1.0], top_p=0.9, seed=11, stop_at_final_answer=False)
+    config = SamplingConfig(max_new_tokens=NEW_TOKENS, temperatures=[1.0], top_p=0.9, seed=11)
     trained = generate_rollouts(model, tokenizer, PROMPTS[:1], 3, config).completion_token_lists()
     engine = Engine(model, tokenizer, max_rows=8, kv_budget_bytes=2**24)
-    served = EngineRequest(tokenizer(PROMPTS[0]).input_ids, 3, (1.0,), NEW_TOKENS, top_p=0.9, seed=11, stop_at_final_answer=False)
-    crowd = [EngineRequest(tokenizer(p).input_ids, 2, (1.0,), NEW_TOKENS, seed=5, stop_at_final_answer=False) for p in PROMPTS[1:]]
+    served = EngineRequest(tokenizer(PROMPTS[0]).input_ids, 3, (1.0,), NEW_TOKENS, top_p=0.9, seed=11)
+    crowd = [EngineRequest(tokenizer(p).input_ids, 2, (1.0,), NEW_TOKENS, seed=5) for p in PROMPTS[1:]]
     with torch.inference_mode():
         list(engine.run_requests([*crowd, served]))
     assert served.token_ids == trained and len(set(map(tuple, trained))) > 1

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 import rlvr
-from rlvr import gsm8k
 from rlvr.settings import Settings
+from rlvr.tasks.gsm8k import dataset as gsm8k
 
 
 def write_split(folder, split, records):

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from rlvr.code_execution.function_tests import run_function_tests
 from rlvr.evaluation.estimators import pass_at_k_per_problem
-from rlvr.function_tests import run_function_tests
 from rlvr.rewards import RewardPool, score
 from rlvr.rewards.code import extract_code, humaneval_program, last_code_block
 from rlvr.tasks.base import TaskError

@@ -41,7 +41,7 @@ from resources.k8s_launcher import (
 )
 from resources.launcher import TrainingJob
 from rlvr.grpo import GRPOConfig
-from rlvr.rewards import DEFAULT_GSM8K_REWARD
+from rlvr.tasks.gsm8k import REWARDS as GSM8K_REWARDS
 from support.k8s_manifests import K8S, K8S_VERSIONS, load_yaml_docs, resource_of_kind
 from support.ports import free_port
 
@@ -309,7 +309,7 @@ def fake_cluster(monkeypatch):
 def training_job(home: Path) -> TrainingJob:
     scratch = home / "models" / ".work" / "grpo-runs" / "r"
     rows = [{"id": "p1", "question": "1 + 1?", "answer": "2"}]
-    return TrainingJob("r", home / "models" / "base_policy" / "v1", rows, GRPOConfig(), dict(DEFAULT_GSM8K_REWARD), scratch, device="cpu")
+    return TrainingJob("r", home / "models" / "base_policy" / "v1", rows, GRPOConfig(), dict(GSM8K_REWARDS), scratch, device="cpu")
 
 
 def launch(launcher: K8sTrainingLauncher, job: TrainingJob, nproc: int, on_step=None) -> dict:

@@ -20,9 +20,9 @@ from dagster import DagsterInstance, ReexecutionOptions, build_sensor_context, e
 from resources import grpo_worker
 from resources.launcher import LOCK_FILE, SCRATCH_ENV, TrainingJob, TrainingLauncher, attempt_lock, clear_attempt, step_history, stop_abandoned_training
 from resources.tracking import TRAINING_RUN_TAG
-from rlvr import gsm8k
 from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig
+from rlvr.tasks.gsm8k import dataset as gsm8k
 from rlvr.training_run import start_training_process
 from sensors import failed_run_mlflow_sensor
 from support.pipeline import resources_for

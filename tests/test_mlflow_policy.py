@@ -17,6 +17,7 @@ from resources import MLflowResource, StoredModel
 from resources.mlflow_policy import QUESTION_EXAMPLE
 from resources.tracking import CHAMPION, EXPERIMENT_KIND_TAG, MODEL_TRAINING, EvaluationRun
 from rlvr.answers import extract_final_answer
+from rlvr.tasks import GSM8K
 from support.ports import free_port
 from support.tiny_models import save_tiny_llama
 from support.waiting import wait_for_http
@@ -75,7 +76,7 @@ def test_the_champion_is_an_mlflow_model_that_answers_a_gsm8k_question(active):
     assert json.loads(registered.tags["training_config"]) == {"lr": 1e-6}  # JSON, not a Python repr
 
     model = mlflow.pyfunc.load_model(f"models:/{tracking.registered_model}@{CHAMPION}")
-    assert model.metadata.get_input_schema().input_names() == ["question"]
+    assert model.metadata.get_input_schema().input_names() == ["question", "task"]  # task: optional, the policy's first by default
     assert model.metadata.get_output_schema().input_names() == ["answer", "completion"]
     answers = model.predict(
         {"question": ["Weng earns $12 an hour for babysitting. Yesterday she did 50 minutes. How much did she earn?"]}, params={"max_new_tokens": 8}
@@ -84,6 +85,10 @@ def test_the_champion_is_an_mlflow_model_that_answers_a_gsm8k_question(active):
     completion = answers["completion"][0]
     found = extract_final_answer(completion, "strict")
     assert answers["answer"][0] == (found.text if found else "")
+    named = model.predict({"question": ["What is 6 times 7?"], "task": ["gsm8k"]}, params={"max_new_tokens": 8})
+    assert named["answer"][0] == (GSM8K.parse(named["completion"][0]) or "")  # a policy recording no tasks is served as GSM8k
+    with pytest.raises(Exception, match=r"\['math'\] are not among the policy's tasks: gsm8k"):
+        model.predict({"question": ["What is 6 times 7?"], "task": ["math"]}, params={"max_new_tokens": 8})
     downloaded = Path(mlflow.artifacts.download_artifacts(f"models:/{tracking.registered_model}@{CHAMPION}"))
     assert QUESTION_EXAMPLE in (downloaded / "input_example.json").read_text()
     assert tracking.download_checkpoint(registered.source).joinpath("config.json").is_file()  # the bento asset's way to the weights

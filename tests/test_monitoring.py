@@ -9,10 +9,11 @@ import duckdb
 import pytest
 from dagster import DagsterInstance, RunRequest, SensorResult, SkipReason, build_sensor_context, materialize
 
-from resources import CHAMPION, MLflowResource, ModelStore, Upsert, Warehouse
-from rlvr.traffic import TrafficLog
+from resources import MLflowResource, ModelStore, Upsert, Warehouse
+from rlvr.monitoring.traffic import TrafficLog
 from rlvr_assets import data, monitoring
 from sensors import drift_sensor, traffic_sensor
+from support.pipeline import register_champion
 
 pytestmark = pytest.mark.slow  # materializes Dagster partitions and runs sensors
 
@@ -102,20 +103,7 @@ def ingest_and_report(env, day=DAY, **drift_config):
 
 
 def sensor_context(env, cursor=None):
-    return build_sensor_context(instance=env["instance"], cursor=cursor, resources={"mlflow": env["resources"]["mlflow"]})
-
-
-def register_champion(mlflow: MLflowResource, folder) -> None:
-    """A champion in the real registry: a logged checkpoint, registered and promoted."""
-    (folder / "checkpoint").mkdir()
-    (folder / "checkpoint" / "config.json").write_text("{}")
-    client = mlflow.client()
-    run = client.create_run(mlflow.experiment_id())
-    client.log_artifacts(run.info.run_id, str(folder / "checkpoint"), "checkpoint")
-    registry = mlflow.registry()
-    version = registry.register("v1", f"runs:/{run.info.run_id}/checkpoint", run.info.run_id, {})
-    registry.record_decision(version, True, "the first policy")
-    assert registry.version_for(CHAMPION) is not None
+    return build_sensor_context(instance=env["instance"], cursor=cursor, resources={k: env["resources"][k] for k in ("mlflow", "model_store")})
 
 
 def count_rows(env):
@@ -162,11 +150,12 @@ def test_drifted_traffic_requests_exactly_one_run_per_episode(env):
     assert any(reason.startswith(("psi/", "ks/", "mmd", "mean_cosine")) for reason in report["drift_reasons"])
     skipped = drift_sensor(sensor_context(env))  # no champion yet: retraining (from the champion) cannot start
     assert isinstance(skipped, SkipReason) and "the registry has no champion to retrain from" in skipped.skip_message
-    register_champion(env["resources"]["mlflow"], env["db"].parent)
+    register_champion(env["resources"]["mlflow"], env["db"].parent, "v1")
     context = sensor_context(env)
     requests = drift_sensor(context)
     assert len(requests) == 1 and isinstance(requests[0], RunRequest)
     assert requests[0].tags["rlvr/trigger"] == "drift" and requests[0].tags["rlvr/drift_reasons"]
+    assert requests[0].tags["rlvr/tasks"] == '{"gsm8k": 1.0}'  # a champion that records no tasks retrains on GSM8k
     # the same episode goes on: a second drifted report requests nothing new
     write_traffic(env["traffic"], prompts[:10], well_formed=False)
     assert ingest_and_report(env)["drifted"] is True

@@ -78,7 +78,7 @@ def test_greedy_rollouts_are_the_same_with_and_without_packing(monkeypatch):
     tokenizer = char_tokenizer()
     model = tiny_llama(len(tokenizer), seed=4)
     prompts = ["12+3=", "7*8 = ?", "a"]
-    config = SamplingConfig(max_new_tokens=12, temperatures=[0.0], stop_at_final_answer=False)
+    config = SamplingConfig(max_new_tokens=12, temperatures=[0.0])
     config = replace(config, fast_paths=FastPaths(fused_decode=False))  # decode through the model's forward
     calls = []
     packed_forward = packed_linear._packed_forward

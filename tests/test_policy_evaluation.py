@@ -10,6 +10,7 @@ import pytest
 from dagster import DagsterInstance, Definitions, evaluate_automation_conditions, materialize
 
 from resources import EvalProtocol
+from rlvr.tasks import DEFAULT_TASK
 from rlvr_assets import data, evaluation, models
 from rlvr_assets.partitions import parse_policy_key, policy_key, policy_versions
 from support.pipeline import PROTOCOL, resources_for, run_config
@@ -84,10 +85,32 @@ def test_the_same_evaluation_asked_for_twice_at_once_is_computed_once(home, gsm8
     with DagsterInstance.ephemeral() as instance:
         assert materialize([data.gsm8k_problems, models.base_policy], resources=res, run_config={"ops": ops}, instance=instance).success
     base, protocol = res["model_store"].latest("base_policy"), EvalProtocol(**PROTOCOL)
-    problems = res["duckdb"].problems(protocol.split, protocol.limit)
+    problems = res["duckdb"].task_problems(DEFAULT_TASK, protocol.split, protocol.limit)
     with ThreadPoolExecutor(2) as pool:
         both = [pool.submit(res["evaluator"].evaluate, "base_policy", base.version, base.path, protocol, problems) for _ in range(2)]
         outcomes = [future.result(timeout=300) for future in both]
     assert sorted(o.reused for o in outcomes) == [False, True] and outcomes[0].eval_id == outcomes[1].eval_id
     with duckdb.connect(str(home / "rlvr.duckdb"), read_only=True) as conn:
         assert conn.execute("SELECT policy_role, count(*) FROM eval_results GROUP BY 1").fetchall() == [("base_policy", PROTOCOL["limit"])]
+
+
+def test_an_older_data_directory_with_its_gsm8k_problems_table_evaluates_as_before(home, gsm8k_dir, tiny_llama_dir):
+    """A file written before every task's problems shared ``task_problems``: its ``gsm8k_problems`` table moves
+    into it on the first read, and the evaluation stored before is found again (same problems, same identity)."""
+    res = resources_for(home)
+    with DagsterInstance.ephemeral() as instance:
+        ops = {k: v for k, v in run_config(gsm8k_dir, tiny_llama_dir)["ops"].items() if k in ("gsm8k_problems", "base_policy")}
+        assert materialize([data.gsm8k_problems, models.base_policy], resources=res, run_config={"ops": ops}, instance=instance).success
+        key = policy_key("base_policy", res["model_store"].latest("base_policy").version)
+        assert evaluate(instance, res, key).success
+        with duckdb.connect(str(home / "rlvr.duckdb")) as conn:  # back to the older layout: GSM8k's rows in a table of their own
+            older = conn.execute("SELECT * EXCLUDE (task, reference, question_hash) FROM gsm8k_problems").df()
+            conn.execute("DROP VIEW gsm8k_problems")
+            conn.execute("DELETE FROM task_problems")
+            conn.execute("CREATE TABLE gsm8k_problems AS SELECT * FROM older")
+        again = evaluate(instance, res, key)
+        assert again.success and again.asset_materializations_for_node("policy_evaluation")[0].metadata["reused"].value is True
+        with duckdb.connect(str(home / "rlvr.duckdb"), read_only=True) as conn:
+            kind = conn.execute("SELECT table_type FROM information_schema.tables WHERE table_name = 'gsm8k_problems'").fetchone()[0]
+            moved = conn.execute("SELECT count(*) FROM task_problems WHERE task = 'gsm8k'").fetchone()[0]
+        assert kind == "VIEW" and moved == len(older)

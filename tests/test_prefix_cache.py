@@ -33,12 +33,12 @@ def _prefilled_tokens(engine: Engine) -> list[int]:
 
 def _greedy(tokenizer, prompt: str, new_tokens: int = 10) -> EngineRequest:
     ids = tokenizer(prompt).input_ids
-    return EngineRequest(prompt_ids=ids, num_samples=1, max_new_tokens=new_tokens, temperatures=(0.0,), stop_at_final_answer=False)
+    return EngineRequest(prompt_ids=ids, num_samples=1, max_new_tokens=new_tokens, temperatures=(0.0,))
 
 
 def test_a_prompt_sharing_a_start_prefills_only_what_is_new_and_completes_as_alone(model, tokenizer):
     prompts = [SHARED + "what is 12+30?", SHARED + "7*6", SHARED[:20] + "count a b c"]
-    expected = generate_rollouts(model, tokenizer, prompts, 1, SamplingConfig(max_new_tokens=10, temperatures=[0.0], stop_at_final_answer=False))
+    expected = generate_rollouts(model, tokenizer, prompts, 1, SamplingConfig(max_new_tokens=10, temperatures=[0.0]))
     engine = Engine(model, tokenizer, max_rows=4, step_tokens=256, kv_budget_bytes=2**24)
     prefilled = _prefilled_tokens(engine)
     requests = [_greedy(tokenizer, p) for p in prompts]

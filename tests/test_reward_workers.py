@@ -10,7 +10,8 @@ import torch
 
 from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig, GRPOTrainer
-from rlvr.rewards import DEFAULT_GSM8K_REWARD, RewardPool, register_reward
+from rlvr.rewards import RewardPool, register_reward
+from rlvr.tasks.gsm8k import REWARDS as GSM8K_REWARDS
 from support.reward_cases import GSM8K, unique_name
 from support.tiny_models import COPY_DIGIT_CHARS, COPY_DIGIT_PROBLEMS, char_tokenizer, tiny_llama
 from support.waiting import wait_for
@@ -64,7 +65,7 @@ def test_an_explosive_latex_answer_costs_at_most_one_timeout():
     with RewardPool(workers=2, timeout_s=2.0) as pool:
         started = time.monotonic()
         batch = pool.score_batch(
-            DEFAULT_GSM8K_REWARD, ["#### 9^{9^{9}}", "#### 72", "#### 72"], [GSM8K, GSM8K, {**GSM8K, "answer_text": "9^{9^{9}}", "answer_value": None}]
+            GSM8K_REWARDS, ["#### 9^{9^{9}}", "#### 72", "#### 72"], [GSM8K, GSM8K, {**GSM8K, "answer_text": "9^{9^{9}}", "answer_value": None}]
         )
         assert time.monotonic() - started < 8
     assert batch[0]["math_answer"].value == 0.0

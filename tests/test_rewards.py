@@ -10,7 +10,6 @@ import pytest
 
 import rlvr.rewards.math
 from rlvr.rewards import (
-    DEFAULT_GSM8K_REWARD,
     CompositeReward,
     RewardError,
     RewardPool,
@@ -21,6 +20,7 @@ from rlvr.rewards import (
     score,
 )
 from rlvr.rewards.sympy_worker import TIMEOUT_S, SymbolicCheckAborted, run_bounded
+from rlvr.tasks.gsm8k import REWARDS as GSM8K_REWARDS
 from support.reward_cases import GSM8K, unique_name
 
 
@@ -380,7 +380,7 @@ def test_reward_result_validates_its_value():
 
 
 def test_default_gsm8k_reward_weighs_correctness_over_format():
-    reward = CompositeReward(DEFAULT_GSM8K_REWARD)
+    reward = CompositeReward(GSM8K_REWARDS)
     both = reward("#### 72", **GSM8K)
     assert both.value == 1.0 and both.details == {"math_answer": 1.0, "format": 1.0}
     format_only = reward("#### 71", **GSM8K).value
@@ -449,7 +449,7 @@ def test_pool_slow_reward_times_out_without_stalling_the_batch():
     completions = ["#### 72", "hang", "#### 72", "#### 71"]
     start = time.monotonic()
     with RewardPool(workers=2, timeout_s=0.5) as pool:
-        batch = pool.score_batch({**DEFAULT_GSM8K_REWARD, name: 1.0}, completions, [GSM8K] * 4)
+        batch = pool.score_batch({**GSM8K_REWARDS, name: 1.0}, completions, [GSM8K] * 4)
         assert pool.killed == 1
     assert time.monotonic() - start < 3
     assert "timed out" in batch[1][name].details["error"]
@@ -472,12 +472,12 @@ def test_pool_runs_symbolic_math_and_code_off_the_main_thread():
 def test_pool_validates_its_inputs():
     with RewardPool() as pool:
         with pytest.raises(ValueError, match="2 completions but 1 references"):
-            pool.score_batch(DEFAULT_GSM8K_REWARD, ["a", "b"], [GSM8K])
+            pool.score_batch(GSM8K_REWARDS, ["a", "b"], [GSM8K])
         with pytest.raises(RewardError, match="unknown reward"):
             pool.score_batch({"nope": 1.0}, ["a"], [GSM8K])
-        assert pool.score_batch(DEFAULT_GSM8K_REWARD, [], []) == []
+        assert pool.score_batch(GSM8K_REWARDS, [], []) == []
     with pytest.raises(RuntimeError, match="closed"):
-        pool.score_batch(DEFAULT_GSM8K_REWARD, ["a"], [GSM8K])
+        pool.score_batch(GSM8K_REWARDS, ["a"], [GSM8K])
 
 
 def test_pool_reward_fn_matches_the_trainer_callback():

@@ -5,8 +5,9 @@ import torch
 
 from rlvr.generation import Rollouts, SamplingConfig, generate_rollouts, sample_tokens, score_tokens, stream_rollouts
 from rlvr.generation.sampler import GREEDY_BELOW_TEMPERATURE, _top_p_filter
-from rlvr.generation.stops import StopChecker
+from rlvr.generation.stops import NO_STOP_RULE, StopChecker, StopRule
 from rlvr.prompts import ControlTokensError, render_messages, render_prompt
+from rlvr.tasks import GSM8K
 from support.tiny_models import char_tokenizer, embedded_tokenizer, tiny_llama
 
 PROMPTS = ["what is 12+30?", "7", "count: a b c d e f"]
@@ -36,7 +37,7 @@ def full_forward_logprobs(model, tokenizer, rollouts: Rollouts) -> torch.Tensor:
 
 
 def test_shapes_and_bookkeeping(model, tokenizer):
-    config = SamplingConfig(max_new_tokens=12, temperatures=[0.5, 1.0, 0.0], stop_at_final_answer=False)
+    config = SamplingConfig(max_new_tokens=12, temperatures=[0.5, 1.0, 0.0])
     r = generate_rollouts(model, tokenizer, PROMPTS, num_samples=4, config=config)
     n = len(PROMPTS) * 4
     assert len(r) == n and r.completion_ids.shape == r.logprobs.shape == r.completion_mask.shape
@@ -56,7 +57,7 @@ def test_shapes_and_bookkeeping(model, tokenizer):
 
 
 def test_left_padding_gives_same_greedy_tokens_and_logprobs(model, tokenizer):
-    config = SamplingConfig(max_new_tokens=10, temperatures=[0.0], stop_at_final_answer=False)
+    config = SamplingConfig(max_new_tokens=10, temperatures=[0.0])
     batch = generate_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=config)
     for i, prompt in enumerate(PROMPTS):
         alone = generate_rollouts(model, tokenizer, [prompt], num_samples=1, config=config)
@@ -67,7 +68,7 @@ def test_left_padding_gives_same_greedy_tokens_and_logprobs(model, tokenizer):
 
 
 def test_greedy_matches_hf_generate(model, tokenizer):
-    config = SamplingConfig(max_new_tokens=15, temperatures=[0.0], stop_at_final_answer=False, stop_token_ids=[1])
+    config = SamplingConfig(max_new_tokens=15, temperatures=[0.0], stop_token_ids=[1])
     ours = generate_rollouts(model, tokenizer, PROMPTS, num_samples=1, config=config)
     enc = tokenizer(PROMPTS, return_tensors="pt", padding=True)
     hf = model.generate(**enc, max_new_tokens=15, do_sample=False, eos_token_id=1, pad_token_id=0)
@@ -125,8 +126,8 @@ def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
 
 
 def test_a_tiny_temperature_decodes_as_greedy_end_to_end(model, tokenizer):
-    greedy = generate_rollouts(model, tokenizer, PROMPTS, 2, SamplingConfig(max_new_tokens=8, temperatures=[0.0], stop_at_final_answer=False))
-    tiny = generate_rollouts(model, tokenizer, PROMPTS, 2, SamplingConfig(max_new_tokens=8, temperatures=[1e-38], stop_at_final_answer=False))
+    greedy = generate_rollouts(model, tokenizer, PROMPTS, 2, SamplingConfig(max_new_tokens=8, temperatures=[0.0]))
+    tiny = generate_rollouts(model, tokenizer, PROMPTS, 2, SamplingConfig(max_new_tokens=8, temperatures=[1e-38]))
     assert torch.equal(greedy.completion_ids, tiny.completion_ids) and torch.isfinite(tiny.logprobs).all()
     torch.testing.assert_close(greedy.logprobs, tiny.logprobs)
 
@@ -134,7 +135,7 @@ def test_a_tiny_temperature_decodes_as_greedy_end_to_end(model, tokenizer):
 def test_scored_tokens_are_the_sampled_log_probs_and_the_top_alternatives(model, tokenizer):
     """Scoring prompt + completion in one forward gives the engine's own log-probs of the completion (at
     each row's temperature), the full forward's for the prompt, and top-1 is the argmax (greedy rows' token)."""
-    rollouts = generate_rollouts(model, tokenizer, PROMPTS, 2, SamplingConfig(max_new_tokens=6, temperatures=[0.0, 0.7], stop_at_final_answer=False))
+    rollouts = generate_rollouts(model, tokenizer, PROMPTS, 2, SamplingConfig(max_new_tokens=6, temperatures=[0.0, 0.7]))
     sequences = [p + c for p, c in zip(rollouts.prompt_ids, rollouts.completion_token_lists())]
     scores = score_tokens(model, sequences, rollouts.temperatures.tolist(), top_k=2, positions_per_chunk=3)
     for row, (prompt, completion, score) in enumerate(zip(rollouts.prompt_ids, rollouts.completion_token_lists(), scores)):
@@ -150,7 +151,7 @@ def test_scored_tokens_are_the_sampled_log_probs_and_the_top_alternatives(model,
 
 
 def test_micro_batches_stream_the_same_rollouts(model, tokenizer):
-    config = SamplingConfig(max_new_tokens=8, temperatures=[0.0], stop_at_final_answer=False)
+    config = SamplingConfig(max_new_tokens=8, temperatures=[0.0])
     whole = generate_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=config)
     config.max_batch_rows = 4
     chunks = list(stream_rollouts(model, tokenizer, PROMPTS, num_samples=2, config=config))
@@ -169,7 +170,7 @@ def test_finish_reasons_follow_the_stop_rules(tokenizer):
     def run(text: str, budget: int = 30, at_answer: bool = True, end: bool = True) -> tuple[str | None, int]:
         ids = tokenizer(text).input_ids + ([eos] if end else [])
         for n in range(1, len(ids) + 1):
-            if (reason := checker.finish_reason(ids[:n], budget, at_answer, ())) is not None:
+            if (reason := checker.finish_reason(ids[:n], budget, GSM8K.stop_rule if at_answer else NO_STOP_RULE)) is not None:
                 return reason, n
         return None, len(ids)
 
@@ -180,10 +181,33 @@ def test_finish_reasons_follow_the_stop_rules(tokenizer):
     assert run("so 6*7\n#### 42\nand more text", at_answer=False) == ("eos", 29)
 
 
+def test_an_answer_line_is_whatever_the_rule_accepts(tokenizer):
+    """The engine knows no answer format: the rule's ``answer_line`` decides which completed line ends a row."""
+    checker = StopChecker(tiny_llama(len(tokenizer)), tokenizer)
+    ids = tokenizer("think\nanswer: 7\nmore").input_ids
+    labelled = StopRule(answer_line=lambda line: line.startswith("answer: "))
+    reasons = [checker.finish_reason(ids[:n], 30, labelled) for n in range(1, len(ids) + 1)]
+    first = next(n for n, reason in enumerate(reasons, 1) if reason is not None)
+    assert reasons[first - 1] == "answer" and tokenizer.decode(ids[:first]).endswith("answer: 7\n")
+    assert all(checker.finish_reason(ids[:n], 30, GSM8K.stop_rule) is None for n in range(1, len(ids) + 1))
+
+
 def greedy(**overrides) -> SamplingConfig:
     # No end token can stop a row early: only the budget or a stop string does.
-    settings = {"max_new_tokens": 40, "temperatures": [0.0], "stop_at_final_answer": False, "stop_token_ids": [-1]}
+    settings = {"max_new_tokens": 40, "temperatures": [0.0], "stop_token_ids": [-1]}
     return SamplingConfig(**{**settings, **overrides})
+
+
+def test_each_prompt_stops_on_its_own_rule(model, tokenizer):
+    """A mixture's prompts in one call: each row ends on its prompt's rule (its task's), the others run on."""
+    plain = generate_rollouts(model, tokenizer, PROMPTS, num_samples=1, config=greedy())
+    stop = plain.texts[0][5:8]
+    rules = [StopRule((stop,))] + [None] * (len(PROMPTS) - 1)
+    mixed = generate_rollouts(model, tokenizer, PROMPTS, num_samples=1, config=greedy(), stops=rules)
+    assert mixed.finish_reasons[0] == "stop" and stop in mixed.texts[0] and len(mixed.texts[0]) < len(plain.texts[0])
+    assert mixed.texts[1:] == plain.texts[1:] and mixed.finish_reasons[1:] == plain.finish_reasons[1:]
+    with pytest.raises(ValueError, match="one per prompt"):
+        generate_rollouts(model, tokenizer, PROMPTS, num_samples=1, config=greedy(), stops=rules[:1])
 
 
 def test_a_row_stops_at_the_step_its_text_first_holds_a_stop_string(model, tokenizer):

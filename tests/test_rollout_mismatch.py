@@ -61,7 +61,7 @@ def make_trainer(**overrides) -> tuple[GRPOTrainer, object]:
     settings = dict(
         group_size=GROUP,
         prompts_per_step=len(PROBLEMS),
-        sampling=SamplingConfig(max_new_tokens=6, temperatures=[0.7, 1.0], stop_at_final_answer=False),
+        sampling=SamplingConfig(max_new_tokens=6, temperatures=[0.7, 1.0]),
         aggregation="token-mean",
         lr=1e-2,  # large: an update moves the log-probs visibly
         lr_decay="constant",

@@ -9,11 +9,11 @@ from dagster import DagsterInvalidConfigError, asset, materialize
 
 from resources import EvalProtocol, config_from
 from resources.evaluations import eval_id
-from rlvr.drift import DriftThresholds
 from rlvr.evaluation.runner import EvalConfig
 from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig
 from rlvr.grpo.profiles import build_config
+from rlvr.monitoring.drift import DriftThresholds
 from rlvr_assets.monitoring import DriftConfig
 from rlvr_assets.training import GRPORunConfig
 

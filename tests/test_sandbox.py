@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvr.sandbox import CodeTest, SandboxLimits, as_test_cases, outputs_match, run_python, run_tests
+from rlvr.code_execution.sandbox import CodeTest, SandboxLimits, as_test_cases, outputs_match, run_python, run_tests
 from support.waiting import wait_for
 
 FAST = SandboxLimits(cpu_time_s=1, wall_time_s=2)

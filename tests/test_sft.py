@@ -43,14 +43,14 @@ def test_kept_annotations_hold_a_result_and_drop_the_rest():
 def test_calculator_results_are_the_environments_tokens(tiny_llama_dir, keep):
     """With annotations kept, the policy learns to write '<<48/2=' and to go on after '>>'; the
     '24>>' between is the calculator's at rollout time: those tokens are masked out of the loss."""
+    from rlvr.environments import Calculator
     from rlvr.policy import load_tokenizer
-    from rlvr.prompts import SYSTEM_PROMPT, render_prompt
+    from rlvr.prompts import render_prompt, system_prompt_for
 
     tokenizer = load_tokenizer(tiny_llama_dir)
-    system_prompt = SYSTEM_PROMPT + "\n\nUse the calculator: <<48/2=24>>."
     row = {"question": "How many clips?", "solution": NATALIA, "answer_text": "72"}
-    [example] = sft_examples([row], tokenizer, keep_calculator_annotations=keep, system_prompt=system_prompt)
-    assert tokenizer.decode(example["prompt_ids"]) == render_prompt(tokenizer, "How many clips?", system_prompt)
+    [example] = sft_examples([row], tokenizer, keep_calculator_annotations=keep, environment=Calculator())
+    assert tokenizer.decode(example["prompt_ids"]) == render_prompt(tokenizer, "How many clips?", system_prompt_for(Calculator()))
     ids, environment = example["target_ids"], example["environment_mask"]
     assert len(environment) == len(ids)
     assert tokenizer.decode(ids) == sft_target(NATALIA, "72", keep) + tokenizer.eos_token

@@ -40,15 +40,13 @@ def test_the_engine_decodes_through_it_and_matches_the_rollout_engine(monkeypatc
     tokenizer = char_tokenizer()
     model = tiny_llama(len(tokenizer), seed=0).requires_grad_(False)
     prompts = ["what is 12+30?", "7", "x" * 40]
-    config = SamplingConfig(max_new_tokens=10, temperatures=[0.0], stop_at_final_answer=False)
+    config = SamplingConfig(max_new_tokens=10, temperatures=[0.0])
     expected = generate_rollouts(model, tokenizer, prompts, 1, config)
     calls = []
     monkeypatch.setattr(executor_module, "slot_attention", lambda *args: calls.append(len(args[0])) or slot_attention(*args))
     engine = Engine(model, tokenizer, max_rows=4, step_tokens=8, kv_budget_bytes=2**24)
     assert engine.executor.slot_kernel
-    requests = [
-        EngineRequest(prompt_ids=tokenizer(p).input_ids, num_samples=1, max_new_tokens=10, temperatures=(0.0,), stop_at_final_answer=False) for p in prompts
-    ]
+    requests = [EngineRequest(prompt_ids=tokenizer(p).input_ids, num_samples=1, max_new_tokens=10, temperatures=(0.0,)) for p in prompts]
     for request in requests:
         engine.submit(request)
     engine.take_submissions()

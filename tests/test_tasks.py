@@ -12,7 +12,7 @@ from rlvr.grpo.trainer import per_task_metrics
 from rlvr.rewards import RewardPool
 from rlvr.tasks import GSM8K, Task, TaskError, TaskMixture, TaskProblem, get_task, problem_record, register_task, task_names
 from rlvr.tasks.checks import validate_task_problems
-from rlvr.tasks.mixture import mixture_sampling, training_records
+from rlvr.tasks.mixture import training_records
 from support.tiny_models import embedded_tokenizer
 
 USER_TASK = """
@@ -34,7 +34,7 @@ def test_an_unknown_task_is_refused_naming_the_registered_ones():
     with pytest.raises(TaskError, match="needs a name after the colon"):
         get_task("reasoning_gym:")
     with pytest.raises(TaskError, match="cannot load 'NOPE'"):
-        get_task("rlvr.tasks.gsm8k_task:NOPE")
+        get_task("rlvr.tasks.gsm8k:NOPE")
     assert {"gsm8k", "humaneval", "math"} <= set(task_names())
 
 
@@ -70,9 +70,9 @@ def test_a_task_is_checked_when_defined_and_when_loaded():
 
 
 def test_gsm8k_as_a_task_keeps_its_problems_prompt_and_grade(gsm8k_dir):
-    from rlvr import gsm8k
     from rlvr.prompts import render_prompt
     from rlvr.rewards import score
+    from rlvr.tasks.gsm8k import dataset as gsm8k
 
     problems = GSM8K.load_problems({"local_dir": str(gsm8k_dir), "limit": 3})
     originals = gsm8k.load_local(gsm8k_dir, limit=3)
@@ -120,8 +120,8 @@ def test_training_records_render_each_tasks_prompt_and_name_its_correctness(gsm8
     assert records[0]["correctness"] == "math_answer" and records[1]["correctness"] == get_task("math").correctness
     assert "####" in records[0]["prompt"] and "boxed" in records[1]["prompt"]
     assert records[1]["gold"] == "2"
-    assert mixture_sampling(["gsm8k"]) == {"stop_at_final_answer": True, "stop_strings": ()}
-    assert mixture_sampling(["gsm8k", "math"])["stop_at_final_answer"] is False
+    assert records[0]["stop"] == GSM8K.stop_rule and records[0]["stop"].answer_line is not None
+    assert records[1]["stop"] == get_task("math").stop_rule
 
 
 def test_completions_are_scored_by_their_own_tasks_rewards():
@@ -199,3 +199,29 @@ def test_the_documented_task_of_your_own_works_as_written(tmp_path, monkeypatch)
 
     assert score(task.correctness, "5 km is 5,000 meters.\n5000", **record).value == 1.0
     assert score(task.correctness, "500", **record).value == 0.0
+
+
+@pytest.mark.parametrize(
+    "name, completion, answer, well_formed",
+    [
+        ("gsm8k", "6 * 7 = 42\n#### 42", "42", True),
+        ("gsm8k", "The answer is 42.", None, False),
+        ("reasoning_gym:basic_arithmetic", "think <answer> 7 </answer>", "7", True),
+        ("reasoning_gym:basic_arithmetic", "<answer>7</answer> and <answer>8</answer>", "8", False),
+        ("math", "so \\boxed{\\frac{1}{2}}", "\\frac{1}{2}", True),
+        ("math", "#### 1/2", None, False),
+        ("humaneval", "def f():\n    return 1\n```", "def f():\n    return 1\n", True),  # after the prompt's opening fence
+    ],
+)
+def test_a_task_reads_a_completion_with_its_parser(name, completion, answer, well_formed):
+    task = get_task(name)
+    assert task.parse(completion) == answer
+    assert task.well_formed(completion) is well_formed
+
+
+def test_each_task_has_its_own_stop_rule():
+    assert GSM8K.stop_rule.answer_line("#### 42") and not GSM8K.stop_rule.answer_line("42") and GSM8K.stop_rule.strings == ()
+    assert get_task("reasoning_gym:basic_arithmetic").stop_rule.strings == ("</answer>",)
+    assert get_task("humaneval").stop_rule.strings == ("\n```",) and get_task("humaneval").stop_rule.answer_line is None
+    extra = Task(name="extra", load=lambda options: [], correctness="format", rewards={"format": 1.0}, parser=GSM8K.parser, stop_strings=("END",))
+    assert extra.stop_rule.strings == ("END",) and extra.stop_rule.answer_line is GSM8K.parser.answer_line

@@ -31,7 +31,7 @@ def make_trainer(aggregation="token-mean", path="unpadded", loss_type="grpo"):
     cfg = GRPOConfig(
         group_size=GROUP,
         prompts_per_step=len(PROMPTS),
-        sampling=SamplingConfig(max_new_tokens=12, temperatures=[0.7, 1.0], stop_at_final_answer=False),
+        sampling=SamplingConfig(max_new_tokens=12, temperatures=[0.7, 1.0]),
         aggregation=aggregation,
         loss_type=loss_type,
         beta=BETA,

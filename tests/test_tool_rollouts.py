@@ -15,6 +15,7 @@ import rlvr.generation.executor as executor_module
 from rlvr.environments.base import Injection, SingleTurn, ToolCall
 from rlvr.generation import Engine, EngineRequest, SamplingConfig, generate_rollouts
 from rlvr.generation.model_runner import ModelForward
+from rlvr.tasks import GSM8K
 from support.tiny_models import CHARS, char_tokenizer, tiny_llama
 
 PROMPTS = ["what is 12+30?", "7", "count: a b c d e f"]
@@ -76,7 +77,7 @@ class NoOp(InjectAfter):
 
 
 def _config(**kwargs) -> SamplingConfig:
-    return SamplingConfig(**{"max_new_tokens": 16, "temperatures": [0.0], "stop_at_final_answer": False, "stop_token_ids": [], **kwargs})
+    return SamplingConfig(**{"max_new_tokens": 16, "temperatures": [0.0], "stop_token_ids": [], **kwargs})
 
 
 def _ids(tokenizer, text: str) -> list[int]:
@@ -146,9 +147,8 @@ def test_a_budget_spent_mid_injection_ends_the_row_at_length(model, tokenizer):
 def test_injected_tokens_never_end_the_row(model, tokenizer):
     """An injection holding an end token and a completed '#### <number>' line: the row goes on."""
     text = "\n#### 4\n<eos>"
-    out = generate_rollouts(
-        model, tokenizer, PROMPTS, 1, _config(max_new_tokens=14, stop_at_final_answer=True, stop_token_ids=None, environment=InjectAfter(text=text))
-    )
+    config = _config(max_new_tokens=14, stop_token_ids=None, environment=InjectAfter(text=text))
+    out = generate_rollouts(model, tokenizer, PROMPTS, 1, config, [GSM8K.stop_rule] * len(PROMPTS))
     injected = _ids(tokenizer, text)
     assert 1 in injected  # <eos> became the end token
     assert out.completion_ids[:, 3 : 3 + len(injected)].tolist() == [injected] * 3
@@ -163,8 +163,8 @@ def test_without_tools_rollouts_are_bit_identical(model, tokenizer, monkeypatch)
         raise AssertionError("the model's own forward ran")
 
     monkeypatch.setattr(ModelForward, "forward", plain_step)
-    config = _config(temperatures=[1.0, 0.0, 0.7], top_p=0.9, stop_token_ids=None, stop_at_final_answer=True, seed=3)
-    runs = [generate_rollouts(model, tokenizer, PROMPTS, 3, _config(**{**vars(config), "environment": env})) for env in (None, SingleTurn(), NoOp())]
+    config, stops = _config(temperatures=[1.0, 0.0, 0.7], top_p=0.9, stop_token_ids=None, seed=3), [GSM8K.stop_rule] * len(PROMPTS)
+    runs = [generate_rollouts(model, tokenizer, PROMPTS, 3, _config(**{**vars(config), "environment": env}), stops) for env in (None, SingleTurn(), NoOp())]
     for other in runs[1:]:
         assert torch.equal(other.completion_ids, runs[0].completion_ids)
         assert torch.equal(other.logprobs, runs[0].logprobs)
@@ -190,7 +190,7 @@ def test_the_serving_engine_gives_the_rollout_engines_completions(model, tokeniz
     engine = Engine(model, tokenizer, max_rows=4, step_tokens=6, kv_budget_bytes=2**24)
     engine.stops.stop_ids = set(stops)
     # a fresh environment per request: its samples' episodes are made in order, as the rollout engine's are
-    requests = [EngineRequest(_ids(tokenizer, p), 2, (0.0,), 16, stop_at_final_answer=False, environment=replace(environment)) for p in PROMPTS]
+    requests = [EngineRequest(_ids(tokenizer, p), 2, (0.0,), 16, environment=replace(environment)) for p in PROMPTS]
     for step in range(2000):
         if step in (0, 3):
             for request in requests[:1] if step == 0 else requests[1:]:

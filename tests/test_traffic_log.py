@@ -3,7 +3,8 @@ import threading
 
 import pytest
 
-from rlvr.traffic import TRAFFIC_COLUMNS, TrafficLog, day_prefix, file_day, read_traffic, traffic_row
+from rlvr.answers import is_well_formed
+from rlvr.monitoring.traffic import TRAFFIC_COLUMNS, TrafficLog, day_prefix, file_day, read_traffic, traffic_row
 
 
 def test_append_rotate_and_read_incrementally(tmp_path):
@@ -92,6 +93,31 @@ def test_traffic_row_summarizes_a_request(tmp_path):
     assert set(row) == set(TRAFFIC_COLUMNS)
     assert row["well_formed"] == 0.5 and row["truncated"] == 0.5 and row["completion_tokens"] == 4.0
     assert row["num_completions"] == 2 and row["ground_truth"] is None and row["record_id"].endswith("@0")
+
+
+def test_well_formed_is_the_requests_own_tasks_format(tmp_path):
+    """A reasoning-gym request is held to ``<answer>`` tags, an older /solve record (no task) is GSM8k's, and an
+    OpenAI route's request has no task, so no format it could be held to."""
+    log = TrafficLog(tmp_path)
+    tagged = ["Add them.\n<answer>12</answer>", "<answer>12</answer>"]
+    log.append({"endpoint": "/solve", "task": "reasoning_gym:basic_arithmetic", "completions": tagged})
+    log.append({"endpoint": "/solve", "completions": ["Step one.\n#### 12", "<answer>12</answer>"]})  # written before records named their task
+    log.append({"endpoint": "/generate", "task": "humaneval", "completions": ["    return 1\n```"]})  # continues the fence its prompt opened
+    log.append({"endpoint": "/v1/chat/completions", "completions": ["#### 12"]})
+    rows = [traffic_row(r) for r in read_traffic(tmp_path).records]
+    assert [(row["task"], row["well_formed"]) for row in rows] == [
+        ("reasoning_gym:basic_arithmetic", 1.0),
+        ("gsm8k", 0.5),
+        ("humaneval", 1.0),
+        (None, None),
+    ]
+    assert not any(is_well_formed(c) for c in tagged)  # the GSM8k rule would have called them all malformed
+
+
+def test_a_request_of_a_task_this_process_cannot_resolve_has_no_format_rate(tmp_path):
+    TrafficLog(tmp_path).append({"endpoint": "/solve", "task": "no_such_task", "completions": ["#### 1"]})
+    row = traffic_row(read_traffic(tmp_path).records[0])
+    assert row["task"] == "no_such_task" and row["well_formed"] is None
 
 
 def test_a_removed_log_file_starts_a_new_one(tmp_path):

@@ -10,7 +10,7 @@ from dagster import DagsterInstance, build_sensor_context, materialize
 
 from resources import ModelStore, Upsert, Warehouse
 from resources.warehouse import Delete
-from rlvr.traffic import RETENTION_DAYS_ENV, TrafficLog, delete_expired_files, file_day, first_kept_day
+from rlvr.monitoring.traffic import RETENTION_DAYS_ENV, TrafficLog, delete_expired_files, file_day, first_kept_day
 from rlvr_assets import monitoring
 from sensors import traffic_sensor
 

@@ -6,6 +6,8 @@ import pytest
 from dagster import Failure
 
 from resources import Append, Replace, Upsert, Warehouse
+from rlvr.tasks import TaskProblem, normalized_text_hash, problem_record
+from rlvr.tasks.gsm8k import gsm8k_task_problem
 
 
 @pytest.fixture
@@ -63,19 +65,44 @@ def test_declared_tables_get_their_schema(warehouse):
     assert types["threshold"] == "DOUBLE" and types["drifted"] == "BOOLEAN"
 
 
-def test_problem_loaders_fail_the_step_without_problems(warehouse):
-    with pytest.raises(Failure, match="materialize gsm8k_problems first"):
-        warehouse.problems("train")
-    warehouse.replace_tables(
-        {"gsm8k_problems": pd.DataFrame({"problem_id": ["p2", "p1", "q1"], "split": ["train", "train", "test"], "question": ["b", "a", "c"]})}
+def older_gsm8k_table(ids: list[str], splits: list[str], questions: list[str]) -> pd.DataFrame:
+    """``gsm8k_problems`` as a file written before every task's problems shared ``task_problems`` held it."""
+    n = len(ids)
+    return pd.DataFrame(
+        {"problem_id": ids, "split": splits, "question": questions, "solution": ["2 + 2 = 4"] * n, "answer_text": ["4"] * n}
+        | {"answer_value": [4.0] * n, "num_steps": [1] * n, "source": ["local"] * n, "content_hash": [f"hash-{i}" for i in ids]}
     )
-    assert [p["problem_id"] for p in warehouse.problems("train")] == ["p1", "p2"]
-    assert [p["problem_id"] for p in warehouse.problems("train", limit=1)] == ["p1"]
-    with pytest.raises(Failure, match="no rows in split 'dev'"):
-        warehouse.problems("dev")
-    assert sorted(warehouse.reference_questions(5)) == ["a", "b"]
+
+
+def test_problem_loaders_fail_the_step_without_problems(warehouse):
+    with pytest.raises(Failure, match="materialize gsm8k_problems or its partition 'gsm8k' first"):
+        warehouse.task_problems("gsm8k", "train")
+    assert warehouse.problem_tasks() == [] and warehouse.held_out_question_hashes() == set() and warehouse.reference_questions(5) == []
+    problems = [gsm8k_task_problem(row) for row in older_gsm8k_table(["p2", "p1", "q1"], ["train", "train", "test"], ["b", "a", "c"]).to_dict("records")]
+    warehouse.replace_task_problems("gsm8k", pd.DataFrame([p.as_row() for p in problems]))
+    assert [p["problem_id"] for p in warehouse.task_problems("gsm8k", "train")] == ["p1", "p2"]
+    assert [p["problem_id"] for p in warehouse.task_problems("gsm8k", "train", limit=1)] == ["p1"]
+    with pytest.raises(Failure, match="no rows of task 'gsm8k' in split 'dev'"):
+        warehouse.task_problems("gsm8k", "dev")
+    assert sorted(warehouse.reference_questions(5)) == ["a", "b"] and warehouse.problem_tasks() == ["gsm8k"]
     assert warehouse.eval_results("e1") is None and warehouse.latest_evaluation("v1") is None
     assert warehouse.traffic_cursor() == {} and all(w.empty for w in warehouse.traffic_window("2026-11-23", 10))
+
+
+def test_an_older_files_gsm8k_problems_table_moves_once_into_task_problems_and_keeps_its_name_as_a_view(warehouse):
+    older = older_gsm8k_table(["p1", "p2", "q1"], ["train", "train", "test"], ["a", "b", "c"])
+    warehouse.replace_tables({"gsm8k_problems": older})
+    [first, second] = map(problem_record, warehouse.task_problems("gsm8k", "train"))  # moved on the first read of any task's problems
+    assert first["answer_value"] == 4.0 and first["answer_text"] == "4" and first["solution"] == "2 + 2 = 4" and first["task"] == "gsm8k"
+    assert [first["content_hash"], second["content_hash"]] == ["hash-p1", "hash-p2"]  # stored evaluations keep their identity
+    with duckdb.connect(warehouse.database, read_only=True) as conn:
+        kind = conn.execute("SELECT table_type FROM information_schema.tables WHERE table_name = 'gsm8k_problems'").fetchone()[0]
+        view = conn.execute("SELECT * FROM gsm8k_problems ORDER BY problem_id").df()
+    assert kind == "VIEW" and list(view["answer_value"]) == [4.0] * 3 and set(older.columns) <= set(view.columns)
+    assert view[list(older.columns)].equals(older[list(older.columns)].sort_values("problem_id").reset_index(drop=True))
+    assert warehouse.held_out_question_hashes() == {normalized_text_hash("c")}
+    warehouse.replace_task_problems("other", pd.DataFrame([TaskProblem("other", "o1", "test", "d", {"x": 1}).as_row()]))
+    assert warehouse.problem_tasks() == ["gsm8k", "other"] and len(warehouse.task_problems("gsm8k", "train")) == 2  # other tasks' rows kept
 
 
 def test_drift_history_is_by_traffic_day_with_each_days_latest_report(warehouse):
@@ -91,3 +118,28 @@ def test_drift_history_is_by_traffic_day_with_each_days_latest_report(warehouse)
     assert list(history["run_id"]) == ["old", "backfill", "a"] and pd.isna(history["day"].iloc[0])
     history = report("2026-11-23", "2026-11-23 12:00", 0.4, "again")  # the day re-reported: its point moves, none is added
     assert list(history["run_id"]) == ["old", "backfill", "again"] and list(history["value"]) == [0.05, 0.3, 0.4]
+
+
+def test_each_tasks_evaluation_and_train_questions_are_read_apart(warehouse):
+    def evaluation(eval_id, at, **columns):
+        return pd.DataFrame({"eval_id": [eval_id], "policy_version": ["v1"], "completion": ["x"], "well_formed": [True], **columns}).assign(
+            evaluated_at=pd.Timestamp(at, tz="UTC")
+        )
+
+    warehouse.upsert("eval_results", evaluation("old", "2026-01-01"), key="eval_id")  # stored before evaluations named their task
+    assert warehouse.latest_evaluation("v1", "gsm8k")["eval_id"].tolist() == ["old"] and warehouse.latest_evaluation("v1", "arith") is None
+    warehouse.upsert("eval_results", evaluation("g", "2026-01-02", task=["gsm8k"]), key="eval_id")
+    warehouse.upsert("eval_results", evaluation("a", "2026-01-03", task=["arith"]), key="eval_id")
+    assert warehouse.latest_evaluation("v1")["eval_id"].tolist() == ["a"]  # the newest, of any task
+    assert warehouse.latest_evaluation("v1", "gsm8k")["eval_id"].tolist() == ["g"] and warehouse.latest_evaluation("v1", "arith")["eval_id"].tolist() == ["a"]
+    assert warehouse.task_reference_questions("arith", 5) == []  # no task_problems yet
+    train = pd.DataFrame({"task": "arith", "problem_id": ["p1", "p2", "p3"], "split": ["train", "train", "test"], "question": ["1+1", "2+2", "3+3"]})
+    warehouse.replace_tables({"task_problems": train, "gsm8k_problems": older_gsm8k_table(["g1", "g2", "g3"], ["train", "train", "test"], ["q1", "q2", "q3"])})
+    assert sorted(warehouse.task_reference_questions("arith", 5)) == ["1+1", "2+2"]
+    assert sorted(warehouse.reference_questions(4, {"arith": 1.0, "gsm8k": 1.0})) == ["1+1", "2+2", "q1", "q2"]
+
+
+def test_drift_history_keeps_each_tasks_rows_of_a_metric(warehouse):
+    frame = pd.DataFrame({"reported_at": pd.Timestamp("2026-11-23", tz="UTC"), "run_id": "r", "metric": "psi/x", "value": [0.1, 0.3], "task": [None, "arith"]})
+    history = warehouse.append_drift_history(frame.assign(threshold=0.2, drifted=frame["value"] > 0.2, day="2026-11-23"))
+    assert sorted(history["value"]) == [0.1, 0.3]

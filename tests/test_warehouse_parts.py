@@ -267,3 +267,28 @@ def test_queries_of_one_run_or_day_read_its_parts_and_equal_the_whole_table_sql(
         "tool_calls": 0,
         "tool_errors": 0,
     }
+
+
+def test_traffic_parts_written_before_the_task_column_still_read_and_name_their_task(warehouse, monkeypatch):
+    """Parts of serving_traffic from before rows named their task lack the column: read by name beside newer
+    parts, their native requests are GSM8k's, an OpenAI route's request has none."""
+    day = "traffic-20261101T000000.000000000-1.jsonl"
+    old = pd.DataFrame({"record_id": ["a", "b"], "endpoint": ["/solve", "/v1/completions"], "status": 200, "source_file": day})
+    old["timestamp"] = pd.Timestamp("2026-11-01T10:00", tz="UTC")
+    before = {**SCHEMAS, "serving_traffic": SCHEMAS["serving_traffic"].replace(" task VARCHAR,", "")}
+    with monkeypatch.context() as patched:  # the code before the column: its schema and migrations
+        patched.setattr(warehouse_module, "SCHEMAS", before)
+        patched.setitem(warehouse_module.MIGRATIONS, "serving_traffic", ["ALTER TABLE serving_traffic ADD COLUMN IF NOT EXISTS api_key_id VARCHAR"])
+        warehouse.write(Append("serving_traffic", old, key="record_id"))
+    assert "task" not in warehouse.query("SELECT * FROM serving_traffic").columns
+    current, _ = warehouse.traffic_window("2026-11-01", 10)
+    assert dict(zip(current["record_id"], current["task"].fillna("-"))) == {"a": "gsm8k", "b": "-"}
+    new = old.head(1).assign(record_id="c", task="reasoning_gym:basic_arithmetic", timestamp=pd.Timestamp("2026-11-01T11:00", tz="UTC"))
+    warehouse.write(Append("serving_traffic", new, key="record_id"))
+    assert warehouse.query("SELECT record_id, coalesce(task, '-') AS task FROM serving_traffic ORDER BY 1").values.tolist() == [
+        ["a", "-"],  # the older parts: NULL, read by name
+        ["b", "-"],
+        ["c", "reasoning_gym:basic_arithmetic"],
+    ]
+    current, _ = warehouse.traffic_window("2026-11-01", 10)
+    assert dict(zip(current["record_id"], current["task"].fillna("-"))) == {"a": "gsm8k", "b": "-", "c": "reasoning_gym:basic_arithmetic"}

@@ -1,7 +1,7 @@
 """The python environment: the policy runs programs in the sandbox and reads their output as a tool turn.
 
 The policy writes a fenced ```python program in its turn and ends the turn. The episode runs the
-last such block in :func:`rlvr.sandbox.run_python` (wall time: the per-call cap or what is left of
+last such block in :func:`rlvr.code_execution.sandbox.run_python` (wall time: the per-call cap or what is left of
 the budget, whichever is less) and injects a tool turn holding its stdout (and, on failure, an
 ``Error: ...`` line), then reopens the assistant turn so the policy goes on. A turn without a
 program ends the row. Whatever the program does (loops forever, floods stdout, forks, opens
@@ -16,8 +16,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
+from rlvr.code_execution.sandbox import SandboxLimits, run_python
 from rlvr.environments.base import Injection, ToolBudget, ToolCall
-from rlvr.sandbox import SandboxLimits, run_python
 
 OUTPUT = "{output}"  # where a tool turn's text goes in ``tool_turn``
 CHATML_TOOL_TURN = "\n<|im_start|>tool\n{output}<|im_end|>\n<|im_start|>assistant\n"  # after the policy's <|im_end|>

@@ -19,10 +19,11 @@ from rlvr.answers import answers_match, extract_final_answer, format_number, is_
 from rlvr.evaluation.estimators import maj_at_k, majority_vote, pass_at_k_per_problem
 from rlvr.evaluation.intervals import accuracy_by_group, bootstrap_ci
 from rlvr.evaluation.significance import mcnemar_test, paired_bootstrap
-from rlvr.generation import SamplingConfig, stream_rollouts
-from rlvr.prompts import render_prompt, system_prompt_for
-from rlvr.rewards import DEFAULT_GSM8K_REWARD, RewardPool
+from rlvr.generation import SamplingConfig, StopRule, stream_rollouts
+from rlvr.rewards import RewardPool
+from rlvr.tasks import DEFAULT_TASK, GSM8K, get_task
 from rlvr.tasks.base import problem_record
+from rlvr.tasks.parsers import HASH_NUMBER
 
 
 @dataclass
@@ -36,7 +37,7 @@ class EvalConfig:
     top_p: float = 1.0  # nucleus sampling of the sampled completions
     batch_rows: int = 32  # completions decoded together
     seed: int = 0  # seed of the sampled completions and of the bootstrap
-    reward_weights: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_GSM8K_REWARD))  # rewards reported per completion
+    reward_weights: dict[str, float] = field(default_factory=lambda: dict(GSM8K.rewards))  # rewards reported per completion of a numeric-answer task
     confidence: float = 0.95  # level of the confidence intervals
 
     def __post_init__(self) -> None:
@@ -59,14 +60,17 @@ def evaluate_policy(
 
     ``progress(done, total)`` is called after each decoded chunk, counting completions.
     ``environment``: the policy's (None: single-turn); its instructions join the system prompt.
-    ``task`` (``rlvr.tasks``; None: GSM8k) other than GSM8k is graded by :func:`evaluate_task`.
+    ``task`` (``rlvr.tasks``; None: ``DEFAULT_TASK``): a task whose answers are ``#### <number>`` lines is
+    graded here (strict and flexible, lm-evaluation-harness' grading, maj@k), any other by :func:`evaluate_task`.
     """
-    if task is not None and task.name != "gsm8k":
+    task = task if task is not None else get_task(DEFAULT_TASK)
+    if task.parser is not HASH_NUMBER:
         return evaluate_task(model, tokenizer, task, problems, config, progress, environment)
     if not problems:
         raise ValueError("no problems to evaluate")
-    system_prompt = system_prompt_for(environment)
-    decoder = _Decoder(model, tokenizer, [render_prompt(tokenizer, p["question"], system_prompt) for p in problems], config, environment, progress)
+    problems = [problem_record(p) for p in problems]
+    prompts = [task.render_prompt(tokenizer, p, environment) for p in problems]
+    decoder = _Decoder(model, tokenizer, prompts, config, environment, progress, task.stop_rule)
     greedy = decoder.decode(1, 0.0)
     with RewardPool(workers=2) as pool:
         scored = pool.score_batch(config.reward_weights, greedy.texts, problems)
@@ -106,8 +110,7 @@ def evaluate_task(
         raise ValueError("no problems to evaluate")
     records = [problem_record(p) for p in problems]
     prompts = [task.render_prompt(tokenizer, r, environment) for r in records]
-    sampling = {"stop_at_final_answer": task.stop_at_final_answer, "stop_strings": task.stop_strings}
-    decoder = _Decoder(model, tokenizer, prompts, config, environment, progress, sampling)
+    decoder = _Decoder(model, tokenizer, prompts, config, environment, progress, task.stop_rule)
     greedy = decoder.decode(1, 0.0)
     weights = {**task.rewards, **{name: 0.0 for name in (task.partial_credit, task.format_reward) if name and name not in task.rewards}}
     with RewardPool(workers=2) as pool:
@@ -170,9 +173,9 @@ class _Decoded:
 class _Decoder:
     """Decodes the evaluation's prompts with the rollout engine, reporting progress over every pass."""
 
-    def __init__(self, model, tokenizer, prompts, config: EvalConfig, environment, progress, sampling: dict | None = None):
+    def __init__(self, model, tokenizer, prompts, config: EvalConfig, environment, progress, stop: StopRule):
         self.model, self.tokenizer, self.prompts, self.config, self.environment = model, tokenizer, prompts, config, environment
-        self.progress, self.sampling, self.done = progress, sampling or {}, 0
+        self.progress, self.stop, self.done = progress, stop, 0
         self.total = len(prompts) * (1 + config.num_samples)
         self.environment_name = environment.name if environment is not None else "single_turn"
 
@@ -185,10 +188,9 @@ class _Decoder:
             seed=config.seed,
             max_batch_rows=config.batch_rows,
             environment=self.environment,
-            **self.sampling,
         )
         decoded = _Decoded([], [], [], [], num_samples)
-        for chunk in stream_rollouts(self.model, self.tokenizer, self.prompts, num_samples, sampling):
+        for chunk in stream_rollouts(self.model, self.tokenizer, self.prompts, num_samples, sampling, [self.stop] * len(self.prompts)):
             decoded.texts += chunk.texts
             decoded.reasons += chunk.finish_reasons
             decoded.lengths += chunk.completion_lengths.tolist()

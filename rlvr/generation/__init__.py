@@ -13,12 +13,15 @@ from rlvr.generation.request import EngineRequest
 from rlvr.generation.rollouts import Rollouts, SamplingConfig, concat_rollouts, generate_rollouts, stream_rollouts
 from rlvr.generation.sampler import is_greedy, logprob_temperatures, sample_tokens
 from rlvr.generation.scoring import TokenScores, score_tokens
+from rlvr.generation.stops import NO_STOP_RULE, StopRule
 
 __all__ = [
     "Engine",
     "EngineRequest",
+    "NO_STOP_RULE",
     "Rollouts",
     "SamplingConfig",
+    "StopRule",
     "TokenScores",
     "concat_rollouts",
     "generate_rollouts",

@@ -138,7 +138,7 @@ class OutputProcessor:
         return None if row.driver.observe(token, False) else reason
 
     def _finish_reason(self, request: EngineRequest, sample: int) -> str | None:
-        return self.stops.finish_reason(request.token_ids[sample], request.max_new_tokens, request.stop_at_final_answer, request.stop_strings)
+        return self.stops.finish_reason(request.token_ids[sample], request.max_new_tokens, request.stop)
 
 
 def finish(request: EngineRequest) -> None:

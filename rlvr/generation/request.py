@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rlvr.environments.base import Environment, ToolCall
+from rlvr.generation.stops import NO_STOP_RULE, StopRule
 
 
 @dataclass(eq=False)
@@ -25,8 +26,7 @@ class EngineRequest:
     top_p: float = 1.0
     seed: int = 0
     prompt_index: int = 0  # its prompt's index in its caller's call: with ``seed``, what seeds each row's generator
-    stop_at_final_answer: bool = True
-    stop_strings: tuple[str, ...] = ()
+    stop: StopRule = NO_STOP_RULE  # stop strings and answer lines (a task's parser gives them)
     on_tokens: Callable[[list[tuple[int, int]]], None] | None = None
     on_done: Callable[[EngineRequest], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)

@@ -11,7 +11,7 @@ tokens are marked in ``Rollouts.environment_mask`` with log-prob 0.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -20,6 +20,7 @@ from rlvr.fastpaths import FastPaths
 from rlvr.generation.engine import SHORT_LANE_TOKENS, Engine
 from rlvr.generation.kv_cache import kv_cache_bytes_per_token, quantized
 from rlvr.generation.request import EngineRequest
+from rlvr.generation.stops import NO_STOP_RULE, StopRule
 
 ROLLOUT_STEP_TOKENS = 2048  # prompt tokens one engine step may prefill (every prompt is known at once)
 
@@ -31,7 +32,6 @@ class SamplingConfig:
     max_new_tokens: int = 256
     temperatures: list[float] = field(default_factory=lambda: [1.0])
     top_p: float = 1.0
-    stop_at_final_answer: bool = True
     seed: int = 0
     max_batch_rows: int | None = None  # most rows running at once; stream_rollouts yields chunks of at most this many
     stop_token_ids: list[int] | None = None  # default: eos, pad and <|im_end|> of the tokenizer
@@ -98,18 +98,34 @@ class Rollouts:
         return [ids[:n].tolist() for ids, n in zip(self.completion_ids, self.completion_lengths.tolist())]
 
 
-def generate_rollouts(model: Any, tokenizer: Any, prompts: list[str] | list[list[int]], num_samples: int = 1, config: SamplingConfig | None = None) -> Rollouts:
-    """Sample ``num_samples`` completions for each prompt: texts, or token ids taken as they are."""
-    return concat_rollouts(list(stream_rollouts(model, tokenizer, prompts, num_samples, config)))
+def generate_rollouts(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[str] | list[list[int]],
+    num_samples: int = 1,
+    config: SamplingConfig | None = None,
+    stops: Sequence[StopRule] | None = None,
+) -> Rollouts:
+    """Sample ``num_samples`` completions for each prompt: texts, or token ids taken as they are. ``stops``:
+    each prompt's own stop rule (its task's), with ``config.stop_strings`` added; default: those strings alone."""
+    return concat_rollouts(list(stream_rollouts(model, tokenizer, prompts, num_samples, config, stops)))
 
 
 def stream_rollouts(
-    model: Any, tokenizer: Any, prompts: list[str] | list[list[int]], num_samples: int = 1, config: SamplingConfig | None = None
+    model: Any,
+    tokenizer: Any,
+    prompts: list[str] | list[list[int]],
+    num_samples: int = 1,
+    config: SamplingConfig | None = None,
+    stops: Sequence[StopRule] | None = None,
 ) -> Iterator[Rollouts]:
     """Like :func:`generate_rollouts`, yielding the prompts in order as they finish, in chunks of at most
     ``config.max_batch_rows`` rows (at least one prompt's G samples); ``group_index`` counts prompts
     across chunks. The concatenated chunks are the same rollouts whatever the chunk size."""
     config = config or SamplingConfig()
+    if stops is not None and len(stops) != len(prompts):
+        raise ValueError(f"{len(stops)} stop rules for {len(prompts)} prompts: give one per prompt")
+    rules = [(rule or NO_STOP_RULE).with_strings(config.stop_strings) for rule in stops] if stops is not None else None
     if num_samples < 1:
         raise ValueError("num_samples must be >= 1")
     if not prompts:
@@ -132,8 +148,7 @@ def stream_rollouts(
             top_p=config.top_p,
             seed=config.seed,
             prompt_index=i,
-            stop_at_final_answer=config.stop_at_final_answer,
-            stop_strings=config.stop_strings,
+            stop=rules[i] if rules is not None else StopRule(config.stop_strings),
             environment=config.environment,
         )
         for i, ids in enumerate(encoded)

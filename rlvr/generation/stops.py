@@ -1,21 +1,43 @@
 """The stop checker: why a row ends, by one set of rules for training, evaluation and serving.
 
-A row ends at an end token (``"eos"``, or ``"answer"`` when it closes a ``#### <number>`` line), right
-after a completed answer line (``"answer"``), once its text holds a stop string (``"stop"``; the text is
-not cut here), at its token budget (``"length"``), or when its caller cancels it (``"cancelled"``).
+A row ends at an end token (``"eos"``, or ``"answer"`` when its last line is an answer line), right
+after it completes an answer line (``"answer"``), once its text holds a stop string (``"stop"``; the text
+is not cut here), at its token budget (``"length"``), or when its caller cancels it (``"cancelled"``).
+What an answer line is and which strings stop a row is the request's :class:`StopRule` (a task's parser
+gives it, ``rlvr.tasks.parsers``): the engine knows no answer format.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
-from rlvr.answers import is_well_formed
-
 FINISH_REASONS = ("eos", "answer", "stop", "length", "cancelled")
-TAIL_TOKENS = 48  # tokens decoded to check for a just-completed '#### <number>' line
+TAIL_TOKENS = 48  # tokens decoded to check for a just-completed answer line
+
+
+@dataclass(frozen=True)
+class StopRule:
+    """Where a request's rows end besides end tokens and the budget: once the text holds one of ``strings``
+    (``"stop"``), or right after a completed line that ``answer_line`` accepts (``"answer"``)."""
+
+    strings: tuple[str, ...] = ()
+    answer_line: Callable[[str], bool] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "strings", tuple(self.strings))
+        if not all(isinstance(s, str) and s for s in self.strings):
+            raise ValueError(f"stop strings must be non-empty strings, got {self.strings}")
+
+    def with_strings(self, strings: tuple[str, ...]) -> StopRule:
+        """This rule with ``strings`` added (a client's own stop strings)."""
+        return StopRule(tuple(dict.fromkeys(self.strings + tuple(strings))), self.answer_line)
+
+
+NO_STOP_RULE = StopRule()
 
 
 class StopChecker:
@@ -27,17 +49,17 @@ class StopChecker:
         self.stop_ids = default_stop_token_ids(model, tokenizer) if stop_token_ids is None else {int(i) for i in stop_token_ids}
         self.newlines = newline_counts(tokenizer, model)
 
-    def finish_reason(self, ids: list[int], max_new_tokens: int, stop_at_final_answer: bool, stop_strings: tuple[str, ...]) -> str | None:
-        """Why a row whose completion is ``ids`` (its newest token last) ends now, or None."""
-        token = ids[-1]
+    def finish_reason(self, ids: list[int], max_new_tokens: int, rule: StopRule) -> str | None:
+        """Why a row whose completion is ``ids`` (its newest token last) ends now under ``rule``, or None."""
+        token, answer_line, stop_strings = ids[-1], rule.answer_line, rule.strings
         if token in self.stop_ids:
-            if stop_at_final_answer:
+            if answer_line is not None:
                 tail = self.tokenizer.decode(ids[-TAIL_TOKENS:-1])
-                return "answer" if is_well_formed(tail.rsplit("\n", 1)[-1]) else "eos"
+                return "answer" if answer_line(tail.rsplit("\n", 1)[-1]) else "eos"
             return "eos"
-        if stop_at_final_answer and (count := int(self.newlines[token])) > 0:
+        if answer_line is not None and (count := int(self.newlines[token])) > 0:
             lines = self.tokenizer.decode(ids[-TAIL_TOKENS:]).split("\n")
-            if any(is_well_formed(line) for line in lines[-1 - count : -1]):  # the lines this token closed
+            if any(answer_line(line) for line in lines[-1 - count : -1]):  # the lines this token closed
                 return "answer"
         if stop_strings:
             window = max(len(s.encode()) for s in stop_strings) + 1  # each token holds at least one byte

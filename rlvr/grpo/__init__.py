@@ -16,7 +16,7 @@ from .loss import (
     token_logprobs,
     zero_variance_groups,
 )
-from .sampler import gsm8k_prompts, step_problems
+from .sampler import step_problems
 from .trainer import GRPOTrainer
 from .trainer_loop import WorldSizeChanged
 
@@ -30,7 +30,6 @@ __all__ = [
     "entropy_from_logits",
     "export_merged",
     "group_advantages",
-    "gsm8k_prompts",
     "kl_k3",
     "latest_checkpoint",
     "load_checkpoint",

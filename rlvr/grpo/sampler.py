@@ -6,12 +6,11 @@ uninterrupted one, without storing any sampler state.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from rlvr.generation.sampler import derive_seed
-from rlvr.prompts import SYSTEM_PROMPT, render_prompt
 
 
 def step_problems(problems: Sequence[Any], step: int, prompts_per_step: int, seed: int) -> list[Any]:
@@ -43,13 +42,3 @@ class ProblemWalk:
 
     def step_problems(self, step: int, prompts_per_step: int, seed: int) -> list[Any]:
         return step_problems(self.problems, step, prompts_per_step, seed)
-
-
-def gsm8k_prompts(problems: Iterable[Any], tokenizer: Any, system_prompt: str = SYSTEM_PROMPT) -> list[dict]:
-    """Training records for GSM8k problems: the rendered ``prompt`` (under ``system_prompt``: with an
-    environment, ``rlvr.prompts.system_prompt_for`` it) plus the reference fields."""
-    records = []
-    for problem in problems:
-        row = problem.as_row() if hasattr(problem, "as_row") else dict(problem)
-        records.append({**row, "prompt": render_prompt(tokenizer, row["question"], system_prompt)})
-    return records

@@ -222,7 +222,8 @@ class GRPOTrainer(TrainerLoop):
         self.rollout_policy.eval()
         gather = gathered_parameters(self.model) if self.config.fsdp else contextlib.nullcontext()
         with gather:
-            rollouts = generate_rollouts(self.rollout_policy, self.tokenizer, [p["prompt"] for p in problems], self.config.group_size, sampling)
+            prompts, stops = [p["prompt"] for p in problems], [p.get("stop") for p in problems]  # each problem's task's stop rule
+            rollouts = generate_rollouts(self.rollout_policy, self.tokenizer, prompts, self.config.group_size, sampling, stops)
         self.policy.train()
         return rollouts
 

@@ -1,5 +1,5 @@
-"""Code rewards, run in ``rlvr.sandbox``: ``code_execution`` (the fraction of a program's stdin/stdout tests
-that pass) and ``humaneval_tests`` (1 when a function passes HumanEval's ``check``, in ``rlvr.function_tests``)."""
+"""Code rewards, run in ``rlvr.code_execution.sandbox``: ``code_execution`` (the fraction of a program's stdin/stdout tests
+that pass) and ``humaneval_tests`` (1 when a function passes HumanEval's ``check``, in ``rlvr.code_execution.function_tests``)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import ast
 import re
 import textwrap
 
-from rlvr.function_tests import run_function_tests
+from rlvr.code_execution.function_tests import run_function_tests
+from rlvr.code_execution.sandbox import SandboxLimits, run_tests
 from rlvr.rewards.registry import RewardResult, register_reward
-from rlvr.sandbox import SandboxLimits, run_tests
 
 _SOURCE_LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+$")
 
@@ -31,7 +31,7 @@ def code_execution(completion: str, tests=None, limits: SandboxLimits | dict | N
     Reference keys: ``tests``, a list of ``{"input": stdin, "output": expected stdout}`` dicts or
     ``(stdin, stdout)`` pairs (outputs compared line by line, trailing whitespace ignored);
     ``limits``, a ``SandboxLimits`` or a dict of its fields. Each test runs the program in a fresh
-    sandbox (see ``rlvr.sandbox``); the standard library and numpy are importable.
+    sandbox (see ``rlvr.code_execution.sandbox``); the standard library and numpy are importable.
     """
     if tests is None:
         raise ValueError("code_execution needs reference 'tests'")
@@ -141,7 +141,7 @@ def humaneval_tests(
 
     Reference keys: HumanEval's ``prompt``, ``test`` and ``entry_point``; ``completion_prefix``, the text the
     prompt opened the assistant's turn with; ``limits`` as for ``code_execution``. The verdict comes from the
-    tests' own sandboxed process, never from the program's output or exit status (``rlvr.function_tests``).
+    tests' own sandboxed process, never from the program's output or exit status (``rlvr.code_execution.function_tests``).
     """
     if not all(isinstance(value, str) and value for value in (prompt, test, entry_point)):
         raise ValueError("humaneval_tests needs reference 'prompt', 'test' and 'entry_point'")

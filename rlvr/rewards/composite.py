@@ -8,16 +8,6 @@ from typing import Mapping
 
 from rlvr.rewards.registry import RewardError, RewardResult, get_reward, score
 
-DEFAULT_GSM8K_REWARD: dict[str, float] = {"math_answer": 1.0, "format": 0.2}
-"""The default GSM8k reward: correctness plus a small format term, ``(1.0 * correct + 0.2 * format) / 1.2``.
-
-GRPO learns only from groups whose rewards differ. The embedded model is right on about 1% of
-GSM8k problems, so with correctness alone a group of 8 is all zeros with probability
-0.99^8 = 92%; about 60% of its answers are well formed, so the format term separates the
-samples of 1 - 0.6^8 - 0.4^8 = 98% of groups. Its weight is small enough that any correct answer
-(at least 1/1.2 = 0.83) outranks any wrong, well-formed one (0.2/1.2 = 0.17).
-"""
-
 
 class CompositeReward:
     """``sum_i w_i r_i / sum_i w_i`` over named rewards, so the total stays in [0, 1].

@@ -55,9 +55,13 @@ def reasoning_gym_correct(completion: str, **reference) -> RewardResult:
 @register_reward("answer_tags")
 def answer_tags(completion: str, **_) -> RewardResult:
     """1 when the completion holds exactly one ``<answer>`` and one ``</answer>``, in that order."""
+    return RewardResult(float(has_one_answer_span(completion)), {"opening": completion.count(_ANSWER_OPEN), "closing": completion.count(_ANSWER_CLOSE)})
+
+
+def has_one_answer_span(completion: str) -> bool:
+    """Exactly one ``<answer>`` and one ``</answer>``, in that order: the format reasoning-gym asks for."""
     opening, closing = completion.count(_ANSWER_OPEN), completion.count(_ANSWER_CLOSE)
-    ordered = opening == closing == 1 and completion.index(_ANSWER_OPEN) < completion.index(_ANSWER_CLOSE)
-    return RewardResult(float(ordered), {"opening": opening, "closing": closing})
+    return opening == closing == 1 and completion.index(_ANSWER_OPEN) < completion.index(_ANSWER_CLOSE)
 
 
 def extract_tagged_answer(completion: str) -> str | None:

@@ -1,4 +1,6 @@
-"""Rewards on text: ``format``, ``exact_match``, ``token_f1``, ``classification``, ``regression``."""
+"""Rewards on text: ``format``, ``exact_match``, ``token_f1``, ``classification``, ``regression``, and on a
+labelled final line (:func:`labelled_answer`): ``qa_exact_match``, ``qa_token_f1``, ``answer_line``,
+``label_match``, ``label_line``."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import numbers
 import re
 import string
 from collections import Counter
+from functools import lru_cache
 from typing import Callable, Sequence
 
 from rlvr.answers import extract_final_answer, is_well_formed, normalize_answer, parse_number
@@ -94,13 +97,13 @@ def classification(completion: str, label=None, labels=None, **_) -> RewardResul
     """
     if label is None or not str(label).strip():
         raise ValueError("classification needs a non-empty reference 'label'")
-    gold = _label_key(label)
-    text = _label_key(completion)
+    gold = label_key(label)
+    text = label_key(completion)
     if labels is None:
         return RewardResult(float(text == gold), {"predicted": text[:100], "label": str(label)})
     if isinstance(labels, str):
         raise ValueError("'labels' must be a list of labels, got one string")
-    keys = {_label_key(x): str(x) for x in labels}
+    keys = {label_key(x): str(x) for x in labels}
     if gold not in keys:
         raise ValueError(f"label {label!r} is not in the label set {sorted(keys.values())}")
     if text in keys:
@@ -135,6 +138,78 @@ def regression(completion: str, target=None, max_rel_error: float = 1.0, min_sca
     return RewardResult(value, {"predicted": extracted.value, "relative_error": relative_error})
 
 
+def labelled_answer(text: str, label: str = "Answer") -> str | None:
+    """The text after the last ``<label>:`` (any case) with text after it on its line, stripped of spaces
+    and ``*``; else the last non-empty line; None for a blank text. The QA and classification tasks' answer
+    span (their parsers and rewards call this one function)."""
+    found = [value for value in (match.group(1).strip().strip("*").strip() for match in _label_re(label).finditer(text)) if value]
+    if found:
+        return found[-1]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def labelled_line(line: str, label: str = "Answer") -> bool:
+    """Whether ``line`` opens (after markdown marks) with ``<label>:`` (any case) and has text after it."""
+    return re.match(rf"[\s*#>_]*{re.escape(label)}\s*:[\s*]*\S", line, re.IGNORECASE) is not None
+
+
+def has_labelled_line(text: str, label: str = "Answer") -> bool:
+    """Whether some line of ``text`` is a :func:`labelled_line`: the QA and classification format check."""
+    return any(labelled_line(line, label) for line in text.splitlines())
+
+
+@register_reward("qa_exact_match")
+def qa_exact_match(completion: str, answers=None, **_) -> RewardResult:
+    """1 when the answer span (:func:`labelled_answer`) equals one of ``answers`` under SQuAD's normalization
+    (lower case, no punctuation, no articles, single spaces): SQuAD v1.1's and NQ-open's exact match."""
+    span = labelled_answer(completion)
+    result = exact_match(span or "", targets=_answer_list(answers), normalize=SQUAD_NORMALIZATION)
+    return RewardResult(result.value, {"answer": span, **result.details})
+
+
+@register_reward("qa_token_f1")
+def qa_token_f1(completion: str, answers=None, **_) -> RewardResult:
+    """``token_f1`` of the answer span (:func:`labelled_answer`) against the best of ``answers``: SQuAD's F1."""
+    span = labelled_answer(completion)
+    result = token_f1(span or "", targets=_answer_list(answers))
+    return RewardResult(result.value, {"answer": span, **result.details})
+
+
+@register_reward("answer_line")
+def answer_line(completion: str, **_) -> RewardResult:
+    """1 when a line opens with ``Answer:`` and has an answer after it (:func:`labelled_line`)."""
+    return RewardResult(float(has_labelled_line(completion, "Answer")))
+
+
+@register_reward("label_match")
+def label_match(completion: str, label=None, labels=None, **_) -> RewardResult:
+    """``classification`` on the span after the last ``Label:`` (else the last non-empty line): 1 when
+    it names the reference ``label``; a span mentioning several labels of ``labels`` is a hedge and scores 0."""
+    span = labelled_answer(completion, "Label")
+    result = classification(span or "", label=label, labels=labels)
+    return RewardResult(result.value, {"span": span, **result.details})
+
+
+@register_reward("label_line")
+def label_line(completion: str, **_) -> RewardResult:
+    """1 when a line opens with ``Label:`` and has a label after it (:func:`labelled_line`)."""
+    return RewardResult(float(has_labelled_line(completion, "Label")))
+
+
+def _answer_list(answers) -> list[str]:
+    if isinstance(answers, str) or not isinstance(answers, (list, tuple)) or not answers:
+        raise ValueError(f"needs a reference 'answers': a non-empty list of acceptable answers, got {answers!r:.80}")
+    return [str(answer) for answer in answers]
+
+
+@lru_cache(maxsize=None)
+def _label_re(label: str) -> re.Pattern:
+    """``<label>:`` and the rest of its line, at the last ``<label>:`` of the line."""
+    marker = rf"\b{re.escape(label)}\s*:"
+    return re.compile(rf"{marker}(?!.*{marker})(.*)", re.IGNORECASE)
+
+
 def _targets(target, targets) -> list[str]:
     candidates = [target] if target is not None else []
     if targets is not None:
@@ -146,7 +221,8 @@ def _targets(target, targets) -> list[str]:
     return [str(t) for t in candidates]
 
 
-def _label_key(text) -> str:
+def label_key(text) -> str:
+    """A label as ``classification`` compares it: lower case, single spaces, no punctuation at its ends."""
     return " ".join(str(text).lower().split()).strip(string.punctuation + " ")
 
 

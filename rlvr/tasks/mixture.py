@@ -19,7 +19,7 @@ from rlvr.grpo.sampler import problem_at
 from rlvr.tasks.base import TaskError
 
 _DRAW = 0x7A5C  # the seed stream of the task draws, apart from the problems' walks
-TRAINING_FIELDS = {"prompt", "correctness", "task", "problem_id"}  # what a training record holds besides the reference
+TRAINING_FIELDS = {"prompt", "correctness", "task", "problem_id", "stop"}  # what a training record holds besides the reference
 
 
 class TaskMixture:
@@ -64,7 +64,8 @@ class TaskMixture:
 
 def training_records(rows: Sequence[Mapping], tokenizer, environment=None) -> list[dict]:
     """Training records of problems-table rows: the rendered ``prompt`` (the row's task's, with
-    ``environment``'s instructions), the reference fields spread on top, and the task's ``correctness``."""
+    ``environment``'s instructions), the reference fields spread on top, the task's ``correctness`` and
+    its ``stop`` rule (each row stops on its own task's stops, whatever the mixture)."""
     from rlvr.tasks.base import problem_record
     from rlvr.tasks.registry import get_task
 
@@ -76,14 +77,6 @@ def training_records(rows: Sequence[Mapping], tokenizer, environment=None) -> li
         if taken:
             raise TaskError(f"task {task.name!r}: reference field(s) {taken} collide with the training record's own; rename them to train on it")
         record = problem_record({**row, "reference": reference})
-        records.append({**record, "prompt": task.render_prompt(tokenizer, record, environment), "correctness": task.correctness})
+        prompt = task.render_prompt(tokenizer, record, environment)
+        records.append({**record, "prompt": prompt, "correctness": task.correctness, "stop": task.stop_rule})
     return records
-
-
-def mixture_sampling(names: Sequence[str]) -> dict:
-    """Stop rules a mixture's rollouts share: a task's own where every task of the mixture agrees, else none."""
-    from rlvr.tasks.registry import get_task
-
-    tasks = [get_task(name) for name in names]
-    stops = {task.stop_strings for task in tasks}
-    return {"stop_at_final_answer": all(task.stop_at_final_answer for task in tasks), "stop_strings": stops.pop() if len(stops) == 1 else ()}

@@ -17,6 +17,7 @@ import numbers
 
 from rlvr.rewards.reasoning_gym import question_digest, storable_entry
 from rlvr.tasks.base import Task, TaskError, TaskProblem, normalized_text_hash
+from rlvr.tasks.parsers import ANSWER_TAGS
 
 FAMILY = "reasoning_gym"
 DEFAULT_OPTIONS = {"train_size": 2000, "test_size": 200, "seed": 0, "config": None}
@@ -42,7 +43,7 @@ def reasoning_gym_task(dataset: str) -> Task:
         description=f"reasoning-gym's {dataset!r} procedural dataset, graded by its own score_answer",
         partial_credit="reasoning_gym_score",
         format_reward="answer_tags",
-        stop_strings=("</answer>",),
+        parser=ANSWER_TAGS,
         max_new_tokens=512,
     )
 

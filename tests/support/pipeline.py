@@ -49,3 +49,17 @@ def run_config(gsm8k_dir, model_dir, steps=2, init_from="base", seed=0) -> dict:
             "eval_report": {"config": PROTOCOL},
         }
     }
+
+
+def register_champion(mlflow: MLflowResource, folder: Path, policy_version: str) -> None:
+    """``policy_version`` as the registry's champion: a logged checkpoint (under ``folder``), registered and promoted."""
+    from resources.tracking import CHAMPION
+
+    (folder / "checkpoint").mkdir()
+    (folder / "checkpoint" / "config.json").write_text("{}")
+    client = mlflow.client()
+    run = client.create_run(mlflow.experiment_id())
+    client.log_artifacts(run.info.run_id, str(folder / "checkpoint"), "checkpoint")
+    registry = mlflow.registry()
+    registry.record_decision(registry.register(policy_version, f"runs:/{run.info.run_id}/checkpoint", run.info.run_id, {}), True, "the first policy")
+    assert registry.version_for(CHAMPION) is not None

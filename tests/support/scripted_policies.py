@@ -20,15 +20,15 @@ GREEDY_WITHOUT_TOOL = "<<6*7=>> #### 42"
 GREEDY_WITH_CALCULATOR = "<<6*7=42>> #### 42"
 
 
-def save_scripted_tiny_llama(out_dir: Path) -> Path:
-    """The tiny Llama whose greedy completion of any chat prompt is ``GREEDY_COMPLETION``, saved to ``out_dir``:
-    the tokens from the prompt's last one (the newline opening the assistant turn) through the completion
-    to the end token are chained. Sampled completions stay gibberish."""
+def save_scripted_tiny_llama(out_dir: Path, completion: str = GREEDY_COMPLETION) -> Path:
+    """The tiny Llama whose greedy completion of any chat prompt is ``completion`` (its tokens all distinct),
+    saved to ``out_dir``: the tokens from the prompt's last one (the newline opening the assistant turn)
+    through the completion to the end token are chained. Sampled completions stay gibberish."""
     from rlvr import policy
 
     model, tokenizer = tiny_llama_with_embedded_tokenizer(seed=0, tie_word_embeddings=False)
     config = model.config
-    chain = [tokenizer.convert_tokens_to_ids("Ċ"), *tokenizer(GREEDY_COMPLETION, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
+    chain = [tokenizer.convert_tokens_to_ids("Ċ"), *tokenizer(completion, add_special_tokens=False).input_ids, tokenizer.eos_token_id]
     assert len(set(chain)) == len(chain) <= config.hidden_size
     with torch.no_grad():
         for layer in model.model.layers:

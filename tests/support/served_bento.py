@@ -19,7 +19,7 @@ import pytest
 from bench.harness import ServedBento
 from bentos.build import MODEL_VERSION_LABEL, build_bento, store_policy
 from bentos.limits import MAX_NEW_TOKENS
-from rlvr.traffic import read_traffic
+from rlvr.monitoring.traffic import read_traffic
 from support.scripted_policies import save_scripted_tiny_llama
 from support.waiting import wait_for
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rlvr import gsm8k
 from rlvr.settings import Settings
+from rlvr.tasks.gsm8k import dataset as gsm8k
 
 
 @dataclass
 class ProblemSource:
-    """A source of GSM8k-style problems (``rlvr.gsm8k``) and its options."""
+    """A source of GSM8k-style problems (``rlvr.tasks.gsm8k.dataset``) and its options."""
 
     source: str = "local"  # 'local' (official jsonl folder), 'hub' (openai/gsm8k), 'gsm_symbolic' or 'reasoning_gym' (offline generators)
     local_dir: str = field(default_factory=lambda: str(Settings.from_env().gsm8k_dir))  # folder with train.jsonl and test.jsonl (source 'local')

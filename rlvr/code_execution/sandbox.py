@@ -7,7 +7,7 @@ grader is root, a private tmpfs root and no network where namespaces are allowed
 ``SandboxResult.isolation`` lists the layers a run actually had; ``SandboxLimits`` states every limit, and
 ``SANDBOX_PACKAGES`` the packages besides the stdlib a program may import. Tests are ``(stdin, expected
 stdout)`` pairs; expected outputs never leave the grader. ``SandboxProcess`` is one run for a caller that
-talks to it over pipes while it runs (``rlvr.function_tests``).
+talks to it over pipes while it runs (``rlvr.code_execution.function_tests``).
 """
 
 from __future__ import annotations

@@ -9,14 +9,14 @@ per-feature family is named ``<family>/<feature>`` (``psi/num_words``) and thres
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import pandas as pd
 from scipy.stats import ks_2samp
 
-from rlvr.prompt_features import prompt_features
+from rlvr.monitoring.prompt_features import prompt_features
 
 PSI_EPSILON = 1e-4
 
@@ -113,8 +113,8 @@ def embedding_drift(
 
 def input_drift(reference_questions: Sequence[str], prompts: Sequence[str], embed: Callable[[list[str]], np.ndarray] | None = None) -> dict[str, float]:
     """Drift of served prompts from the training questions: ``psi/<feature>`` and ``ks/<feature>`` of
-    the prompt features (:func:`rlvr.prompt_features.prompt_features`) and, given ``embed`` (e.g.
-    :func:`rlvr.embeddings.embed_texts`), ``mean_cosine_distance`` and ``mmd`` of the embeddings."""
+    the prompt features (:func:`rlvr.monitoring.prompt_features.prompt_features`) and, given ``embed`` (e.g.
+    :func:`rlvr.monitoring.embeddings.embed_texts`), ``mean_cosine_distance`` and ``mmd`` of the embeddings."""
     metrics = feature_drift(prompt_features(reference_questions), prompt_features(prompts))
     if embed is not None:
         distances = embedding_drift(embed(list(reference_questions)), embed(list(prompts)))
@@ -169,15 +169,26 @@ class DriftThresholds:
 
 
 class DriftCheck(NamedTuple):
-    """One metric against its threshold; threshold None means no threshold applies to it."""
+    """One metric against its threshold; threshold None means no threshold applies to it. ``task``: the
+    task whose requests it measures (None: the whole window)."""
 
     name: str
     value: float
     threshold: float | None
     drifted: bool
+    task: str | None = None
+
+    @property
+    def label(self) -> str:
+        return check_label(self.task, self.name)
 
 
-def evaluate_drift(metrics: Mapping[str, float], thresholds: DriftThresholds = DriftThresholds()) -> list[DriftCheck]:
+def check_label(task: str | None, metric: str) -> str:
+    """How a report names a metric: as it is for the whole window, ``[task] metric`` for one task's requests."""
+    return metric if task is None else f"[{task}] {metric}"
+
+
+def evaluate_drift(metrics: Mapping[str, float], thresholds: DriftThresholds = DriftThresholds(), task: str | None = None) -> list[DriftCheck]:
     """Compare each metric with the threshold field named like it (``psi/num_words`` -> ``psi``).
 
     drifted = value > threshold. Metrics without a threshold (counts, p-values, bandwidths) are
@@ -188,35 +199,49 @@ def evaluate_drift(metrics: Mapping[str, float], thresholds: DriftThresholds = D
     for name, value in metrics.items():
         threshold = limits.get(name.split("/", 1)[0])
         drifted = threshold is not None and not np.isnan(value) and value > threshold
-        checks.append(DriftCheck(name, float(value), threshold, bool(drifted)))
+        checks.append(DriftCheck(name, float(value), threshold, bool(drifted), task))
     return checks
 
 
 @dataclass(frozen=True)
 class DriftReport:
-    """A window of traffic against its references: every metric, each checked against its threshold."""
+    """A window of traffic against its references: every metric, each checked against its threshold.
+    ``metrics`` are the whole window's; ``task_metrics`` each task's; ``notes`` say what a task's checks left out."""
 
     metrics: dict[str, float]
     checks: list[DriftCheck]
+    task_metrics: dict[str, dict[str, float]] = field(default_factory=dict)
+    notes: dict[str, str] = field(default_factory=dict)
 
     @property
     def drifted(self) -> list[DriftCheck]:
         return [c for c in self.checks if c.drifted]
 
     def reasons(self) -> list[str]:
-        return [f"{c.name}={c.value:.3f} > {c.threshold}" for c in self.drifted]
+        return [f"{c.label}={c.value:.3f} > {c.threshold}" for c in self.drifted]
 
     def table(self) -> str:
-        """The checks as a Markdown table."""
-        return "| metric | value | threshold | drifted |\n|---|---|---|---|\n" + "\n".join(
-            f"| {c.name} | {c.value:.4f} | {'' if c.threshold is None else c.threshold} | {'**yes**' if c.drifted else ''} |" for c in self.checks
+        """The checks as a Markdown table (task ``all``: the whole window)."""
+        return "| task | metric | value | threshold | drifted |\n|---|---|---|---|---|\n" + "\n".join(
+            f"| {c.task or 'all'} | {c.name} | {c.value:.4f} | {'' if c.threshold is None else c.threshold} | {'**yes**' if c.drifted else ''} |"
+            for c in self.checks
         )
 
     def history_rows(self, run_id: str, reported_at, day: str | None = None) -> pd.DataFrame:
-        """One row per check, as the drift history keeps them (``day``: the traffic day reported on)."""
+        """One row per check, as the drift history keeps them (``day``: the traffic day reported on; ``task``
+        None: the whole window)."""
         return pd.DataFrame(
             [
-                {"reported_at": reported_at, "run_id": run_id, "metric": c.name, "value": c.value, "threshold": c.threshold, "drifted": c.drifted, "day": day}
+                {
+                    "reported_at": reported_at,
+                    "run_id": run_id,
+                    "metric": c.name,
+                    "value": c.value,
+                    "threshold": c.threshold,
+                    "drifted": c.drifted,
+                    "day": day,
+                    "task": c.task,
+                }
                 for c in self.checks
             ]
         )
@@ -230,18 +255,77 @@ def traffic_drift(
     thresholds: DriftThresholds = DriftThresholds(),
     embed: Callable[[list[str]], np.ndarray] | None = None,
     min_previous: int = 1,
+    task: str | None = None,
 ) -> DriftReport:
     """:func:`input_drift` of the window's prompts and :func:`output_drift` of its outputs, checked
-    against ``thresholds`` (:func:`evaluate_drift`)."""
+    against ``thresholds`` (:func:`evaluate_drift`); ``task``: the task all of the window's requests are of."""
     metrics = input_drift(reference_questions, current["prompt"].tolist(), embed)
     metrics |= output_drift(current, evaluation, previous, min_previous)
-    return DriftReport(metrics, evaluate_drift(metrics, thresholds))
+    return DriftReport(metrics, evaluate_drift(metrics, thresholds, task))
 
 
-def history_curves(history: pd.DataFrame, metrics: Sequence[str]) -> dict[str, list[tuple[int, float]]]:
-    """(report index, value) of each of ``metrics`` over a drift history (oldest first)."""
-    watched = history[history["metric"].isin(list(metrics))]
-    return {name: list(zip(range(len(group)), group["value"])) for name, group in watched.groupby("metric")}
+def drift_by_task(
+    reference_questions: Sequence[str],
+    task_references: Mapping[str, Sequence[str]],
+    current: pd.DataFrame,
+    previous: pd.DataFrame | None = None,
+    evaluations: Mapping[str, pd.DataFrame | None] | None = None,
+    thresholds: DriftThresholds = DriftThresholds(),
+    embed: Callable[[list[str]], np.ndarray] | None = None,
+    min_requests: int = 1,
+) -> DriftReport:
+    """Drift of a window of requests of several tasks (column ``task``; None: no task, e.g. the OpenAI routes).
+
+    The whole window: :func:`input_drift` of every prompt against ``reference_questions`` (the served
+    policy's training mixture). Each task with ``min_requests`` requests: :func:`traffic_drift` of them against
+    that task's own train questions (``task_references``), its requests of ``previous`` and its evaluation
+    (``evaluations``), so its outputs are held to its own format rate. Requests without a task count in the
+    whole window only; what a task's checks left out is in ``notes``.
+    """
+    embed = memoized(embed) if embed is not None else None
+    metrics = input_drift(reference_questions, _prompts(current), embed) if len(reference_questions) >= 2 else {}
+    report = DriftReport(metrics, evaluate_drift(metrics, thresholds))
+    for task, requests in current.dropna(subset=["task"]).groupby("task", sort=True):
+        if len(requests) < min_requests:
+            report.notes[task] = f"not checked: {len(requests)} requests < {min_requests}"
+            continue
+        reference = list(task_references.get(task) or [])
+        evaluation = (evaluations or {}).get(task)
+        earlier = previous[previous["task"] == task] if previous is not None and "task" in previous else None
+        task_metrics = input_drift(reference, _prompts(requests), embed) if len(reference) >= 2 else {}
+        task_metrics |= output_drift(requests, evaluation, earlier, min_requests)
+        report.task_metrics[task] = task_metrics
+        report.checks.extend(evaluate_drift(task_metrics, thresholds, task))
+        unchecked = ["inputs (no train questions)"] if len(reference) < 2 else []
+        unchecked += ["format and reward (no evaluation)"] if evaluation is None else []
+        if unchecked:
+            report.notes[task] = "unchecked: " + ", ".join(unchecked)
+    return report
+
+
+def memoized(embed: Callable[[list[str]], np.ndarray]) -> Callable[[list[str]], np.ndarray]:
+    """``embed`` embedding each distinct text once: the whole window and its tasks share prompts and references."""
+    cache: dict[str, np.ndarray] = {}
+
+    def embed_once(texts: list[str]) -> np.ndarray:
+        new = [t for t in dict.fromkeys(texts) if t not in cache]
+        if new:
+            cache.update(zip(new, embed(new)))
+        return np.stack([cache[t] for t in texts]) if texts else embed([])
+
+    return embed_once
+
+
+def _prompts(requests: pd.DataFrame) -> list[str]:
+    return [p for p in requests["prompt"] if isinstance(p, str)]
+
+
+def history_curves(history: pd.DataFrame, labels: Sequence[str]) -> dict[str, list[tuple[int, float]]]:
+    """(report index, value) of each of ``labels`` (:attr:`DriftCheck.label`) over a drift history (oldest first)."""
+    tasks = history["task"] if "task" in history else pd.Series(None, index=history.index, dtype=object)
+    named = history.assign(label=[check_label(t if isinstance(t, str) else None, m) for t, m in zip(tasks, history["metric"])])
+    watched = named[named["label"].isin(list(labels))]
+    return {name: list(zip(range(len(group)), group["value"])) for name, group in watched.groupby("label")}
 
 
 def _bin_labels(reference: pd.Series, current: pd.Series, bins: int) -> tuple[np.ndarray, np.ndarray]:

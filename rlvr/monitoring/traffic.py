@@ -11,6 +11,7 @@ Retention keeps today's files and those of the ``retention_days`` days before it
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -175,6 +176,7 @@ TRAFFIC_COLUMNS = (
     "request_id",
     "endpoint",
     "model_version",
+    "task",
     "status",
     "latency_s",
     "prompt",
@@ -192,19 +194,47 @@ TRAFFIC_COLUMNS = (
     "source_offset",
     "api_key_id",
 )
+NATIVE_ENDPOINTS = ("/generate", "/solve")  # the service's own routes: each request rendered with one of the policy's tasks
+
+
+def request_task(task: str | None, endpoint: str | None) -> str | None:
+    """The task a request was rendered with: its record's ``task``; without one, a native route's request
+    (written before records named their task) was GSM8k's (``DEFAULT_TASK``), an OpenAI route's (``/v1/...``) none."""
+    if isinstance(task, str) and task:
+        return task
+    if endpoint in NATIVE_ENDPOINTS:
+        from rlvr.tasks import DEFAULT_TASK  # imported on use: rlvr.tasks loads the generation stack
+
+        return DEFAULT_TASK
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def format_check(task: str | None) -> Callable[[str], bool] | None:
+    """The format check of ``task`` (its parser's, :meth:`rlvr.tasks.Task.well_formed`); None for no task or an unknown one."""
+    from rlvr.tasks import TaskError, get_task
+
+    if task is None:
+        return None
+    try:
+        return get_task(task).well_formed
+    except (TaskError, ImportError):  # a plugin task, or a family whose package, this process lacks
+        return None
 
 
 def traffic_row(record: dict) -> dict:
-    """One ``serving_traffic`` row from a traffic record: identity, request, outputs and their quality.
+    """One ``serving_traffic`` row from a traffic record: identity, request, its task, outputs and their quality.
 
-    ``well_formed`` is the share of the request's completions ending in a ``#### <number>`` line,
-    ``completion_chars`` / ``completion_tokens`` their means. Missing fields become None.
+    ``well_formed`` is the share of the request's completions in its task's answer format (the task's own
+    check); None for a request without a task (the OpenAI routes) or of a task this process cannot resolve,
+    so those are not counted in well-formedness. ``completion_chars`` / ``completion_tokens`` are means.
+    Missing fields become None.
     """
-    from rlvr.answers import is_well_formed
-
     completions = [c for c in record.get("completions") or [] if isinstance(c, str)]
     tokens = [t for t in record.get("completion_tokens") or [] if isinstance(t, (int, float))]
     reasons = record.get("finish_reasons") or []
+    task = request_task(record.get("task"), record.get("endpoint"))
+    check = format_check(task)
 
     def mean(values):
         return sum(values) / len(values) if values else None
@@ -215,13 +245,14 @@ def traffic_row(record: dict) -> dict:
         "request_id": record.get("request_id"),
         "endpoint": record.get("endpoint"),
         "model_version": record.get("model_version"),
+        "task": task,
         "status": record.get("status"),
         "latency_s": record.get("latency_s"),
         "prompt": record.get("prompt"),
         "answer": record.get("answer"),
         "vote_share": record.get("vote_share"),
         "num_completions": len(completions),
-        "well_formed": mean([float(is_well_formed(c)) for c in completions]),
+        "well_formed": mean([float(check(c)) for c in completions]) if check is not None else None,
         "completion_chars": mean([float(len(c)) for c in completions]),
         "completion_tokens": mean([float(t) for t in tokens]),
         "truncated": mean([float(r == "length") for r in reasons]),

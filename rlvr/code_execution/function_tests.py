@@ -2,10 +2,10 @@
 
 The candidate process runs the untrusted program and answers calls of its entry point; the tests process runs
 the trusted prompt and tests, ``candidate`` there a stand-in that forwards each call over a pipe, values
-crossing as data the tests' side rebuilds (:mod:`rlvr.function_tests_child`). Only the tests process holds the verdict pipe and
+crossing as data the tests' side rebuilds (:mod:`rlvr.code_execution.function_tests_child`). Only the tests process holds the verdict pipe and
 the run's nonce (sent on its stdin): a run passes only when it wrote ``{"nonce": <nonce>, "verdict": "passed"}``
 after ``check`` returned and then exited 0. What the program prints, or its exit status, counts for nothing.
-Both processes have every layer of :mod:`rlvr.sandbox`; the limits bound each, the wall time the whole run.
+Both processes have every layer of :mod:`rlvr.code_execution.sandbox`; the limits bound each, the wall time the whole run.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlvr.function_tests_child import EXITED, PASSED
-from rlvr.sandbox import SandboxLimits, SandboxProcess, SandboxResult, package_imports
+from rlvr.code_execution.function_tests_child import EXITED, PASSED
+from rlvr.code_execution.sandbox import SandboxLimits, SandboxProcess, SandboxResult, package_imports
 
 MAX_PROGRAM_CHARS = 1 << 18
 _CHILD_SOURCE = (Path(__file__).parent / "function_tests_child.py").read_text(encoding="utf-8")

@@ -1,4 +1,4 @@
-"""The sandbox side of :mod:`rlvr.function_tests`: this file's source is what its two sandboxed processes run.
+"""The sandbox side of :mod:`rlvr.code_execution.function_tests`: this file's source is what its two sandboxed processes run.
 
 ``serve_candidate`` runs the untrusted program and answers calls of its entry point; ``run_tests`` runs the
 trusted prompt and tests with ``candidate`` a stand-in that forwards each call over a pipe and writes the

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Iterable
 
 from rlvr.answers import count_reasoning_steps, normalize_answer, parse_number, split_gsm8k_answer
+from rlvr.tasks.base import normalized_text_hash
 
 SOURCES = ("local", "hub", "gsm_symbolic", "reasoning_gym")
 SPLITS = ("train", "test")
@@ -55,12 +56,6 @@ class CheckOutcome:
     passed: bool
     description: str
     metadata: dict
-
-
-def question_hash(question: str) -> str:
-    """Hash of a question after case and whitespace normalization (used to find split overlap)."""
-    normalized = re.sub(r"\s+", " ", question.strip().lower())
-    return hashlib.sha256(normalized.encode()).hexdigest()
 
 
 def make_problem(question: str, answer: str, split: str, index: int, source: str, where: str) -> Problem:
@@ -187,7 +182,7 @@ def generate_reasoning_gym(task: str, train_size: int, test_size: int, seed: int
         for entry in dataset:
             if index == size:
                 break
-            key = question_hash(entry["question"])
+            key = normalized_text_hash(entry["question"])
             if key in seen:
                 continue
             seen.add(key)
@@ -214,7 +209,7 @@ def validate_problems(problems: Iterable[Problem], expected_counts: dict[str, in
     outcomes.append(_outcome("answers_parse", unparsed, "every final answer parses as a number", failure, {"unparsed": len(unparsed)}))
     by_split: dict[str, set[str]] = {s: set() for s in SPLITS}
     for p in problems:
-        by_split.setdefault(p.split, set()).add(question_hash(p.question))
+        by_split.setdefault(p.split, set()).add(normalized_text_hash(p.question))
     overlap = by_split["train"] & by_split["test"]
     failure = f"{len(overlap)} questions appear in both train and test"
     outcomes.append(_outcome("no_split_overlap", overlap, "no question appears in both splits", failure, {"overlapping_questions": len(overlap)}))
