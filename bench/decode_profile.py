@@ -23,7 +23,7 @@ from bench.grpo_vs_trl import QUESTIONS  # noqa: E402
 from bench.harness import bench_model, seconds  # noqa: E402
 from rlvr.fastpaths import FastPaths  # noqa: E402
 from rlvr.generation import SamplingConfig, generate_rollouts  # noqa: E402
-from rlvr.prompts import render_prompt  # noqa: E402
+from rlvr.tasks.gsm8k.prompt import render_prompt  # noqa: E402
 
 
 def rollout(model, tokenizer, prompts: list[str], samples: int, tokens: int, cuda: bool) -> float:

@@ -24,7 +24,7 @@ from bench.grpo_vs_trl import QUESTIONS  # noqa: E402
 from bench.harness import bench_model, decode_step_ms, seconds  # noqa: E402
 from rlvr.fastpaths import FastPaths  # noqa: E402
 from rlvr.generation import SamplingConfig, generate_rollouts  # noqa: E402
-from rlvr.prompts import render_prompt  # noqa: E402
+from rlvr.tasks.gsm8k.prompt import render_prompt  # noqa: E402
 
 DATASHEET_BANDWIDTH_GBS = {"H200": 4800.0, "H100 NVL": 3900.0, "H100 PCIe": 2000.0, "H100": 3350.0, "A100-SXM4-80GB": 2039.0, "A100": 1555.0}
 PLAIN = FastPaths(fused_decode=False, packed_linears=False, cuda_graphs=False)

@@ -26,7 +26,7 @@ from bench.harness import bench_model  # noqa: E402
 from rlvr.fastpaths import FastPaths  # noqa: E402
 from rlvr.generation import SamplingConfig  # noqa: E402
 from rlvr.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
-from rlvr.prompts import render_prompt  # noqa: E402
+from rlvr.tasks.gsm8k.prompt import render_prompt  # noqa: E402
 
 
 def correctness_rewards(completions: list[str], problems: list[dict]) -> tuple[list[float], dict[str, list[float]]]:

@@ -25,8 +25,8 @@ from rlvr.answers import answers_match, extract_final_answer
 from rlvr.generation import SamplingConfig
 from rlvr.grpo import GRPOConfig, GRPOTrainer
 from rlvr.policy import load_policy
-from rlvr.prompts import build_messages, render_prompt
 from rlvr.tasks import GSM8K
+from rlvr.tasks.gsm8k.prompt import build_messages, render_prompt
 
 QUESTIONS = [  # the first GSM8k train problems
     (

@@ -30,7 +30,7 @@ try:
 except ImportError:
     from rlvr.rollout import SamplingConfig, generate_rollouts
 from rlvr.policy import load_policy, load_tokenizer
-from rlvr.prompts import render_prompt
+from rlvr.tasks.gsm8k.prompt import render_prompt
 tokenizer = load_tokenizer(args["checkpoint"])
 if args["family"] == "qwen3":
     from transformers import Qwen3Config, Qwen3ForCausalLM

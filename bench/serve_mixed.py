@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `
 
 from bench.harness import ServedBento, ServedProcess, build_served_bento, percentile, questions  # noqa: E402
 from rlvr.policy import load_tokenizer  # noqa: E402
-from rlvr.prompts import render_prompt  # noqa: E402
+from rlvr.tasks.gsm8k.prompt import render_prompt  # noqa: E402
 
 MODEL = "bench"
 

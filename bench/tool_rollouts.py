@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `
 from rlvr.environments.calculator import Calculator  # noqa: E402
 from rlvr.generation import Rollouts, SamplingConfig, generate_rollouts  # noqa: E402
 from rlvr.policy import load_policy  # noqa: E402
-from rlvr.prompts import render_prompt, system_prompt_for  # noqa: E402
 from rlvr.settings import Settings  # noqa: E402
 from rlvr.tasks.gsm8k.dataset import load_local  # noqa: E402
+from rlvr.tasks.gsm8k.prompt import render_prompt, system_prompt_for  # noqa: E402
 
 
 def main() -> int:

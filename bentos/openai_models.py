@@ -158,7 +158,7 @@ ChatMessages = Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_M
 
 class ChatCompletionRequest(_OpenAIRequest):
     """``POST /v1/chat/completions``: ``n`` replies to the messages, rendered with the model's chat
-    template as given (no system prompt is added; rlvr.prompts.SYSTEM_PROMPT is training's)."""
+    template as given (no system prompt is added; rlvr.tasks.gsm8k.prompt.SYSTEM_PROMPT is GSM8k training's)."""
 
     messages: ChatMessages
     max_tokens: NewTokens | None = Field(default=None, description=f"default {DEFAULT_CHAT_MAX_TOKENS}")

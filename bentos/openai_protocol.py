@@ -43,9 +43,9 @@ from bentos.request_cost import CostFields, invalid_request
 from bentos.serving_engine import RolloutResult
 from bentos.tokenizer_models import DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse, TokenizerInfo
 from bentos.traffic_log import generation_fields
+from rlvr.chat import ControlTokensError, render_messages, with_instructions
 from rlvr.evaluation import majority_vote
 from rlvr.generation import EngineRequest, StopRule, TokenScores, score_tokens
-from rlvr.prompts import ControlTokensError, render_messages, with_instructions
 
 logger = logging.getLogger("bentoml.rlvr_policy")
 

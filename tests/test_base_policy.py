@@ -8,7 +8,7 @@ from dagster import materialize
 
 from resources import ModelStore
 from rlvr.policy import EMBEDDED_MODEL, load_policy, load_source, resolve_source
-from rlvr.prompts import render_prompt
+from rlvr.tasks.gsm8k.prompt import render_prompt
 from rlvr_assets.models import base_policy
 
 

@@ -26,7 +26,7 @@ from bentos.limits import MAX_BODY_BYTES, MAX_STOP_STRINGS
 from bentos.vocabulary import Vocabulary
 from rlvr.answers import lm_eval_gsm8k_answers
 from rlvr.monitoring.traffic import read_traffic, traffic_row
-from rlvr.prompts import SYSTEM_PROMPT
+from rlvr.tasks.gsm8k.prompt import SYSTEM_PROMPT
 from support.scripted_policies import GREEDY_COMPLETION
 from support.served_bento import LINEAGE, QUESTION, metric_value, scripted_bento, serving_batched, traffic_records
 from support.waiting import wait_for

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlvr.prompts import render_prompt
+from rlvr.tasks.gsm8k.prompt import render_prompt
 from support.tiny_models import embedded_tokenizer
 
 

@@ -3,11 +3,12 @@
 import pytest
 import torch
 
+from rlvr.chat import ControlTokensError, render_messages
 from rlvr.generation import Rollouts, SamplingConfig, generate_rollouts, sample_tokens, score_tokens, stream_rollouts
 from rlvr.generation.sampler import GREEDY_BELOW_TEMPERATURE, _top_p_filter
 from rlvr.generation.stops import NO_STOP_RULE, StopChecker, StopRule
-from rlvr.prompts import ControlTokensError, render_messages, render_prompt
 from rlvr.tasks import GSM8K
+from rlvr.tasks.gsm8k.prompt import render_prompt
 from support.tiny_models import char_tokenizer, embedded_tokenizer, tiny_llama
 
 PROMPTS = ["what is 12+30?", "7", "count: a b c d e f"]

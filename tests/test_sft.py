@@ -24,7 +24,7 @@ def test_targets_are_reference_solutions_in_the_answer_format():
 
 def test_examples_use_the_shared_prompt_and_end_with_the_end_token(tiny_llama_dir):
     from rlvr.policy import load_tokenizer
-    from rlvr.prompts import render_prompt
+    from rlvr.tasks.gsm8k.prompt import render_prompt
 
     tokenizer = load_tokenizer(tiny_llama_dir)
     [example] = sft_examples([{"question": "How many clips?", "solution": NATALIA, "answer_text": "72"}], tokenizer)
@@ -45,7 +45,7 @@ def test_calculator_results_are_the_environments_tokens(tiny_llama_dir, keep):
     '24>>' between is the calculator's at rollout time: those tokens are masked out of the loss."""
     from rlvr.environments import Calculator
     from rlvr.policy import load_tokenizer
-    from rlvr.prompts import render_prompt, system_prompt_for
+    from rlvr.tasks.gsm8k.prompt import render_prompt, system_prompt_for
 
     tokenizer = load_tokenizer(tiny_llama_dir)
     row = {"question": "How many clips?", "solution": NATALIA, "answer_text": "72"}

@@ -70,9 +70,9 @@ def test_a_task_is_checked_when_defined_and_when_loaded():
 
 
 def test_gsm8k_as_a_task_keeps_its_problems_prompt_and_grade(gsm8k_dir):
-    from rlvr.prompts import render_prompt
     from rlvr.rewards import score
     from rlvr.tasks.gsm8k import dataset as gsm8k
+    from rlvr.tasks.gsm8k.prompt import render_prompt
 
     problems = GSM8K.load_problems({"local_dir": str(gsm8k_dir), "limit": 3})
     originals = gsm8k.load_local(gsm8k_dir, limit=3)

@@ -53,7 +53,7 @@ def test_the_script_calls_the_calculator(tmp_path):
     """The scripted policy does what the other tests rely on, through the real engine."""
     from rlvr.generation import SamplingConfig, generate_rollouts
     from rlvr.policy import load_policy
-    from rlvr.prompts import render_prompt, system_prompt_for
+    from rlvr.tasks.gsm8k.prompt import render_prompt, system_prompt_for
 
     model, tokenizer = load_policy(save_calculator_llama(tmp_path / "calc"))
     prompt = render_prompt(tokenizer, "What is 6 times 7?", system_prompt_for(Calculator()))

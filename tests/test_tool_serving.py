@@ -14,10 +14,10 @@ import json
 import pytest
 
 from bentos.build import MODEL_VERSION_LABEL, build_bento, store_policy
+from rlvr.chat import render_messages, with_instructions
 from rlvr.environments import Calculator, ToolBudget
 from rlvr.monitoring.traffic import read_traffic
 from rlvr.policy import write_environment
-from rlvr.prompts import render_messages, with_instructions
 from support.scripted_policies import GREEDY_WITH_CALCULATOR, save_calculator_llama
 from support.served_bento import serving
 from support.tiny_models import embedded_tokenizer

@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Mapping
 
+from rlvr.chat import render_messages, with_instructions
 from rlvr.generation.stops import StopRule
-from rlvr.prompts import render_messages, with_instructions
 from rlvr.tasks.parsers import FINAL_LINE, Parser
 
 SPLITS = ("train", "test")

@@ -7,9 +7,9 @@ Its options are :class:`rlvr.tasks.gsm8k.source.ProblemSource`'s fields (``sourc
 
 from __future__ import annotations
 
-from rlvr.prompts import SYSTEM_PROMPT
 from rlvr.tasks.base import Task, TaskError, TaskProblem
 from rlvr.tasks.gsm8k import dataset as gsm8k
+from rlvr.tasks.gsm8k.prompt import SYSTEM_PROMPT
 from rlvr.tasks.gsm8k.source import ProblemSource, load_problems
 from rlvr.tasks.parsers import HASH_NUMBER
 
