@@ -254,7 +254,8 @@ class OpenAIProtocol:
             generation_s=max(r.generation_s for r in results),
             batch_requests=max(r.batch_requests for r in results),
         )
-        answers = [self._answer(text) for text in texts]
+        default = next(iter(self.tasks.values()))  # a /v1 request names no task: its logged answers are the policy's first task's
+        answers = [default.parse(text) for text in texts]
         answer, vote_share = majority_vote(answers)
         record.update(generation_fields(merged), answers=answers, answer=answer, vote_share=vote_share, usage=used.model_dump())
         response_type = ChatCompletion if reply.chat else Completion
