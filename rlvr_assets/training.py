@@ -334,9 +334,11 @@ def run_ended(instance: DagsterInstance, dagster_run_id: str) -> bool:
 
 def with_start_tasks(config: GRPORunConfig, start: StoredModel, log) -> GRPORunConfig:
     """``config``, training from the champion with no ``tasks`` set: on the champion's recorded mixture (its manifest's
-    ``tasks``; none recorded: ``DEFAULT_TASK``), so a retraining keeps the served policy's tasks. Logs the mixture trained."""
-    if config.init_from == "champion" and not config.tasks:
-        config = config.model_copy(update={"tasks": start.manifest.get("tasks") or {DEFAULT_TASK: 1.0}})
+    ``tasks``), so a retraining keeps the served policy's tasks; ``DEFAULT_TASK`` alone (or none recorded) stays the
+    one-task run, with its ``rewards``. Logs the mixture trained."""
+    recorded = start.manifest.get("tasks")
+    if config.init_from == "champion" and not config.tasks and recorded and dict(recorded) != {DEFAULT_TASK: 1.0}:
+        config = config.model_copy(update={"tasks": dict(recorded)})
     log.info(f"grpo_training: training {start.name} {start.version} on the tasks {config.tasks or {DEFAULT_TASK: 1.0}}")
     return config
 

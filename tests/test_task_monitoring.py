@@ -174,6 +174,8 @@ def test_a_run_from_the_champion_without_tasks_trains_the_champions_recorded_mix
     champion = StoredModel("grpo_checkpoint", "rg1", tmp_path, {"tasks": {ARITHMETIC: 0.7, "gsm8k": 0.3}})
     older = StoredModel("grpo_checkpoint", "old1", tmp_path, {})  # trained before policies recorded their tasks
     assert with_start_tasks(GRPORunConfig(init_from="champion"), champion, log).tasks == {ARITHMETIC: 0.7, "gsm8k": 0.3}
-    assert with_start_tasks(GRPORunConfig(init_from="champion"), older, log).tasks == {"gsm8k": 1.0}
+    assert with_start_tasks(GRPORunConfig(init_from="champion"), older, log).tasks is None  # one task, GSM8k, with its rewards
+    gsm8k_only = StoredModel("grpo_checkpoint", "g1", tmp_path, {"tasks": {"gsm8k": 1.0}})
+    assert with_start_tasks(GRPORunConfig(init_from="champion", rewards={"math_answer": 1.0}), gsm8k_only, log).tasks is None
     assert with_start_tasks(GRPORunConfig(init_from="champion", tasks={"gsm8k": 1.0}), champion, log).tasks == {"gsm8k": 1.0}  # set: kept
     assert with_start_tasks(GRPORunConfig(init_from="base"), champion, log).tasks is None  # not a retraining: GSM8k with its rewards

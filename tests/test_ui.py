@@ -180,7 +180,7 @@ def test_mlflow_opens_the_experiment_on_its_runs(pipeline, page, tmp_path):
 
 def test_the_registry_shows_the_champion_with_its_schema(pipeline, page, tmp_path):
     page.goto(pipeline[2].model_version(1), wait_until="domcontentloaded", timeout=120_000)
-    page.get_by_text("Inputs (1)").first.wait_for(timeout=60_000)  # the signature: question in; answer, completion out
+    page.get_by_text("Inputs (2)").first.wait_for(timeout=60_000)  # the signature: question (and an optional task) in; answer, completion out
     text = page.inner_text("body")
     assert "Outputs (2)" in text and "champion" in text and "grpo-" in text  # the alias and the source run
     screenshot(page, "mlflow-registry.png", tmp_path)
