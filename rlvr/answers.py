@@ -144,6 +144,12 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def final_line(text: str) -> str | None:
+    """The last non-empty line, stripped; None for a blank text."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
 def extract_final_answer(completion: str, mode: str = "strict") -> ExtractedAnswer | None:
     """Find the final numeric answer in a completion (see the module docstring for ``mode``)."""
     if mode not in EXTRACTION_MODES:

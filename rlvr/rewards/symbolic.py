@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from rlvr.answers import last_boxed, with_ascii_minus
+from rlvr.answers import final_line, last_boxed, with_ascii_minus
 from rlvr.rewards.math import symbolic_refusal, written_form
 from rlvr.rewards.registry import RewardResult, register_reward
 from rlvr.rewards.sympy_worker import SymbolicCheckAborted, run_bounded
@@ -32,7 +32,7 @@ def math_verify_reward(completion: str, gold: str, **_) -> RewardResult:
         raise ValueError(f"math_verify needs a non-empty 'gold' answer, got {gold!r}")
     completion = with_ascii_minus(completion)
     boxed = last_boxed(completion)
-    answer, method = (boxed, "boxed") if boxed else (_last_line(completion), "last_line")
+    answer, method = (boxed, "boxed") if boxed else (final_line(completion), "last_line")
     details = {"extracted": answer, "method": method if answer else None}
     if not answer:
         return RewardResult(0.0, {**details, "reason": "no answer"})
@@ -70,8 +70,3 @@ def boxed_reward(completion: str, **_) -> RewardResult:
     """1 when the completion holds a closed, non-empty ``\\boxed{...}``."""
     boxed = last_boxed(completion)
     return RewardResult(float(boxed is not None), {"boxed": boxed})
-
-
-def _last_line(text: str) -> str | None:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else None

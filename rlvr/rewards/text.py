@@ -12,7 +12,7 @@ from collections import Counter
 from functools import lru_cache
 from typing import Callable, Sequence
 
-from rlvr.answers import extract_final_answer, is_well_formed, normalize_answer, parse_number
+from rlvr.answers import extract_final_answer, final_line, is_well_formed, normalize_answer, parse_number
 from rlvr.rewards.registry import RewardResult, register_reward
 
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
@@ -143,10 +143,7 @@ def labelled_answer(text: str, label: str = "Answer") -> str | None:
     and ``*``; else the last non-empty line; None for a blank text. The QA and classification tasks' answer
     span (their parsers and rewards call this one function)."""
     found = [value for value in (match.group(1).strip().strip("*").strip() for match in _label_re(label).finditer(text)) if value]
-    if found:
-        return found[-1]
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else None
+    return found[-1] if found else final_line(text)
 
 
 def labelled_line(line: str, label: str = "Answer") -> bool:

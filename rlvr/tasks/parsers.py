@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Callable
 
-from rlvr.answers import extract_final_answer, is_well_formed, last_boxed
+from rlvr.answers import extract_final_answer, final_line, is_well_formed, last_boxed
 from rlvr.generation.stops import StopRule
 from rlvr.rewards.code import last_code_block
 from rlvr.rewards.reasoning_gym import extract_tagged_answer, has_one_answer_span
@@ -52,12 +52,6 @@ def code_block_well_formed(text: str) -> bool:
 def has_boxed(text: str) -> bool:
     """A closed, non-empty ``\\boxed{...}``."""
     return last_boxed(text) is not None
-
-
-def final_line(text: str) -> str | None:
-    """The last non-empty line, stripped; None for a blank completion."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else None
 
 
 HASH_NUMBER = Parser("hash_number", hash_number_answer, is_well_formed, answer_line=is_well_formed)
