@@ -291,12 +291,12 @@ class Warehouse(DuckDBResource):
         whose problems once had a table of their own (:data:`PROBLEM_VIEWS`) gets that name back as a view of them."""
         with self.get_connection() as conn:
             _move_problem_tables(conn)
-            with _transaction(conn):  # the rows and their view land together, in one published snapshot
-                _apply_one(conn, None, Upsert(PROBLEMS, frame, "task"), 0)
-                if task in PROBLEM_VIEWS:
-                    conn.execute(PROBLEM_VIEWS[task][1])
-            if self.publish_snapshot:
-                publish_snapshot(conn, Path(self.database))
+        self.write(Upsert(PROBLEMS, frame, "task"))
+        if task in PROBLEM_VIEWS:
+            with self.get_connection() as conn:
+                conn.execute(PROBLEM_VIEWS[task][1])
+                if self.publish_snapshot:
+                    publish_snapshot(conn, Path(self.database))
 
     def task_problems(self, task: str, split: str, limit: int | None = None) -> list[dict]:
         """One task's rows of ``task_problems`` in ``split``, ordered by id (the first ``limit`` when given); the
