@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--compute-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto: the backend plan's choice")
     parser.add_argument("--no-keep-freed-memory", action="store_true", help="leave glibc's malloc at its defaults")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(

@@ -1,6 +1,6 @@
 """The way in of a request, each bound enforced before any work (``RequestGuard``, an ASGI middleware):
-the caller's API key on every route but the probes (``bentos.api_keys``: 401, or 429 past its rate),
-before anything is read; then, on the public endpoints, JSON only (415); a lone UTF-16 surrogate in it
+the caller's API key on every route but the probes (``bentos.api_keys``: 401, or 429 past its rate, and on
+the generating routes past its daily token quota), before anything is read; then, on the public endpoints, JSON only (415); a lone UTF-16 surrogate in it
 refused naming its field (400); the body whole within ``MAX_BODY_BYTES`` (413, chunked bodies included)
 and ``BODY_TIMEOUT_S`` (408), read before the request takes a slot (and one of its key's). Past the
 engine's row slots a request queues (its wait shows in its time to first token and ``/readyz``); a 503
@@ -33,6 +33,7 @@ from bentos.metrics import REQUESTS
 
 OPENAI_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")  # errors in OpenAI's shape
 PUBLIC_ENDPOINTS = ("/generate", "/solve", *OPENAI_ENDPOINTS)
+GENERATING_ENDPOINTS = ("/generate", "/solve", "/v1/chat/completions", "/v1/completions")  # what a daily token quota meters
 REQUEST_TIMEOUT_S = 300  # the whole request, queueing included: BentoML answers 504 and we stop its rows
 STREAM_GRACE_S = 2.0  # past the timeout, the guard ends a stream whose client stopped reading
 MAX_REQUESTS = 256  # per replica: public requests past the body, running or queued; more get 503 ($RLVR_MAX_REQUESTS)
@@ -173,6 +174,8 @@ class RequestGuard:
         if isinstance(caller, Refusal):
             return await refuse_for(send, caller, openai=openai, close=scope["method"] not in ("GET", "HEAD"))
         exchange.api_key_id = caller.key_id
+        if scope["path"] in GENERATING_ENDPOINTS and (spent := self.access.over_quota(caller)) is not None:
+            return await refuse_for(send, spent, openai=openai, close=scope["method"] not in ("GET", "HEAD"))
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)  # 405 from the router
         _refuse = functools.partial(refuse, openai=openai)
@@ -268,15 +271,17 @@ async def refuse(
     field: tuple | None = None,
     code: str | None = None,
     challenge: str | None = None,
+    detail: dict | None = None,
 ) -> None:
-    """A JSON ``ErrorResponse`` (``openai``: OpenAI's error shape, with ``code``), naming ``field`` when given;
+    """A JSON ``ErrorResponse`` (``openai``: OpenAI's error shape, with ``code``), naming ``field`` when given,
+    ``detail``'s fields beside the native shape's ``error``;
     ``Retry-After`` of ``retry_after`` seconds (True: ``RETRY_AFTER_S``), ``WWW-Authenticate: challenge``.
     Sent to a client that hung up (499) it goes nowhere, but it ends the exchange for BentoML's middleware
     (its timeout would hold the request's task for the full timeout)."""
     if openai:
         content = openai_api.error_body(status, message, openai_api.param_name(field or ()), "invalid_value" if field else code)
     else:
-        content = {"error": message, **({"detail": [{"type": "invalid_value", "loc": list(field), "msg": message}]} if field else {})}
+        content = {"error": message, **({"detail": [{"type": "invalid_value", "loc": list(field), "msg": message}]} if field else {}), **(detail or {})}
     body = JSONResponse(content).body
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if retry_after:
@@ -300,6 +305,7 @@ async def refuse_for(send, refusal: Refusal, *, openai: bool, close: bool = Fals
         close=close,
         code=refusal.code,
         challenge=refusal.challenge,
+        detail=refusal.detail,
     )
 
 

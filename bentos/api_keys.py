@@ -1,13 +1,13 @@
 """Who may call the policy service: API keys sent as ``Authorization: Bearer <key>`` (as vLLM's ``--api-key``
 and OpenAI's clients send them), on every route but the probes; ``bentos.admission.RequestGuard`` asks.
 
-Keys: ``RLVR_API_KEYS`` and the file ``RLVR_API_KEYS_FILE``, separated by commas or lines (``#`` comment
-lines), each ``id:secret`` or a bare secret (id ``key-`` + 8 hex digits of a hash of it). Only SHA-256 digests are
-kept; a presented key's digest is compared with every one (``hmac.compare_digest``, no early exit).
-``/metrics`` takes ``RLVR_METRICS_TOKEN`` when set, else the keys. Per key: a token bucket of
-``RLVR_RATE_PER_KEY`` requests/s (burst ``RLVR_BURST_PER_KEY``) and at most ``RLVR_CONCURRENCY_PER_KEY``
-requests in the engine; past either, 429 with ``Retry-After``. No key configured: open to anyone (the
-service warns); keys named but none found: refused unless ``RLVR_ALLOW_UNAUTHENTICATED=1``.
+Keys: ``RLVR_API_KEYS`` and the file ``RLVR_API_KEYS_FILE``, each ``id:secret`` or a bare secret (id ``key-`` +
+8 hex digits of its hash). Only SHA-256 digests are kept, compared in constant time. ``/metrics`` takes
+``RLVR_METRICS_TOKEN`` when set, else the keys. Per key: ``RLVR_RATE_PER_KEY`` requests/s (burst
+``RLVR_BURST_PER_KEY``), ``RLVR_CONCURRENCY_PER_KEY`` in the engine, and a daily token quota
+(``RLVR_DAILY_TOKENS_PER_KEY``, overrides ``RLVR_DAILY_TOKENS_BY_KEY``): past any, 429 with ``Retry-After``.
+No key configured: open to anyone (the service warns); keys named but none found: refused unless
+``RLVR_ALLOW_UNAUTHENTICATED=1``.
 """
 
 from __future__ import annotations
@@ -19,12 +19,14 @@ import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Callable, Mapping
 
 KEYS_ENV, KEYS_FILE_ENV, METRICS_TOKEN_ENV = "RLVR_API_KEYS", "RLVR_API_KEYS_FILE", "RLVR_METRICS_TOKEN"
 ALLOW_OPEN_ENV = "RLVR_ALLOW_UNAUTHENTICATED"
 RATE_ENV, BURST_ENV, CONCURRENCY_ENV = "RLVR_RATE_PER_KEY", "RLVR_BURST_PER_KEY", "RLVR_CONCURRENCY_PER_KEY"
+DAILY_TOKENS_ENV, DAILY_TOKENS_BY_KEY_ENV = "RLVR_DAILY_TOKENS_PER_KEY", "RLVR_DAILY_TOKENS_BY_KEY"
 PROBES = ("/livez", "/healthz", "/readyz")  # open: the kubelet and compose's healthcheck send no key
 METRICS_PATH = "/metrics"
 MIN_SECRET_CHARS = 16
@@ -94,11 +96,24 @@ def check_secret(secret: str, where: str) -> None:
 @dataclass(frozen=True)
 class KeyLimits:
     """What one key may use: ``rate_per_s`` requests a second, up to ``burst`` at once after a pause
-    (None: no rate limit), and at most ``concurrency`` requests in the engine (None: no limit of its own)."""
+    (None: no rate limit), at most ``concurrency`` requests in the engine (None: no limit of its own), and
+    ``daily_tokens`` a UTC day, unless ``daily_tokens_by_key`` names its own (None: no quota)."""
 
     rate_per_s: float | None = None
     burst: int = 1
     concurrency: int | None = None
+    daily_tokens: int | None = None
+    daily_tokens_by_key: tuple[tuple[str, int], ...] = ()
+
+    def daily_tokens_of(self, key_id: str | None) -> int | None:
+        """The daily token quota of ``key_id`` (None: none; an open service's callers have none)."""
+        if key_id is None:
+            return None
+        return dict(self.daily_tokens_by_key).get(key_id, self.daily_tokens)
+
+    @property
+    def has_quota(self) -> bool:
+        return self.daily_tokens is not None or bool(self.daily_tokens_by_key)
 
 
 @dataclass(frozen=True)
@@ -120,7 +135,11 @@ class AccessConfig:
         rate = "no rate limit" if limits.rate_per_s is None else f"{limits.rate_per_s:g} requests/s (burst {limits.burst})"
         share = "no concurrency limit" if limits.concurrency is None else f"at most {limits.concurrency} at once"
         metrics = "its own token" if self.metrics_token else "the API keys"
-        return f"API keys {', '.join(self.keys.ids)}; /metrics takes {metrics}; per key: {rate}, {share}"
+        quota = ""
+        if limits.has_quota:
+            own = "".join(f", {key_id} {tokens}" for key_id, tokens in limits.daily_tokens_by_key)
+            quota = f", {'no daily token quota' if limits.daily_tokens is None else f'{limits.daily_tokens} tokens a day'}{own}"
+        return f"API keys {', '.join(self.keys.ids)}; /metrics takes {metrics}; per key: {rate}, {share}{quota}"
 
 
 def access_from_env(environ: Mapping[str, str]) -> AccessConfig:
@@ -151,12 +170,17 @@ def access_from_env(environ: Mapping[str, str]) -> AccessConfig:
         token = environ[METRICS_TOKEN_ENV].strip()
         check_secret(token, METRICS_TOKEN_ENV)
         metrics_token = KeyRing(("metrics",), (secret_digest(token.encode()),))
-    return AccessConfig(KeyRing(tuple(ids), tuple(digests)) if ids else None, metrics_token, limits_from_env(environ))
+    limits = limits_from_env(environ)
+    for key_id, _ in limits.daily_tokens_by_key:
+        if key_id not in ids:
+            raise ValueError(f"{DAILY_TOKENS_BY_KEY_ENV}: {key_id!r} is not the id of a configured key ({KEYS_ENV}, {KEYS_FILE_ENV})")
+    return AccessConfig(KeyRing(tuple(ids), tuple(digests)) if ids else None, metrics_token, limits)
 
 
 def limits_from_env(environ: Mapping[str, str]) -> KeyLimits:
     """``KeyLimits`` from ``RLVR_RATE_PER_KEY`` (> 0), ``RLVR_BURST_PER_KEY`` (default: a second's worth, at
-    least 1) and ``RLVR_CONCURRENCY_PER_KEY``; unset or empty: no limit. A ValueError names a bad value."""
+    least 1), ``RLVR_CONCURRENCY_PER_KEY``, ``RLVR_DAILY_TOKENS_PER_KEY`` and ``RLVR_DAILY_TOKENS_BY_KEY``
+    (``id=tokens``, separated by commas); unset or empty: no limit. A ValueError names a bad value."""
 
     def number(name: str, kind: type, least: float) -> float | None:
         value = environ.get(name, "").strip()
@@ -174,7 +198,66 @@ def limits_from_env(environ: Mapping[str, str]) -> KeyLimits:
     burst = number(BURST_ENV, int, 1)
     if burst is not None and rate is None:
         raise ValueError(f"{BURST_ENV} is set without {RATE_ENV}: set the rate it is the burst of")
-    return KeyLimits(rate, burst or max(1, math.ceil(rate or 1)), number(CONCURRENCY_ENV, int, 1))
+    by_key = []
+    for entry in (e.strip() for e in environ.get(DAILY_TOKENS_BY_KEY_ENV, "").split(",")):
+        if not entry:
+            continue
+        key_id, _, tokens = (part.strip() for part in entry.partition("="))
+        if not _KEY_ID.fullmatch(key_id) or not tokens.isdigit() or int(tokens) < 1 or key_id in dict(by_key):
+            raise ValueError(f"{DAILY_TOKENS_BY_KEY_ENV}: each entry must be id=tokens (a whole number of at least 1), each id once; got {entry!r}")
+        by_key.append((key_id, int(tokens)))
+    return KeyLimits(
+        rate,
+        burst or max(1, math.ceil(rate or 1)),
+        number(CONCURRENCY_ENV, int, 1),
+        number(DAILY_TOKENS_ENV, int, 1),
+        tuple(by_key),
+    )
+
+
+def utc_day(now_s: float) -> str:
+    """The UTC day (``YYYY-MM-DD``) of a time in seconds since the epoch."""
+    return datetime.fromtimestamp(now_s, timezone.utc).date().isoformat()
+
+
+def seconds_to_utc_midnight(now_s: float) -> int:
+    """Whole seconds (at least 1) from ``now_s`` until the next UTC midnight: when a day's quota resets."""
+    return max(1, math.ceil(next_utc_midnight(now_s).timestamp() - now_s))
+
+
+def next_utc_midnight(now_s: float) -> datetime:
+    today = datetime.fromtimestamp(now_s, timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
+    return today + timedelta(days=1)
+
+
+class DailyTokens:
+    """Tokens each key used on the current UTC day (of ``clock``, seconds since the epoch): counted from zero
+    again at every UTC midnight."""
+
+    def __init__(self, clock: Callable[[], float] = time.time):
+        self.clock = clock
+        self.day = utc_day(clock())
+        self.used: Counter = Counter()
+
+    def today(self) -> str:
+        """The current UTC day; the counts start again when it changed."""
+        day = utc_day(self.clock())
+        if day != self.day:
+            self.day, self.used = day, Counter()
+        return day
+
+    def add(self, key_id: str | None, tokens: int) -> None:
+        self.today()
+        self.used[key_id] += tokens
+
+    def used_today(self, key_id: str | None) -> int:
+        self.today()
+        return self.used[key_id]
+
+    def restore(self, day: str, used: Mapping[str | None, int]) -> None:
+        """Add ``used`` (tokens by key id, of ``day``: e.g. today's traffic log read at start) when ``day`` is today."""
+        if day == self.today():
+            self.used.update(used)
 
 
 class TokenBucket:
@@ -211,22 +294,25 @@ class Refusal:
     code: str
     retry_after_s: int | None = None
     challenge: str | None = None
+    detail: dict | None = None  # more of why, as fields of the native error body
 
 
 @dataclass
 class Access:
     """This worker's ``AccessConfig`` (set when the service module is imported: until then every guarded
-    request is 503) and what each key is using: its token bucket and its requests in the engine."""
+    request is 503) and what each key is using: its token bucket, its requests in the engine, its tokens today."""
 
     config: AccessConfig | None = None
     clock: Callable[[], float] = time.monotonic
     buckets: dict[str, TokenBucket] = field(default_factory=dict)
     in_flight: Counter = field(default_factory=Counter)
+    tokens_today: DailyTokens = field(default_factory=DailyTokens)
 
     def configure(self, config: AccessConfig) -> None:
         self.config = config
         self.buckets.clear()
         self.in_flight.clear()
+        self.tokens_today.used.clear()
 
     def caller(self, path: str, headers: list[tuple[bytes, bytes]]) -> Caller | Refusal:
         """Who sent a request for ``path`` with these headers, or why it is refused: 401 without the right key
@@ -249,6 +335,17 @@ class Access:
                 rate = f"{config.limits.rate_per_s:g} requests/s (burst {config.limits.burst})"
                 return Refusal(429, f"rate limit of this API key reached: {rate}", "rate_limit_exceeded", retry_after_s=math.ceil(wait_s))
         return Caller(key_id)
+
+    def over_quota(self, caller: Caller) -> Refusal | None:
+        """A 429 until the next UTC midnight when ``caller``'s key used its daily token quota today, else None."""
+        quota = self.config.limits.daily_tokens_of(caller.key_id) if self.config else None
+        if quota is None or (used := self.tokens_today.used_today(caller.key_id)) < quota:
+            return None
+        now_s = self.tokens_today.clock()
+        resets_at = next_utc_midnight(now_s).isoformat().replace("+00:00", "Z")
+        message = f"daily token quota of this API key reached: {used} of {quota} tokens used today (UTC); it resets at {resets_at}"
+        detail = {"daily_token_quota": quota, "tokens_used_today": used, "resets_at": resets_at}
+        return Refusal(429, message, "insufficient_quota", retry_after_s=seconds_to_utc_midnight(now_s), detail=detail)
 
     def take_share(self, caller: Caller, retry_after_s: int) -> Refusal | None:
         """Count one more request of ``caller`` in the engine, or refuse it (429) past its key's share; a request

@@ -50,3 +50,21 @@ START_WAIT_ESTIMATE = Gauge(
     name="rlvr_start_wait_estimate_seconds",
     documentation="How long a new request would wait to start (what /readyz compares with its bound)",
 )
+# Per API key (label ``api_key_id``: a configured key's id, ``ANONYMOUS`` on an open service), so bounded by the
+# key ring: each request answered 200, counted once it ends (``bentos.traffic_log.count_usage``).
+ANONYMOUS = "anonymous"
+KEY_PROMPT_TOKENS = Counter(
+    name="rlvr_key_prompt_tokens_total",
+    documentation="Prompt tokens of each API key's requests answered 200 (each prompt once, whatever its samples)",
+    labelnames=["api_key_id"],
+)
+KEY_COMPLETION_TOKENS = Counter(
+    name="rlvr_key_completion_tokens_total",
+    documentation="Tokens generated for each API key's requests answered 200 (all samples)",
+    labelnames=["api_key_id"],
+)
+KEY_COMPUTE_SECONDS = Counter(
+    name="rlvr_key_compute_seconds_total",
+    documentation="Engine seconds of each API key's requests answered 200: from a request's submission to its last token",
+    labelnames=["api_key_id"],
+)

@@ -253,6 +253,7 @@ class OpenAIProtocol:
             completion_tokens=tokens,
             generation_s=max(r.generation_s for r in results),
             batch_requests=max(r.batch_requests for r in results),
+            prompt_tokens=reply.prompt_tokens,
         )
         default = next(iter(self.tasks.values()))  # a /v1 request names no task: its logged answers are the policy's first task's
         answers = [default.parse(text) for text in texts]

@@ -42,7 +42,7 @@ from bentos.traffic_log import TrafficRecording, generation_fields, note_request
 from bentos.vocabulary import Vocabulary
 from rlvr.evaluation import majority_vote
 from rlvr.generation import EngineRequest, kv_cache_bytes_per_token
-from rlvr.monitoring.traffic import TrafficLog
+from rlvr.monitoring.traffic import TrafficLog, tokens_by_key
 from rlvr.policy import load_policy, load_tokenizer, policy_environment, policy_tasks
 from rlvr.process_lifetime import die_with_parent
 from rlvr.rewards import RewardPool
@@ -101,6 +101,10 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
         self.batching = batching_enabled()
         self.kv_cache_budget_bytes = int(os.environ.get("RLVR_KV_CACHE_BUDGET_MIB", DEFAULT_KV_CACHE_BUDGET_MIB)) * 2**20
         self.traffic = TrafficLog(Settings.from_env(require_absolute=True).traffic_dir, max_bytes=TRAFFIC_MAX_BYTES)
+        if ACCESS.config.limits.has_quota:  # today's tokens so far, so a restart does not reset the quotas
+            day = ACCESS.tokens_today.today()
+            ACCESS.tokens_today.restore(day, used := tokens_by_key(self.traffic.folder, day))
+            logger.info("rlvr_policy: daily token quotas: %d tokens of %d keys used today (%s UTC) so far", sum(used.values()), len(used), day)
         self.rewards = RewardPool(workers=2, timeout_s=REWARD_TIMEOUT_S)
         self.model = self.tokenizer = self.prompt_tokenizer = self.vocabulary = self.environment = None
         self.tasks: dict[str, Task] = {}

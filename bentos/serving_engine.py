@@ -42,6 +42,7 @@ class RolloutResult:
     completion_tokens: list[int]
     generation_s: float  # queueing to last token
     batch_requests: int  # requests that shared the batch with it (most at once)
+    prompt_tokens: int = 0  # of its prompt(s), each once whatever its samples
     token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)
     tool_calls: list[list[ToolCall]] = field(default_factory=list)  # per sample, in order (none without an environment)
@@ -113,6 +114,7 @@ class ServingEngine:
                 completion_tokens=[len(ids) for ids in request.token_ids],
                 generation_s=elapsed,
                 batch_requests=request.max_neighbours,
+                prompt_tokens=len(request.prompt_ids),
                 token_ids=request.token_ids,
                 logprobs=request.logprobs,
                 tool_calls=[list(calls) for calls in request.tool_calls],

@@ -1,6 +1,7 @@
 """The traffic log of the public endpoints: each request that reached generation appended to the JSONL
-log (``rlvr.monitoring.traffic.TrafficLog``) with the status its client got and, when not 200, why, and the id of the
-API key that sent it (never the key)."""
+log (``rlvr.monitoring.traffic.TrafficLog``) with the status its client got and, when not 200, why, the id of the
+API key that sent it (never the key) and, when 200, its usage: ``prompt_tokens``, ``generated_tokens`` and
+``compute_s``, also counted in its key's ``/metrics`` counters and daily tokens (``count_usage``)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import time
 from datetime import datetime, timezone
 
 from bentos.admission import caller_key_id, cancelled_status
+from bentos.api_keys import ACCESS, Access
+from bentos.metrics import ANONYMOUS, KEY_COMPLETION_TOKENS, KEY_COMPUTE_SECONDS, KEY_PROMPT_TOKENS
 from bentos.serving_engine import RolloutResult
 from rlvr.generation import EngineRequest
+from rlvr.monitoring.traffic import request_tokens, request_usage
 
 logger = logging.getLogger("bentoml.rlvr_policy")
 _REQUESTS: contextvars.ContextVar[list[EngineRequest] | None] = contextvars.ContextVar("rlvr_traffic_requests", default=None)
@@ -62,6 +66,7 @@ class TrafficRecording:
                 if requests:
                     entry["completion_tokens_so_far"] = [len(ids) for request in requests for ids in request.token_ids]
             self._append_traffic(entry)
+            count_usage(entry)
 
     def _append_traffic(self, entry: dict) -> None:
         """Append to the traffic log; a failed write (e.g. a full disk) must not fail the request."""
@@ -71,8 +76,26 @@ class TrafficRecording:
             logger.exception("rlvr_policy: could not append to the traffic log in %s", self.traffic.folder)
 
 
+def count_usage(entry: dict, access: Access = ACCESS) -> None:
+    """A request answered 200 in its key's ``/metrics`` counters and daily tokens (``request_tokens``)."""
+    tokens = request_tokens(entry)
+    if tokens is None:
+        return
+    used, key_id = request_usage(entry), entry.get("api_key_id")
+    label = key_id or ANONYMOUS
+    KEY_PROMPT_TOKENS.labels(api_key_id=label).inc(used["prompt_tokens"])
+    KEY_COMPLETION_TOKENS.labels(api_key_id=label).inc(used["generated_tokens"])
+    KEY_COMPUTE_SECONDS.labels(api_key_id=label).inc(used["compute_s"] or 0.0)
+    access.tokens_today.add(key_id, tokens)
+
+
 def generation_fields(result: RolloutResult) -> dict:
+    """A finished request's outputs and usage, as its traffic record holds them (``compute_s``: from its
+    submission to the engine, queueing included, to its last token)."""
     return {
+        "prompt_tokens": result.prompt_tokens,
+        "generated_tokens": sum(result.completion_tokens),
+        "compute_s": round(result.generation_s, 4),
         "completions": result.texts,
         "finish_reasons": result.finish_reasons,
         "completion_tokens": result.completion_tokens,

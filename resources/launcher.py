@@ -3,9 +3,10 @@
 :class:`TrainingLauncher` runs :mod:`resources.grpo_worker` under ``torchrun --nproc_per_node N`` in a
 Pipes session, for every run size: logs reach the event log as they happen, per-step metrics stream
 from the run's scratch folder (:class:`StepMetrics`), rows come back as Parquet files there
-(:meth:`TrainingLauncher.step_rows`), and every rank's final weights digest must agree. Training dies
-with its run (own process group, parent-death signal); one attempt at a time holds the scratch folder
-(:func:`attempt_lock`), and stops what a dead earlier attempt left running (:func:`stop_abandoned_training`).
+(:meth:`TrainingLauncher.step_rows`; each step's costs: :func:`step_costs`), and every rank's final
+weights digest must agree. Training dies with its run (own process group, parent-death signal); one
+attempt at a time holds the scratch folder (:func:`attempt_lock`), and stops what a dead earlier attempt
+left running (:func:`stop_abandoned_training`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from dagster import ConfigurableResource, Failure, PipesTempFileContextInjector,
 from pydantic import Field
 
 from resources import grpo_worker
+from rlvr.costs import Usage, total
+from rlvr.costs.budget import Budget
 from rlvr.grpo import GRPOConfig
 from rlvr.grpo.checkpoint import latest_checkpoint
 from rlvr.rewards import pickled_reward
@@ -75,6 +78,8 @@ class TrainingJob:
     device: str | None = None  # one process: this device; several: torchrun's (cuda:LOCAL_RANK or cpu)
     environment: dict | None = None  # the rollouts' environment spec ({"name", "options"}); None: single-turn
     tasks: dict | None = None  # a task mixture (task name -> weight; rows name their task); None: GSM8k rows and ``rewards``
+    attempt_id: str | None = None  # the Dagster run of this attempt (each step's costs name it); None: run_id
+    budget: Budget | None = None  # the run's spend limits: it stops at the step that reaches one (resumable)
 
     def extras(self) -> dict:
         """The worker's Pipes extras (JSON): paths, the config as a dict, the rewards pickled (a reward
@@ -91,6 +96,8 @@ class TrainingJob:
             "device": self.device,
             "environment": self.environment,
             "tasks": self.tasks,
+            "attempt_id": self.attempt_id,
+            "budget": self.budget.as_dict() if self.budget is not None else None,
             "scratch": str(self.scratch),
             "checkpoint_dir": str(self.scratch / "checkpoints"),
             "export_dir": str(self.scratch / "export"),
@@ -185,16 +192,42 @@ def step_history(scratch: Path) -> list[tuple[int, dict]]:
 
 
 def clear_attempt(scratch: Path, restart: bool) -> None:
-    """Drop an earlier attempt's errors, digests and (stale) export, and the metrics of steps past the
+    """Drop an earlier attempt's errors, digests, (stale) export and budget stop, and the metrics of steps past the
     resume point (they run again); with ``restart`` its checkpoints and steps too (a run cannot resume on
     another number of processes)."""
     for folder in ("errors", "export", "export.tmp", "digests", *(["checkpoints", "steps"] if restart else [])):
         shutil.rmtree(scratch / folder, ignore_errors=True)
+    (scratch / grpo_worker.STOPPED_FILE).unlink(missing_ok=True)
     resume = latest_checkpoint(scratch / "checkpoints")
     done = int(resume.name.removeprefix("step-")) if resume is not None else 0
     for step, _ in step_history(scratch):
         if step > done:
             (scratch / "steps" / f"metrics-step{step:06d}.json").unlink()
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A step's usage on one task, every rank's summed, as the Dagster run (attempt) that ran it measured it."""
+
+    run_id: str
+    step: int
+    task: str
+    usage: Usage
+
+
+def step_costs(scratch: Path) -> list[StepCost]:
+    """Each step's costs per task in ``<scratch>/steps`` (every attempt's that left them), summed over ranks."""
+    found: dict[tuple[str, int, str], list[Usage]] = {}
+    for entry in grpo_worker.step_costs(scratch / "steps"):
+        for task, usage in entry["tasks"].items():
+            found.setdefault((entry["run_id"], entry["step"], task), []).append(usage)
+    return [StepCost(run_id, step, task, total(usages)) for (run_id, step, task), usages in sorted(found.items(), key=lambda kv: kv[0][1:])]
+
+
+def budget_stopped(scratch: Path) -> dict | None:
+    """``{"step", "reason"}`` when this attempt's training stopped early on its budget, else None."""
+    path = scratch / grpo_worker.STOPPED_FILE
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 @dataclass

@@ -1,11 +1,11 @@
-"""The big, growing tables (:data:`PART_TABLES`) as immutable Parquet parts beside the DuckDB file.
+"""The big, growing tables (:data:`resources.part_keys.PART_TABLES`) as immutable Parquet parts beside the DuckDB file.
 
 A part is written under a hidden temporary name, fsynced and renamed into ``<db>.parts/<table>/<partition>/``;
 it is seen only once the catalog table ``_part_files`` lists it, a row committed in the same DuckDB transaction
 as the write's other changes. Each part table is a view over its listed files, kept in the DuckDB file (so in
 its snapshot too). Parts never change: an upsert of stored keys rewrites the parts of that partition holding
 them, and retired files are deleted ``grace_s`` later, so a reader on an older snapshot keeps its files.
-The design and its guarantees: docs/architecture.md, "State" and "Atomic writes".
+Merging parts: :mod:`resources.part_compaction`; a row's partition: :mod:`resources.part_keys`.
 """
 
 from __future__ import annotations
@@ -13,24 +13,17 @@ from __future__ import annotations
 import errno
 import functools
 import hashlib
-import math
 import os
 import re
-import shutil
 import uuid
-from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import duckdb
-from dagster import Failure, get_dagster_logger
+from dagster import Failure
 
-PART_TABLES = {  # table -> the column naming a row's partition: a training run's rows, or a traffic day's
-    "rollouts": "run_id",
-    "rewards": "run_id",
-    "tool_calls": "run_id",
-    "serving_traffic": "source_file",
-}
+from resources.part_keys import partition_sql
+
 CATALOG = [
     "CREATE TABLE IF NOT EXISTS _part_files (table_name VARCHAR, partition VARCHAR, path VARCHAR, rows BIGINT, bytes BIGINT, "
     "added_at TIMESTAMPTZ, retired_at TIMESTAMPTZ, width INTEGER, bucket INTEGER)",
@@ -38,24 +31,12 @@ CATALOG = [
     "CREATE TABLE IF NOT EXISTS _part_root (path VARCHAR)",
 ]
 BUCKETS = 16  # each part table's view is a union of this many views, each over the parts of its share of partitions
-TIER_PARTS = 8  # a write that leaves this many parts of one size tier (a power of 4 bytes) in a partition merges them
-SMALL_PART_BYTES = 64 * 2**20  # parts this big are left alone by merges
 
 
 def parts_root(database: str | Path) -> Path:
     """Where a DuckDB file's parts live: ``rlvr.duckdb`` -> ``rlvr.parts/``."""
     path = Path(database)
     return path.with_name(f"{path.stem}.parts")
-
-
-def partition_sql(table: str, columns: set[str]) -> str:
-    """The SQL of a row's partition: its run id, or its traffic file's day (``YYYYMMDD``); ``_`` without one."""
-    column = PART_TABLES[table]
-    if column not in columns:
-        return "'_'"
-    if column == "source_file":
-        return r"""coalesce(nullif(regexp_extract(source_file, '^traffic-(\d{8})T', 1), ''), '_')"""
-    return f"coalesce(CAST(\"{column}\" AS VARCHAR), '_')"
 
 
 def bucket(partition: str) -> int:
@@ -65,9 +46,6 @@ def bucket(partition: str) -> int:
 
 def bucket_view(table: str, index: int) -> str:
     return f"_{table}_parts_{index:02d}"
-
-
-_UPGRADED: set[tuple[str, int]] = set()  # (file, inode) this process found in the current layout
 
 
 @functools.lru_cache(maxsize=256)
@@ -302,27 +280,8 @@ class PartTables:
                 self.retire([path])
                 self.touched.add((table, partition))
 
-    def merge(self, table: str, partition: str, paths: list[str]) -> None:
-        """Replace ``paths`` (live parts of one partition) by one part holding their rows."""
-        self.write_part(table, partition, self.relation(table, paths))
-        self.retire(paths)
-
-    def merge_small_parts(self) -> None:
-        """Size-tiered merging in each partition this write touched: TIER_PARTS parts of one tier (size within a
-        factor of 4) become one part of the next, so a row is rewritten once per tier, and a growing run's big
-        parts are not rewritten by every few appends."""
-        for table, partition in sorted(self.touched):
-            tiers: dict[int, list[str]] = {}
-            for path, _, size in self.live(table, partition):
-                if size < SMALL_PART_BYTES:
-                    tiers.setdefault(int(math.log(max(size, 1), 4)), []).append(path)
-            for paths in tiers.values():
-                if len(paths) >= TIER_PARTS:
-                    self.merge(table, partition, paths)
-
     def finish(self) -> None:
-        """Before the commit: merge small parts, and point the touched tables' views at their live parts."""
-        self.merge_small_parts()
+        """Before the commit: point the touched tables' views at their live parts."""
         for table in sorted(self.reshaped | {t for t, _ in self.touched}):
             self.refresh_view(table, None if table in self.reshaped else {p for t, p in self.touched if t == table})
 
@@ -356,93 +315,6 @@ class PartTables:
                 file.unlink(missing_ok=True)
                 swept += 1
         return swept
-
-    def upgrade(self, database: Path) -> bool:
-        """Create the catalog; move an older file's part tables (DuckDB tables) into parts, once, logged; and
-        point the views at this folder when the data directory moved. True when tables were moved."""
-        seen = (str(database.resolve()), database.stat().st_ino)
-        if seen in _UPGRADED:
-            return False
-        tables = {name for (name,) in self.conn.execute("SELECT table_name FROM duckdb_tables() WHERE schema_name = 'main' AND NOT temporary").fetchall()}
-        if "_part_root" not in tables:
-            for statement in CATALOG:
-                self.conn.execute(statement)
-        old = [t for t in PART_TABLES if t in tables]
-        for table in old:
-            self.move_into_parts(table, database)
-        stored = self.conn.execute("SELECT path FROM _part_root").fetchall()
-        if stored != [(str(self.root),)]:
-            self.conn.execute("BEGIN TRANSACTION")
-            try:
-                self.conn.execute("DELETE FROM _part_root")
-                self.conn.execute("INSERT INTO _part_root VALUES (?)", [str(self.root)])
-                for (table,) in self.conn.execute("SELECT DISTINCT table_name FROM _part_columns").fetchall():
-                    self.refresh_view(table)
-                self.conn.execute("COMMIT")
-            except BaseException:
-                self.conn.execute("ROLLBACK")
-                raise
-        if not old:
-            _UPGRADED.add(seen)
-        return bool(old)
-
-    def move_into_parts(self, table: str, database: Path) -> None:
-        """One transaction: the DuckDB table's rows as parts (one per partition), then the table dropped."""
-        self.conn.execute("BEGIN TRANSACTION")
-        staging = self.root / f".staging-{table}-{uuid.uuid4().hex}"
-        try:
-            for statement in self.migrations.get(table, []):
-                self.conn.execute(statement)
-            columns = [(n, t) for n, t, *_ in self.conn.execute(f'DESCRIBE "{table}"').fetchall()]
-            self.set_columns(table, columns)
-            partition = partition_sql(table, {n for n, _ in columns})
-            keyed = f"md5({partition})"  # a safe folder name for any partition value
-            values = self.conn.execute(f'SELECT DISTINCT {partition}, {keyed} FROM "{table}" ORDER BY 1').fetchall()
-            staging.mkdir(parents=True)
-            with bounded_memory(self.conn):  # one streamed pass (no sort of the whole table): a 10 GB table fits
-                self.conn.execute(
-                    f'COPY (SELECT *, {keyed} AS __key FROM "{table}") TO {literal(str(staging))} (FORMAT parquet, COMPRESSION zstd, PARTITION_BY (__key))'
-                )
-            rows = 0
-            for value, key in values:
-                for piece in sorted((staging / f"__key={key}").glob("*.parquet")):
-                    folder = self.root / table / partition_dir(value)
-                    folder.mkdir(parents=True, exist_ok=True)
-                    final = folder / f"{uuid.uuid4().hex}.parquet"
-                    fsync_path(piece)
-                    os.replace(piece, final)
-                    self.written.append(final)
-                    (n,) = self.conn.execute(f"SELECT count(*) FROM read_parquet({literal(str(final))})").fetchone()
-                    rows += n
-                    self.add(table, value, final, n)
-            self.conn.execute(f'DROP TABLE "{table}"')
-            self.refresh_view(table)
-            self.conn.execute("COMMIT")
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            self.discard()
-            raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        self.written.clear()
-        get_dagster_logger().warning(
-            f"{database}: moved table {table} ({rows} rows, {len(values)} partitions) into Parquet parts under {self.root / table} (once, for the new layout)"
-        )
-
-
-@contextmanager
-def bounded_memory(conn, share: float = 0.25):
-    """Within the block, DuckDB holds at most ``share`` of the machine's memory and keeps no insertion order
-    (so a big copy streams instead of buffering); the settings are restored after."""
-    limit, order = conn.execute("SELECT current_setting('memory_limit'), current_setting('preserve_insertion_order')").fetchone()
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    conn.execute(f"SET memory_limit = '{int(total * share) // 2**20}MiB'")
-    conn.execute("SET preserve_insertion_order = false")
-    try:
-        yield
-    finally:
-        conn.execute(f"SET memory_limit = {literal(limit)}")
-        conn.execute(f"SET preserve_insertion_order = {str(order).lower()}")
 
 
 def write_parquet(conn, sql: str, folder: Path, table: str) -> tuple[Path | None, int]:

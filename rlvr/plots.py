@@ -128,3 +128,31 @@ def task_comparison_figure(rows: list[dict], title: str = "pass@1 per task, base
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def bars_figure(labels: list[str], values: list[float], title: str, ylabel: str):
+    """One bar per label (a cost by asset, task or API key); a figure saying "none yet" when there are none."""
+    fig, ax = plt.subplots(figsize=(max(5, 0.7 * len(labels)), 2.8))
+    if labels:
+        ax.bar(range(len(labels)), values, color="#4c72b0")
+        ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right", fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "none yet", ha="center", va="center", transform=ax.transAxes)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    return fig
+
+
+def daily_figure(days: list[str], series: dict[str, list[float]], title: str, ylabel: str):
+    """Lines over days (``YYYY-MM-DD``), one per series (e.g. training and serving cost per day)."""
+    fig, ax = plt.subplots(figsize=(5, 2.8))
+    for label, values in series.items():
+        ax.plot(days, values, marker=".", label=label)
+    if not days:
+        ax.text(0.5, 0.5, "none yet", ha="center", va="center", transform=ax.transAxes)
+    elif len(series) > 1:
+        ax.legend(fontsize=8)
+    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    return fig

@@ -22,6 +22,7 @@ import torch
 
 from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.attention import use_fast_attention
+from rlvr.fastpaths.eligibility import COMPUTE_DTYPES
 from rlvr.fastpaths.heap import keep_freed_memory
 from rlvr.fastpaths.plan import log_plan, plan_backend
 from rlvr.grpo.sampler import step_problems
@@ -37,14 +38,13 @@ _CALCULATOR_RESULT = re.compile(r"<<[^<>]*=([^<>=]*>>)")  # group 1: what the ca
 PROFILES: dict[str, dict] = {
     # the embedded 135M model on 2 CPU cores: a short cold start (about a minute)
     "default": {"total_steps": 8, "batch_size": 8, "micro_batch_size": 4, "lr": 2e-5, "warmup_steps": 1, "max_completion_tokens": 256},
-    # one GPU: two epochs of GSM8k's 7,473 train solutions in bf16 compute
+    # one GPU: two epochs of GSM8k's 7,473 train solutions (bf16 compute where the GPU has it: compute_dtype auto)
     "full": {
         "total_steps": 470,
         "batch_size": 32,
         "micro_batch_size": 32,
         "lr": 1e-5,
         "warmup_steps": 20,
-        "compute_dtype": "bfloat16",
         "checkpoint_every": 100,
         "max_completion_tokens": 384,
     },
@@ -68,7 +68,7 @@ class SFTConfig:
     lr_decay: str = "cosine"  # "cosine", "linear" or "constant"
     min_lr_ratio: float = 0.1
     max_completion_tokens: int = 384  # longer targets are cut (counted in the metrics)
-    compute_dtype: str = "float32"  # "bfloat16": mixed precision (float32 weights and optimizer)
+    compute_dtype: str = "auto"  # "bfloat16" (mixed precision: float32 weights and optimizer) where native, else "float32"
     keep_calculator_annotations: bool = False  # keep <<48/2=24>> (the result masked out of the loss): the calculator's call format
     fast_paths: FastPaths = field(default_factory=FastPaths)
     checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end
@@ -81,8 +81,8 @@ class SFTConfig:
         for name in ("batch_size", "micro_batch_size", "total_steps", "max_completion_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
         if self.lr_decay not in ("cosine", "linear", "constant"):
             raise ValueError(f"unknown lr_decay {self.lr_decay!r}")
 
@@ -172,14 +172,14 @@ class SFTTrainer(TrainerLoop):
     ):
         self.on_step = on_step
         device = next(model.parameters()).device
-        self.plan = plan_backend(model, config.fast_paths, dtype=torch.float32)  # decided once (float32 master weights)
+        self.plan = plan_backend(model, config.fast_paths, dtype=torch.float32, compute_dtype=config.compute_dtype)  # decided once
         log_plan(self.plan, "SFT")
         if self.plan.keep_freed_memory:
             keep_freed_memory()
         model = float32_master_weights(model)
         policy = use_fast_attention(model, self.plan.fast_attention).train()
         self.scorer = CompletionScorer(policy, share_prompts=True, plan=self.plan)
-        compute_dtype = getattr(torch, config.compute_dtype)
+        compute_dtype = getattr(torch, self.plan.compute_dtype)
         self._autocast = partial(torch.autocast, device.type, compute_dtype, enabled=compute_dtype != torch.float32)
         self.device = device
         super().__init__(policy, tokenizer, config, checkpoint_dir)  # optimizer, schedule, step count

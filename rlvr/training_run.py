@@ -3,7 +3,8 @@ what a process launched apart from the orchestrator would run), plus the rows it
 
 :func:`train_grpo` is the single place a run meets the trainer. ``on_step(step, metrics, records)``
 sees every step's metrics and per-completion records (rank 0 under torchrun);
-:func:`training_tables` turns records into the ``rollouts``, ``rewards`` and ``tool_calls`` rows.
+:func:`training_tables` turns records into the ``rollouts``, ``rewards`` and ``tool_calls`` rows, and
+:func:`task_usages` splits a step's measured usage over its tasks.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any, Callable, Mapping
 
 import pandas as pd
 
+from rlvr.costs import Usage
 from rlvr.grpo import GRPOConfig, GRPOTrainer, export_merged
 from rlvr.policy import load_policy, write_environment, write_tasks
 from rlvr.process_lifetime import die_with_parent
@@ -36,6 +38,7 @@ class TrainedPolicy:
     steps: int  # training steps completed in all, resumed ones included
     environment: Any = None  # the environment it rolled out in (None: single-turn), recorded with the checkpoint
     tasks: Mapping[str, float] | None = None  # the task mixture it was trained on, recorded with the checkpoint
+    stopped: str | None = None  # why it stopped before its last step (``should_stop``'s reason), None when it ran to the end
 
     def export(self, folder: Path) -> None:
         """Write the policy (LoRA merged) with its tokenizer as a standard HF checkpoint, the environment it
@@ -57,13 +60,15 @@ def train_grpo(
     records_per_rank: bool = False,
     environment: Any = None,
     tasks: Mapping[str, float] | None = None,
+    should_stop: Callable[[int], str | None] | None = None,
 ) -> TrainedPolicy:
     """Train the checkpoint at ``start`` with GRPO on problem ``rows``; resumes from ``checkpoint_dir``'s latest.
     ``environment`` (None: single-turn): where rollouts happen, its instructions in the prompt, recorded with
     the export. ``on_step``: rank 0 with every rank's records, or each rank with its own (``records_per_rank``).
     ``tasks`` (name -> weight): a mixture, each group one task's, rewarded by its own rewards; unset: one
     task, the rows' own (``DEFAULT_TASK`` where they name none), rewarded by ``rewards``. Each row stops on
-    its task's rule; the exported checkpoint records the tasks."""
+    its task's rule; the exported checkpoint records the tasks. ``should_stop(step)`` (the same answer on every
+    rank) may end the run after a step, with that step's checkpoint saved: the reason is ``stopped``."""
     model, tokenizer = load_policy(start, device)  # float32 master weights (GRPOConfig.compute_dtype: mixed precision)
     if environment is not None:
         config = replace(config, sampling=replace(config.sampling, environment=environment))
@@ -73,10 +78,11 @@ def train_grpo(
         problems = training_records([{**row, "task": row.get("task") or DEFAULT_TASK} for row in rows], tokenizer, environment)
     with RewardPool(workers=REWARD_WORKERS) as pool:
         reward_fn = pool.reward_fn_by_task({name: get_task(name).rewards for name in tasks}) if tasks else pool.reward_fn(rewards)
-        trainer = GRPOTrainer(model, tokenizer, config, reward_fn, checkpoint_dir=checkpoint_dir, on_step=on_step, records_per_rank=records_per_rank)
+        hooks = {"on_step": on_step, "records_per_rank": records_per_rank, "should_stop": should_stop}
+        trainer = GRPOTrainer(model, tokenizer, config, reward_fn, checkpoint_dir=checkpoint_dir, **hooks)
         history = trainer.train(problems)
     trained_tasks = dict(tasks) if tasks else {name: 1.0 for name in dict.fromkeys(p["task"] for p in problems)}
-    return TrainedPolicy(trainer.policy, tokenizer, history, trainer.step_count, environment, trained_tasks)
+    return TrainedPolicy(trainer.policy, tokenizer, history, trainer.step_count, environment, trained_tasks, trainer.stopped)
 
 
 def start_training_process(parent: int | None = None) -> None:
@@ -154,6 +160,22 @@ def training_tables(records: list[dict], run_id: str, weights: Mapping[str, floa
                 }
             )
     return pd.DataFrame(rollouts), pd.DataFrame(rewards), pd.DataFrame(tool_calls, columns=list(TOOL_CALL_COLUMNS))
+
+
+def task_usages(usage: Usage, records: list[dict]) -> dict[str, Usage]:
+    """A step's ``usage`` per task of its ``records``: each task's share of the step's (prompt + completion) tokens,
+    with its own tokens exactly (trained: the policy tokens of completions the update trained on)."""
+    tokens: dict[str, list[int]] = {}
+    for r in records:
+        counts = tokens.setdefault(r["task"] or DEFAULT_TASK, [0, 0, 0])
+        counts[0] += r["prompt_tokens"]
+        counts[1] += r["completion_tokens"]
+        counts[2] += r.get("policy_tokens", r["completion_tokens"]) if r["trained"] else 0
+    step_tokens = sum(prompt + completion for prompt, completion, _ in tokens.values())
+    return {
+        task: usage.share((prompt + completion) / step_tokens if step_tokens else 1 / len(tokens)).with_tokens(prompt, completion, trained)
+        for task, (prompt, completion, trained) in tokens.items()
+    }
 
 
 def sample_completions(rollouts: pd.DataFrame, rewards: pd.DataFrame, count: int) -> pd.DataFrame:

@@ -17,6 +17,7 @@ from rlvr.tasks.gsm8k import dataset as gsm8k
 from rlvr.tasks.gsm8k import gsm8k_task_problem
 from rlvr.tasks.gsm8k.source import ProblemSource, load_problems
 from rlvr_assets.checks import blocking_checks
+from rlvr_assets.metering import metered
 
 CHECKS = {
     "row_counts": "Rows per split match the source (7,473 train / 1,319 test for full GSM8k).",
@@ -38,6 +39,7 @@ class GSM8kSourceConfig(config_from(ProblemSource)):
     pool=WRITER_POOL,
     check_specs=[AssetCheckSpec(name, asset="gsm8k_problems", description=text, blocking=True) for name, text in CHECKS.items()],
 )
+@metered
 def gsm8k_problems(context: AssetExecutionContext, config: GSM8kSourceConfig, duckdb: Warehouse):
     """GSM8k's problems in ``task_problems``, as every task's (task ``gsm8k``: id, split, question, the ``reference``
     its rewards grade against as JSON: solution and normalized final answer; reasoning steps, source, hashes),

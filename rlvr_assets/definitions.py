@@ -3,7 +3,7 @@
 
 from dagster import Definitions, in_process_executor
 
-from rlvr_assets import data, evaluation, models, monitoring, registry, serving, sft, tasks, training
+from rlvr_assets import costs, data, evaluation, models, monitoring, registry, serving, sft, tasks, training
 from rlvr_assets.jobs import champion_evaluation_job, monitoring_job, pipeline_job, retraining_job
 from rlvr_assets.resources import default_resources
 from sensors import champion_evaluation_schedule, drift_sensor, evaluation_automation, failed_run_mlflow_sensor, retraining_schedule, traffic_sensor
@@ -24,6 +24,7 @@ defs = Definitions(
         tasks.task_problems,
         tasks.task_evaluation,
         tasks.cross_task_report,
+        costs.cost_report,
     ],
     jobs=[pipeline_job, monitoring_job, retraining_job, champion_evaluation_job],
     sensors=[traffic_sensor, drift_sensor, evaluation_automation, failed_run_mlflow_sensor],

@@ -17,12 +17,15 @@ from dagster import AssetExecutionContext, AutomationCondition, Failure, Materia
 from pydantic import Field
 
 from resources import WRITER_POOL, EvalProtocol, Evaluation, Evaluator, MLflowResource, ModelStore, Warehouse, build_environment
+from resources.costs import policy_cost
 from resources.tracking import EVAL_PROTOCOL_TAG, POLICY_VERSION_TAG, run_name
+from rlvr.costs import configured_prices
 from rlvr.evaluation.report import TRAINING_CURVES, evaluation_report, headline, moved_accuracy
 from rlvr.evaluation.runner import summarize
 from rlvr.tasks import DEFAULT_TASK
 from rlvr.tasks.gsm8k import dataset as gsm8k
-from rlvr_assets.metadata import evaluation_headline, markdown_table, metrics_table, percent, rounded
+from rlvr_assets.metadata import evaluation_headline, markdown_table, metrics_table, percent, policy_cost_metadata, rounded
+from rlvr_assets.metering import cost_metrics, count_evaluation, metered
 from rlvr_assets.partitions import parse_policy_key, policy_versions
 
 EVAL_RUN_METRICS = (
@@ -38,6 +41,7 @@ STAGE_COLUMNS = {"pass@1_strict": "pass@1 strict", "format_compliance": "format"
 
 
 @asset(group_name="evaluation", kinds={"duckdb", "pytorch"}, owners=["team:rlvr-eval"], deps=["gsm8k_problems", "base_policy"], pool=WRITER_POOL)
+@metered
 def baseline_eval(context: AssetExecutionContext, config: EvalProtocol, duckdb: Warehouse, model_store: ModelStore, evaluator: Evaluator) -> MaterializeResult:
     """The base policy evaluated under the protocol, computed once per base-policy version and
     reused while only the trained policy changes. Rows in ``eval_results`` (``policy_role`` ``base_policy``)."""
@@ -45,6 +49,7 @@ def baseline_eval(context: AssetExecutionContext, config: EvalProtocol, duckdb: 
     base = model_store.require("base_policy")
     problems = duckdb.task_problems(DEFAULT_TASK, config.split, config.limit)
     evaluation = evaluator.evaluate("base_policy", base.version, base.path, config, problems, context.log)
+    count_evaluation(DEFAULT_TASK, evaluation)
     metrics = summarize(evaluation.results, config.to_core())
     return MaterializeResult(
         metadata={
@@ -60,6 +65,7 @@ def baseline_eval(context: AssetExecutionContext, config: EvalProtocol, duckdb: 
 
 
 @asset(group_name="evaluation", kinds={"duckdb", "mlflow"}, owners=["team:rlvr-eval"], deps=["grpo_checkpoint", "baseline_eval"], pool=WRITER_POOL)
+@metered
 def eval_report(
     context: AssetExecutionContext,
     config: EvalProtocol,
@@ -83,6 +89,7 @@ def eval_report(
         raise Failure(description=f"eval_report: {err}") from None
     base_eval = evaluator.evaluate("base_policy", base.version, base.path, config, problems, context.log)
     trained_eval = evaluator.evaluate("grpo_checkpoint", trained.version, trained.path, config, problems, context.log)
+    count_evaluation(DEFAULT_TASK, base_eval, trained_eval)
     start, stage = trained.manifest.get("parent_name"), None
     if start not in (None, "base_policy"):  # trained from an SFT policy or the champion: that stage is paired too
         parent = model_store.require(start, trained.manifest["parent_version"])
@@ -104,7 +111,7 @@ def eval_report(
     with mlflow.start_run(run_name("eval", trained.version, context.run.run_id), tags, started_at=started) as run:
         run.log_params({f"eval.{name}": value for name, value in config.model_dump().items()})
         metrics = report.metrics()  # a few as metrics (charts), every one in a table
-        run.log_metrics({name: metrics[name] for name in EVAL_RUN_METRICS})
+        run.log_metrics({name: metrics[name] for name in EVAL_RUN_METRICS} | cost_metrics())
         run.log_table(pd.DataFrame({"metric": list(metrics), "value": list(metrics.values())}), "report/metrics.json")
         run.log_files(
             {**report.figures, "report.md": report.markdown, "eval_results.csv": pd.DataFrame(trained_eval.results).to_csv(index=False)}, artifact_path="report"
@@ -115,6 +122,7 @@ def eval_report(
         metadata={
             **report_metadata(report, mlflow.links(), run.run_id, training_run, trained_eval),
             **ids,
+            **policy_cost_metadata(policy_cost(duckdb, trained.manifest.get("root_run_id"), configured_prices()), percent(report.paired["delta"])),
             "protocol": MetadataValue.json(config.model_dump()),
         }
     )
@@ -184,6 +192,7 @@ class PolicyEvaluationConfig(EvalProtocol):
     pool=WRITER_POOL,
     automation_condition=EVALUATE_WHILE_MISSING,
 )
+@metered
 def policy_evaluation(
     context: AssetExecutionContext, config: PolicyEvaluationConfig, duckdb: Warehouse, model_store: ModelStore, evaluator: Evaluator, mlflow: MLflowResource
 ) -> MaterializeResult:
@@ -201,13 +210,14 @@ def policy_evaluation(
     problems = duckdb.task_problems(DEFAULT_TASK, config.split, config.limit)
     protocol = EvalProtocol(**config.model_dump(exclude={"recompute"}))
     evaluation = evaluator.evaluate(name, version, stored.path, protocol, problems, context.log, reuse=not config.recompute)
+    count_evaluation(DEFAULT_TASK, evaluation)
     metrics = summarize(evaluation.results, protocol.to_core())
     tags = {"rlvr.kind": "policy_evaluation", POLICY_VERSION_TAG: version, "rlvr.policy": name, "dagster.run_id": context.run.run_id}
     tags["rlvr.environment"] = evaluation.environment["name"]
     with mlflow.start_run(run_name(f"policy-eval-{name}", version, context.run.run_id), tags, started_at=started) as run:
         run.log_params({f"eval.{k}": v for k, v in protocol.model_dump().items()})
         logged = ("pass@1_strict", "pass@1_flexible", "format_compliance", "num_problems", "tool_use_rate", "mean_tool_calls", "tool_error_rate")
-        run.log_metrics({key: metrics[key] for key in logged if key in metrics})
+        run.log_metrics({key: metrics[key] for key in logged if key in metrics} | cost_metrics())
         run.log_table(pd.DataFrame({"metric": list(headline(metrics)), "value": list(headline(metrics).values())}), "evaluation/metrics.json")
         run.log_files({"eval_results.csv": pd.DataFrame(evaluation.results).to_csv(index=False)}, artifact_path="evaluation")
     return MaterializeResult(

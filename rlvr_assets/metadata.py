@@ -73,3 +73,32 @@ def evaluation_headline(metrics: Mapping[str, Any]) -> dict[str, Any]:
         "format compliance (%)": percent(metrics["format_compliance"]),
         "problems": int(metrics["num_problems"]),
     }
+
+
+def policy_cost_metadata(cost, gain_points: float) -> dict[str, Any]:
+    """What training the evaluated policy cost (``resources.costs.PolicyCost``, None when its run recorded no step
+    costs) and that cost per point of pass@1 gained over the base; USD only where priced."""
+    if cost is None:
+        return {"training cost": "no step costs recorded for the trained policy's run"}
+    found = {"training cost: CPU core-s": rounded(cost.total.cpu_core_s), "training cost: GPU-s": rounded(cost.total.gpu_s)}
+    found["training CPU core-s per point gained"] = _per_point(cost.total.cpu_core_s, gain_points)
+    if cost.money is not None:
+        found |= {"training cost (USD)": rounded(cost.money), "training USD per point gained": _per_point(cost.money, gain_points)}
+    return found
+
+
+def task_cost_rows(cost, gains_points: Mapping[str, float]) -> list[dict[str, Any]]:
+    """Per task: its share of the training cost (by its share of the step rows' tokens) and that per point gained."""
+    rows = []
+    for task, gain in gains_points.items():
+        usage, money = cost.per_task.get(task, (None, None))
+        core_s = usage.cpu_core_s if usage is not None else 0.0
+        row = {"task": task, "Δ (points)": gain, "CPU core-s": rounded(core_s), "core-s per point": _per_point(core_s, gain)}
+        if cost.money is not None:
+            row |= {"USD": rounded(money or 0.0), "USD per point": _per_point(money or 0.0, gain)}
+        rows.append(row)
+    return rows
+
+
+def _per_point(amount: float, gain_points: float) -> float | str:
+    return rounded(amount / gain_points) if gain_points > 0 else "no gain"

@@ -7,8 +7,9 @@ from typing import Optional
 from dagster import AssetExecutionContext, Config, DataVersion, Failure, MaterializeResult, MetadataValue, asset
 from pydantic import Field
 
-from resources import ModelStore
+from resources import ModelStore, Warehouse
 from rlvr import policy
+from rlvr_assets.metering import metered
 from rlvr_assets.partitions import add_policy_version
 
 SAVE_DTYPES = ("float32", "bfloat16", "float16")
@@ -23,7 +24,8 @@ class BasePolicyConfig(Config):
 
 
 @asset(group_name="models", kinds={"pytorch"}, owners=["team:rlvr-training"], tags={"domain": "math"})
-def base_policy(context: AssetExecutionContext, config: BasePolicyConfig, model_store: ModelStore) -> MaterializeResult:
+@metered
+def base_policy(context: AssetExecutionContext, config: BasePolicyConfig, model_store: ModelStore, duckdb: Warehouse) -> MaterializeResult:
     """The base policy as a standard Hugging Face checkpoint (safetensors, tokenizer, chat template)
     in the model store. GGUF sources are dequantized once; the version is the hash of the source
     and dtype, so re-materializing an unchanged source reuses the stored checkpoint.

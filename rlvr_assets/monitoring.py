@@ -17,6 +17,7 @@ from rlvr.monitoring.embeddings import embed_texts
 from rlvr.monitoring.traffic import TrafficBatch, delete_expired_files, first_kept_day, read_traffic, retention_days_from_env
 from rlvr.tasks import DEFAULT_TASK
 from rlvr_assets.freshness import DAILY
+from rlvr_assets.metering import metered
 from rlvr_assets.partitions import traffic_days
 
 
@@ -55,6 +56,7 @@ def apply_retention(context: AssetExecutionContext, folder: str, retention_days:
     partitions_def=traffic_days,
     pool=WRITER_POOL,
 )
+@metered
 def serving_traffic(context: AssetExecutionContext, config: TrafficConfig, duckdb: Warehouse) -> MaterializeResult:
     """Requests to the served champion, one partition per UTC day, ingested from the Bento's JSONL
     traffic logs in ``$RLVR_TRAFFIC_DIR`` (``$RLVR_HOME/traffic``). Each file is read from a byte cursor
@@ -101,6 +103,7 @@ class DriftConfig(config_from(DriftThresholds)):
     partitions_def=traffic_days,
     pool=WRITER_POOL,
 )
+@metered
 def drift_report(context: AssetExecutionContext, config: DriftConfig, duckdb: Warehouse, model_store: ModelStore) -> MaterializeResult:
     """Drift of the day's last ``window`` requests, overall and per task (the task each request was rendered
     with). Inputs: PSI and KS of prompt features and embedding distance (MMD, mean cosine), overall against the

@@ -20,6 +20,7 @@ from rlvr.evaluation import decide_promotion
 from rlvr.tasks import DEFAULT_TASK
 from rlvr_assets.freshness import WEEKLY
 from rlvr_assets.metadata import percent, rounded
+from rlvr_assets.metering import metered
 
 
 class PromotionConfig(Config):
@@ -37,6 +38,7 @@ class PromotionConfig(Config):
     deps=["eval_report"],
     check_specs=[AssetCheckSpec("promotion_gate", asset="champion_policy", description="Did the challenger become champion? The reason either way.")],
 )
+@metered
 def champion_policy(
     context: AssetExecutionContext,
     config: PromotionConfig,

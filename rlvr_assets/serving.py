@@ -2,14 +2,16 @@
 
 from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, asset
 
-from resources import CHAMPION, BentoBuilder, MLflowResource, ModelStore
+from resources import CHAMPION, BentoBuilder, MLflowResource, ModelStore, Warehouse
 from resources.tracking import POLICY_VERSION_TAG
 from rlvr.policy import stored_environment
 from rlvr_assets.freshness import WEEKLY
+from rlvr_assets.metering import metered
 
 
 @asset(group_name="serving", kinds={"bentoml"}, owners=["team:rlvr-serving"], deps=["champion_policy"], output_required=False, freshness_policy=WEEKLY)
-def bento(context: AssetExecutionContext, model_store: ModelStore, mlflow: MLflowResource, bento_builder: BentoBuilder):
+@metered
+def bento(context: AssetExecutionContext, model_store: ModelStore, mlflow: MLflowResource, bento_builder: BentoBuilder, duckdb: Warehouse):
     """The champion policy in the BentoML model store (its MLflow lineage as labels) and a Bento
     built around it, offline; the service rolls out in the environment the checkpoint records. Not
     rebuilt while the BentoML store holds a Bento of the champion, so a retraining whose policy

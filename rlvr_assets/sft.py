@@ -15,6 +15,7 @@ from rlvr.sft import PROFILES, SFTConfig, build_sft_config, train_sft
 from rlvr.tasks import DEFAULT_TASK
 from rlvr.training_run import problems_hash
 from rlvr_assets.metadata import rounded
+from rlvr_assets.metering import metered
 from rlvr_assets.partitions import add_policy_version
 
 SFTOverrides = config_from(SFTConfig, overrides=True)
@@ -42,6 +43,7 @@ class SFTRunConfig(Config):
 
 
 @asset(group_name="models", kinds={"pytorch", "mlflow"}, deps=["gsm8k_problems", "base_policy"], owners=["team:rlvr-training"])
+@metered
 def sft_policy(
     context: AssetExecutionContext, config: SFTRunConfig, duckdb: Warehouse, model_store: ModelStore, mlflow: MLflowResource, compute: ComputeResource
 ) -> MaterializeResult:

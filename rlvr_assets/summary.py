@@ -3,6 +3,8 @@
 from dagster import AssetKey, DagsterInstance
 
 from resources import Settings
+from resources.costs import ledger, summed
+from rlvr.costs import configured_prices
 from rlvr_assets.definitions import defs
 from rlvr_assets.resources import default_resources
 
@@ -42,10 +44,29 @@ def main() -> None:
         )
         if "moved_accuracy" in meta:  # which stage (SFT, GRPO) moved strict accuracy, if any
             print(f"stages: {meta['moved_accuracy'].value}")
+    if report is not None:
+        print(run_cost(default_resources(settings)["duckdb"], report.run_id))
     bento = instance.get_latest_materialization_event(AssetKey("bento"))
     if bento is not None and bento.asset_materialization is not None:
         command = bento.asset_materialization.metadata["serve_command"].value.strip("`\n ")
         print(f"serve the champion:\n  {command}")
+
+
+def run_cost(duckdb, run_id: str) -> str:
+    """One line: what the Dagster run ``run_id`` cost, from its assets' ledger rows (``costs``), in USD where priced."""
+    rows = ledger(duckdb, scope="asset")
+    rows, steps = rows[rows["run_id"] == run_id], ledger(duckdb, scope="step")
+    if rows.empty:
+        return f"cost: no ledger rows for run {run_id[:8]}"
+    prices = configured_prices()
+    total = summed(rows.assign(run=run_id), ["run"], prices).iloc[0]
+    tokens = steps[steps["run_id"] == run_id][["prompt_tokens", "completion_tokens", "trained_tokens"]].sum()
+    money = f", ${total['cost_usd']:.4f} at the configured prices" if "cost_usd" in total else ""
+    return (
+        f"cost of run {run_id[:8]}: {total['cpu_core_s']:.0f} CPU core-s over {total['wall_s']:.0f} s of materializations{money}; "
+        f"training {int(tokens['prompt_tokens'])} prompt + {int(tokens['completion_tokens'])} completion tokens ({int(tokens['trained_tokens'])} trained) "
+        f"(`cost_report` in the UI)"
+    )
 
 
 if __name__ == "__main__":

@@ -24,15 +24,18 @@ from dagster import (
 from pydantic import Field
 
 from resources import WRITER_POOL, EvalProtocol, Evaluator, MLflowResource, ModelStore, Warehouse
+from resources.costs import policy_cost
 from resources.tracking import POLICY_VERSION_TAG, run_name
 from rlvr import plots
+from rlvr.costs import configured_prices
 from rlvr.evaluation.cross_task import MACRO, cross_task_table
 from rlvr.evaluation.report import headline
 from rlvr.evaluation.runner import summarize
 from rlvr.tasks import Task, TaskError, get_task
 from rlvr.tasks.checks import CHECKS, validate_task_problems
 from rlvr_assets.checks import blocking_checks
-from rlvr_assets.metadata import evaluation_headline, markdown_table, metrics_table, percent, rounded
+from rlvr_assets.metadata import evaluation_headline, markdown_table, metrics_table, percent, policy_cost_metadata, rounded, task_cost_rows
+from rlvr_assets.metering import cost_metrics, count_evaluation, metered
 from rlvr_assets.partitions import TASKS, parse_policy_key, task_names, task_policy_versions
 
 CROSS_TASK_COLUMNS = {
@@ -76,6 +79,7 @@ class TaskProblemsConfig(Config):
     pool=WRITER_POOL,
     check_specs=[AssetCheckSpec(name, asset="task_problems", description=text, blocking=True) for name, text in CHECKS.items()],
 )
+@metered
 def task_problems(context: AssetExecutionContext, config: TaskProblemsConfig, duckdb: Warehouse):
     """One task's problems, one row per problem: task, id, split, the prompt text (``question``), the
     ``reference`` its rewards grade against (JSON: tests, scorer entry, gold answer), source, hashes.
@@ -116,6 +120,7 @@ def task_problems(context: AssetExecutionContext, config: TaskProblemsConfig, du
     deps=["gsm8k_problems", AssetDep("task_problems", partition_mapping=AllPartitionMapping())],  # GSM8k's rows come from either
     pool=WRITER_POOL,
 )
+@metered
 def task_evaluation(
     context: AssetExecutionContext, config: EvalProtocol, duckdb: Warehouse, model_store: ModelStore, evaluator: Evaluator, mlflow: MLflowResource
 ) -> MaterializeResult:
@@ -132,11 +137,12 @@ def task_evaluation(
     stored = model_store.require(name, version)
     problems = duckdb.task_problems(task.name, config.split, config.limit)
     evaluation = evaluator.evaluate(name, version, stored.path, config, problems, context.log, task=task)
+    count_evaluation(task.name, evaluation)
     metrics = summarize(evaluation.results, config.to_core())
     tags = {"rlvr.kind": "task_evaluation", "rlvr.task": task.name, POLICY_VERSION_TAG: version, "rlvr.policy": name, "dagster.run_id": context.run.run_id}
     with mlflow.start_run(run_name(f"task-eval-{task.name.replace(':', '-')}-{name}", version, context.run.run_id), tags, started_at=started) as run:
         run.log_params({f"eval.{k}": v for k, v in config.model_dump().items()})
-        run.log_metrics(headline(metrics))
+        run.log_metrics(headline(metrics) | cost_metrics())
         run.log_files({"eval_results.csv": pd.DataFrame(evaluation.results).to_csv(index=False)}, artifact_path="evaluation")
     return MaterializeResult(
         metadata={
@@ -161,6 +167,7 @@ class CrossTaskReportConfig(EvalProtocol):
 
 
 @asset(group_name="tasks", kinds={"duckdb", "mlflow"}, owners=["team:rlvr-eval"], deps=["task_evaluation"], pool=WRITER_POOL)
+@metered
 def cross_task_report(
     context: AssetExecutionContext, config: CrossTaskReportConfig, duckdb: Warehouse, model_store: ModelStore, evaluator: Evaluator, mlflow: MLflowResource
 ) -> MaterializeResult:
@@ -175,17 +182,21 @@ def cross_task_report(
     evaluations = {}
     for task in tasks:
         problems = duckdb.task_problems(task.name, protocol.split, protocol.limit)
-        pair = [evaluator.evaluate(s.name, s.version, s.path, protocol, problems, context.log, task=task).results for s in (base, trained)]
-        evaluations[task.name] = tuple(pair)
+        pair = [evaluator.evaluate(s.name, s.version, s.path, protocol, problems, context.log, task=task) for s in (base, trained)]
+        count_evaluation(task.name, *pair)
+        evaluations[task.name] = tuple(evaluation.results for evaluation in pair)
     rows = cross_task_table(evaluations, seed=protocol.seed)
     png = plots.figure_png(plots.task_comparison_figure(rows))
     table = pd.DataFrame(rows)
     macro = rows[-1]
+    gains = {r["task"]: percent(r["delta"]) if r["delta"] is not None else 0.0 for r in rows[:-1]}
+    training_cost = policy_cost(duckdb, trained.manifest.get("root_run_id"), configured_prices())
     tags = {"rlvr.kind": "cross_task_report", POLICY_VERSION_TAG: trained.version, "rlvr.base_version": base.version, "dagster.run_id": context.run.run_id}
     with mlflow.start_run(run_name("cross-task", trained.version, context.run.run_id), tags, started_at=started) as run:
         run.log_params({"tasks": ",".join(names), "base": f"{base.name}/{base.version}", "trained": f"{trained.name}/{trained.version}"})
         run.log_params({f"eval.{k}": v for k, v in protocol.model_dump().items()})
         run.log_metrics({f"{r['task'] if r['task'] != MACRO else 'macro'}.{k}": r[k] for r in rows for k in ("base", "trained", "delta") if r[k] is not None})
+        run.log_metrics(cost_metrics())
         run.log_table(table, "cross_task/table.json")
         run.log_files({"cross_task.png": png, "cross_task.csv": table.to_csv(index=False)}, artifact_path="cross_task")
     return MaterializeResult(
@@ -199,6 +210,8 @@ def cross_task_report(
             "trained": f"{trained.name}/{trained.version}",
             "table": markdown_table([{k: rounded(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows], CROSS_TASK_COLUMNS),
             "plot": MetadataValue.md(plots.png_markdown(png, "pass@1 per task")),
+            **policy_cost_metadata(training_cost, percent(macro["delta"])),
+            **({"training cost by task": markdown_table(task_cost_rows(training_cost, gains))} if training_cost is not None else {}),
             "MLflow run": MetadataValue.url(mlflow.links().run(run.run_id)),
         }
     )

@@ -7,6 +7,7 @@ are produced by one step (a multi-asset) while the graph still reads rollouts ->
 import functools
 import json
 from dataclasses import asdict
+from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 from dagster import AssetExecutionContext, AssetSpec, Config, DagsterInstance, Failure, MaterializeResult, MetadataValue, multi_asset
@@ -25,15 +26,21 @@ from resources import (
     build_environment,
     config_from,
 )
-from resources.launcher import TrainingJob, TrainingLauncher
+from resources.costs import COSTS, cost_frame, cost_row, with_money
+from resources.grpo_worker import run_spend
+from resources.launcher import TrainingJob, TrainingLauncher, budget_stopped, step_costs
 from resources.tracking import POLICY_VERSION_TAG, TRAINING_RUN_TAG, flat_params, run_name
+from rlvr.costs import configured_prices, machine_kind
+from rlvr.costs.budget import Budget
 from rlvr.grpo import GRPOConfig
+from rlvr.grpo.checkpoint import latest_checkpoint
 from rlvr.grpo.profiles import PROFILES, build_config
 from rlvr.policy import environment_spec, stored_environment
 from rlvr.rewards import CompositeReward
 from rlvr.tasks import DEFAULT_TASK, TaskError, TaskMixture, get_task, normalized_text_hash
 from rlvr.training_run import problems_hash, sample_completions
 from rlvr_assets.metadata import metrics_table, percent, rounded
+from rlvr_assets.metering import metered
 from rlvr_assets.partitions import add_policy_version
 
 GPU_TAGS = {  # a run that trains in its own pod (the local launcher) asks the Kubernetes run launcher for a GPU (deploy/k8s)
@@ -53,6 +60,19 @@ def run_pod_tags(launcher: str) -> dict:
 
 
 GRPOOverrides = config_from(GRPOConfig, overrides=True)
+LEDGER_ASSET = "grpo_checkpoint"  # the asset a training step's cost rows name: the policy the steps train
+
+
+class BudgetConfig(Config):
+    """Limits on a training run's spend, over all its attempts; any subset (docs/configuration.md, "Budgets")."""
+
+    core_hours: Optional[float] = Field(default=None, description="CPU core-hours of the training processes (reward workers included)")
+    gpu_hours: Optional[float] = Field(default=None, description="GPU-hours (wall time x GPUs held)")
+    usd: Optional[float] = Field(default=None, description="money at this machine kind's prices (RLVR_PRICES); refused without prices")
+
+    def budget(self, machine: str) -> Budget:
+        """The budget on ``machine``, priced at its configured prices; ValueError naming what is wrong."""
+        return Budget(self.core_hours, self.gpu_hours, self.usd, configured_prices().for_machine(machine))
 
 
 class GRPORunConfig(Config):
@@ -86,6 +106,11 @@ class GRPORunConfig(Config):
         default=None,
         description="where rollouts happen, e.g. {name: calculator, max_calls: 8}; unset: the start policy's own (single_turn for the base policy). "
         "Recorded with the trained checkpoint, so evaluation and the Bento use it too",
+    )
+    budget: Optional[BudgetConfig] = Field(
+        default=None,
+        description="stop the run once it has spent this much, e.g. {core_hours: 2} or {usd: 5}: its last step's checkpoint is kept and "
+        "a re-execution with a larger budget resumes from it; unset: no limit",
     )
 
     def environment_spec(self) -> dict | None:
@@ -130,6 +155,7 @@ class GRPORunConfig(Config):
     ],
     op_tags=run_pod_tags(Settings.from_env().launcher),
 )  # not in WRITER_POOL: its rows are its own run's, written in short keyed transactions; the pool would hold every writer for the whole training
+@metered
 def grpo_training(
     context: AssetExecutionContext,
     config: GRPORunConfig,
@@ -144,6 +170,8 @@ def grpo_training(
     run_id = untrained_run_id(context, model_store)  # the root run's: every re-execution trains (and resumes) the same run
     try:
         grpo_config, nproc, env_spec = config.grpo_config(), launcher.processes(config.nproc), config.environment_spec()
+        machine = machine_kind()  # what the cost rows name and the budget is priced for
+        budget = config.budget.budget(machine) if config.budget is not None else None
     except (ValueError, TypeError) as err:
         raise Failure(description=f"grpo_training: bad run config: {err}") from None
     start = start_policy(config.init_from, base := model_store.require("base_policy"), model_store, mlflow)
@@ -155,41 +183,89 @@ def grpo_training(
     tags |= {"rlvr.profile": config.profile, "rlvr.nproc": str(nproc), "rlvr.environment": env_spec["name"], **{f"rlvr.{k}": v for k, v in lineage.items()}}
     work_dir, device = f"grpo-runs/{run_id}", str(compute.torch_device()) if nproc == 1 else None  # work_dir: resume points, rows, export
     rewards = mixture_rewards(config.tasks) if config.tasks else config.rewards or dict(get_task(DEFAULT_TASK).rewards)
-    job = TrainingJob(run_id, start.path, rows, grpo_config, rewards, model_store.work_dir(work_dir), device, env_spec, config.tasks)
+    scratch = model_store.work_dir(work_dir)
+    job = TrainingJob(run_id, start.path, rows, grpo_config, rewards, scratch, device, env_spec, config.tasks, attempt_id=context.run.run_id, budget=budget)
+    if budget is not None and not config.restart:  # a re-execution whose budget is already spent trains nothing
+        refuse_spent_budget(budget, job.scratch, grpo_config.total_steps)
     for ended in mlflow.end_abandoned_runs(TRAINING_RUN_TAG, run_id, functools.partial(run_ended, context.instance)):  # killed before it could
         context.log.warning(f"MLflow run {ended} of an earlier attempt of this run, whose Dagster run has ended, was left RUNNING: marked KILLED")
     with mlflow.start_run(run_name("grpo", None, context.run.run_id), tags) as run:  # named by its policy version once stored
         run.log_params(flat_params({"grpo": asdict(grpo_config), "rewards": rewards, "nproc": nproc, "environment": env_spec, "tasks": config.tasks or {}}))
         try:  # each step's metrics reach MLflow as it ends; a resumed run's curve starts with the earlier attempts' steps
             history = launcher.train(context, job, nproc, restart=config.restart, on_step=lambda step, metrics: run.log_metrics(metrics, step=step))
-        finally:  # one writer: every rank's rows, also those of a failed run's finished steps (keyed: no duplicates)
-            step_rows = {table: launcher.step_rows(job.scratch, table) for table in ("rollouts", "rewards", "tool_calls")}
-            if not step_rows["rollouts"].empty:  # a completion's rows in the three tables land together, or none do
-                duckdb.write(*(Upsert(table, frame, "completion_id") for table, frame in step_rows.items()))
-        stored = model_store.put(
-            "grpo_checkpoint",
-            launcher.exported(job.scratch),
-            metadata={
-                **lineage,
-                "data_source": rows[0]["source"],
-                "training_config": asdict(grpo_config),
-                "rewards": rewards,
-                "tasks": config.tasks or {DEFAULT_TASK: 1.0},
-                "environment": env_spec,
-                "steps": grpo_config.total_steps,
-                "nproc": nproc,
-                "final_metrics": history[-1][1] if history else {},
-                "mlflow_run_id": run.run_id,
-                **{"dagster_run_id": context.run.run_id, "root_run_id": run_id},
-            },
-        )
+            if (stop := budget_stopped(job.scratch)) is not None:
+                raise Failure(description=budget_spent(stop["reason"], stop["step"], grpo_config.total_steps), allow_retries=False)
+        finally:  # one writer: every rank's rows and step costs, also those of a failed run's finished steps (keyed: no duplicates)
+            step_rows, ledger = write_step_rows(duckdb, launcher, job, machine)
+            run.log_metrics(cost_totals := ledger_totals(ledger))
+        manifest = checkpoint_manifest(lineage, rows, grpo_config, rewards, config.tasks, env_spec, nproc, history)
+        manifest |= {"mlflow_run_id": run.run_id, "dagster_run_id": context.run.run_id, "root_run_id": run_id}
+        stored = model_store.put("grpo_checkpoint", launcher.exported(job.scratch), metadata=manifest)
+        if ledger:  # the steps' costs name the policy they trained
+            duckdb.write(Upsert(COSTS, cost_frame([{**row, "policy_version": stored.version} for row in ledger]), "cost_id"))
         run.log_policy(stored.path, {POLICY_VERSION_TAG: stored.version})  # the MLflow model the registry registers
         run.log_table(sample_completions(step_rows["rollouts"], step_rows["rewards"], config.sample_completions), "sample_completions.json")
         run.set_tags({POLICY_VERSION_TAG: stored.version})
         run.rename(run_name("grpo", stored.version, context.run.run_id))
     model_store.remove_work_dir(work_dir)
     add_policy_version(context.instance, "grpo_checkpoint", stored.version)
-    yield from materializations(duckdb, run_id, rewards, stored, base, grpo_config, nproc, mlflow.links().run(run.run_id), history, env_spec)
+    yield from materializations(duckdb, run_id, rewards, stored, base, grpo_config, nproc, mlflow.links().run(run.run_id), history, env_spec, cost_totals)
+
+
+def checkpoint_manifest(
+    lineage: dict, rows: list[dict], grpo_config: GRPOConfig, rewards: dict, tasks: dict | None, environment: dict, nproc: int, history: list
+) -> dict:
+    """What the stored ``grpo_checkpoint`` records of its training: lineage, data, config, rewards, tasks, environment, final metrics."""
+    return {
+        **lineage,
+        "data_source": rows[0]["source"],
+        "training_config": asdict(grpo_config),
+        "rewards": rewards,
+        "tasks": tasks or {DEFAULT_TASK: 1.0},
+        "environment": environment,
+        "steps": grpo_config.total_steps,
+        "nproc": nproc,
+        "final_metrics": history[-1][1] if history else {},
+    }
+
+
+def write_step_rows(duckdb: Warehouse, launcher: TrainingLauncher, job: TrainingJob, machine: str) -> tuple[dict, list[dict]]:
+    """Write every rank's rows of the run's finished steps (``rollouts``, ``rewards``, ``tool_calls``) and their
+    ``costs`` rows (scope ``step``, one per step and task) in one transaction; returns them."""
+    step_rows = {table: launcher.step_rows(job.scratch, table) for table in ("rollouts", "rewards", "tool_calls")}
+    ledger = [
+        cost_row(cost.usage, run_id=cost.run_id, root_run_id=job.run_id, asset=LEDGER_ASSET, scope="step", machine=machine, step=cost.step, task=cost.task)
+        for cost in step_costs(job.scratch)
+    ]
+    writes = [Upsert(table, frame, "completion_id") for table, frame in step_rows.items()] if not step_rows["rollouts"].empty else []
+    writes += [Upsert(COSTS, cost_frame(ledger), "cost_id")] if ledger else []
+    if writes:  # a completion's rows in the three tables land together, or none do
+        duckdb.write(*writes)
+    return step_rows, ledger
+
+
+def ledger_totals(ledger: list[dict]) -> dict:
+    """The run's totals of its step costs (MLflow metrics, checkpoint metadata): ``cost/<measure>``, ``cost/usd`` where priced."""
+    if not ledger:
+        return {}
+    frame = with_money(cost_frame(ledger), configured_prices())
+    measures = ("wall_s", "cpu_core_s", "gpu_s", "energy_kwh", "prompt_tokens", "completion_tokens", "trained_tokens", "cost_usd")
+    totals = {f"cost/{name.removeprefix('cost_')}": float(frame[name].sum()) for name in measures if name in frame}
+    return totals | {"cost/tokens": totals["cost/prompt_tokens"] + totals["cost/completion_tokens"]}
+
+
+def refuse_spent_budget(budget: Budget, scratch: Path, total_steps: int) -> None:
+    """A :class:`dagster.Failure` when the run's finished steps (earlier attempts') already spent ``budget``."""
+    if (reason := budget.reached(run_spend(scratch / "steps", budget.prices))) is not None:
+        resume = latest_checkpoint(scratch / "checkpoints")
+        raise Failure(description=budget_spent(reason, int(resume.name.removeprefix("step-")) if resume else 0, total_steps), allow_retries=False)
+
+
+def budget_spent(reason: str, step: int, total_steps: int) -> str:
+    return (
+        f"grpo_training: {reason} at step {step} of {total_steps}. The checkpoint of step {step} is kept: re-execute this run "
+        "with a larger budget to resume from it."
+    )
 
 
 def checkpoint_of_run(model_store: ModelStore, run_id: str, root_of: Callable[[str], str | None]) -> StoredModel | None:
@@ -235,6 +311,7 @@ def materializations(
     mlflow_run_url: str,
     history: list,
     environment: dict,
+    cost_totals: dict,
 ) -> Iterator[MaterializeResult]:
     """The run's three materializations: row counts, reward means and tool use from DuckDB, the checkpoint's lineage and curve."""
     summary, last = duckdb.training_run_summary(run_id), history[-1][1] if history else {}
@@ -274,6 +351,7 @@ def materializations(
             "nproc": nproc,
             "final step": metrics_table({"value": {k: v for k, v in last.items() if k != "step"}}),
             "training_config": MetadataValue.json(asdict(grpo_config)),
+            **cost_totals,  # the run's step costs, all attempts
         },
     )
 

@@ -38,13 +38,21 @@ def session_store(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def embedded_policy(session_store):
+def session_warehouse(tmp_path_factory):
+    """A DuckDB file for the session's materializations' cost rows."""
+    from resources import Warehouse
+
+    return Warehouse(database=str(tmp_path_factory.mktemp("warehouse") / "rlvr.duckdb"))
+
+
+@pytest.fixture(scope="session")
+def embedded_policy(session_store, session_warehouse):
     """The embedded SmolLM2-135M-Instruct, materialized once as the ``base_policy`` asset."""
     from dagster import materialize
 
     from rlvr_assets.models import base_policy
 
-    result = materialize([base_policy], resources={"model_store": session_store})
+    result = materialize([base_policy], resources={"model_store": session_store, "duckdb": session_warehouse})
     assert result.success
     return session_store.latest("base_policy")
 

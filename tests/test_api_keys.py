@@ -19,8 +19,6 @@ import secrets
 import statistics
 import subprocess
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import duckdb
@@ -32,6 +30,7 @@ from bentos.api_keys import AccessConfig, KeyLimits, KeyRing, TokenBucket, acces
 from bentos.build import bentoml_cli, bentoml_env
 from rlvr.monitoring.traffic import TRAFFIC_COLUMNS, TrafficLog, read_traffic, traffic_row
 from support.guard import guarded
+from support.http_call import REQUEST_TIMEOUT_S, call
 from support.ports import free_port
 from support.served_bento import QUESTION, metric_value, scripted_bento, serving
 from support.waiting import wait_for
@@ -44,7 +43,6 @@ pytestmark = [  # raised inside BentoML 1.4.39 itself
 ALICE, BARE, BOB, CAROL, METRICS = (secrets.token_urlsafe(32) for _ in range(5))
 BARE_ID = derived_key_id(BARE)
 RATE_PER_S, BURST, CONCURRENCY = 5, 40, 2
-REQUEST_TIMEOUT_S = 120
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,8 +161,8 @@ def test_an_older_serving_traffic_table_gains_the_key_id_column(tmp_path):
     from resources.warehouse import SCHEMAS, Warehouse
 
     folder, database = tmp_path / "traffic", tmp_path / "rlvr.duckdb"
-    before_the_column = SCHEMAS["serving_traffic"].replace(", api_key_id VARCHAR)", ")")
-    assert "api_key_id" not in before_the_column
+    before_the_column = re.sub(r", api_key_id VARCHAR,.*\)$", ")", SCHEMAS["serving_traffic"], flags=re.DOTALL)  # and the usage columns
+    assert "api_key_id" not in before_the_column and before_the_column.endswith("source_offset BIGINT)")
     with duckdb.connect(str(database)) as conn:
         conn.execute(before_the_column)
         conn.execute("INSERT INTO serving_traffic (record_id, endpoint) VALUES ('old@0', '/solve')")
@@ -173,7 +171,7 @@ def test_an_older_serving_traffic_table_gains_the_key_id_column(tmp_path):
     log.append({"timestamp": "2026-01-02T00:00:01+00:00", "request_id": "b", "endpoint": "/solve", "status": 200})
     batch = read_traffic(folder)
     assert [traffic_row(r)["api_key_id"] for r in batch.records] == ["alice", None]
-    assert TRAFFIC_COLUMNS[-1] == "api_key_id"
+    assert TRAFFIC_COLUMNS[-4:] == ("api_key_id", "prompt_tokens", "generated_tokens", "compute_s")  # the table's order
     warehouse = Warehouse(database=str(database), publish_snapshot=False)
     assert warehouse.ingest_traffic(batch) == 2
     rows = warehouse.query("SELECT coalesce(api_key_id, '-') AS key_id FROM serving_traffic ORDER BY request_id NULLS FIRST")
@@ -266,19 +264,8 @@ def server(built, tmp_path_factory):
 
 
 def _call(server, path: str, body=None, *, key: str | None = None, headers: dict | None = None, method: str | None = None):
-    """(status, parsed body or text, headers) of one request, ``Authorization: Bearer key`` when given."""
-    data = None if body is None else json.dumps(body).encode()
-    sent = {**({"Content-Type": "application/json"} if data else {}), **({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
-    req = urllib.request.Request(server.url + path, data=data, method=method or ("POST" if data else "GET"), headers=sent)
-    try:
-        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
-            status, text, got = resp.status, resp.read().decode(), resp.headers
-    except urllib.error.HTTPError as err:
-        status, text, got = err.code, err.read().decode(), err.headers
-    try:
-        return status, json.loads(text), got
-    except ValueError:
-        return status, text, got
+    """(status, parsed body or text, headers) of one request to ``server``."""
+    return call(server.url, path, body, key=key, headers=headers, method=method)
 
 
 def _metrics(server) -> str:

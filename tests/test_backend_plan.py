@@ -1,6 +1,7 @@
 """One backend plan, decided once (rlvr.fastpaths.plan): what runs for a model on a device under the
 switches, read by the engine (and so the service), the update and SFT; the thread count comes first."""
 
+import logging
 import threading
 from dataclasses import fields
 
@@ -128,3 +129,28 @@ def test_slot_attention_is_decided_at_the_tuned_thread_count(monkeypatch, reques
     finally:
         torch.set_num_threads(before)
     assert len(plans) == 1 and plans[0].threads == requested and plans[0].slot_attention is slot
+
+
+@pytest.mark.parametrize(("avx512_bf16", "amx", "resolved"), [(True, False, "bfloat16"), (False, True, "bfloat16"), (False, False, "float32")])
+def test_auto_compute_dtype_is_bf16_exactly_on_a_cpu_with_native_bf16_and_an_explicit_one_wins(monkeypatch, caplog, avx512_bf16, amx, resolved):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    model = tiny_llama(50)
+    with caplog.at_level(logging.INFO, logger="rlvr.fastpaths"):
+        plan = plan_backend(model, FastPaths(), dtype=torch.float32, threads=1, compute_dtype="auto")
+    assert (plan.dtype, plan.compute_dtype) == ("float32", resolved)
+    native = "native" if resolved == "bfloat16" else "no native"
+    assert [r.getMessage() for r in caplog.records] == [f"compute_dtype auto: {resolved} on this cpu ({native} bf16; set compute_dtype to choose)"]
+    assert ("float32 weights, bfloat16 compute, 1 threads:" in plan.describe()) == (resolved == "bfloat16")
+    for explicit in ("float32", "bfloat16"):
+        assert plan_backend(model, FastPaths(), compute_dtype=explicit).compute_dtype == explicit
+    assert plan_backend(model, FastPaths()).compute_dtype == "float32"  # an engine computes in its weights' dtype
+    with pytest.raises(ValueError, match="compute_dtype must be one of"):
+        plan_backend(model, FastPaths(), compute_dtype="float16")
+
+
+def test_auto_compute_dtype_on_cuda_follows_the_gpus_bf16_support(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for supported, resolved in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True, supported=supported: supported)
+        assert plan_backend(tiny_llama(50), FastPaths(), device="cuda", dtype=torch.float32, compute_dtype="auto").compute_dtype == resolved

@@ -6,7 +6,7 @@ import pytest
 import torch
 from dagster import materialize
 
-from resources import ModelStore
+from resources import ModelStore, Warehouse
 from rlvr.policy import EMBEDDED_MODEL, load_policy, load_source, resolve_source
 from rlvr.tasks.gsm8k.prompt import render_prompt
 from rlvr_assets.models import base_policy
@@ -34,9 +34,9 @@ def test_embedded_policy_is_a_standard_checkpoint_that_generates(embedded_policy
 
 
 @pytest.mark.slow  # loads the embedded model
-def test_second_materialization_reuses_the_stored_checkpoint(embedded_policy, session_store):
+def test_second_materialization_reuses_the_stored_checkpoint(embedded_policy, session_store, session_warehouse):
     started = time.perf_counter()
-    result = materialize([base_policy], resources={"model_store": session_store})
+    result = materialize([base_policy], resources={"model_store": session_store, "duckdb": session_warehouse})
     elapsed = time.perf_counter() - started
     metadata = result.asset_materializations_for_node("base_policy")[0].metadata
     assert metadata["reused_stored_checkpoint"].value is True
@@ -47,7 +47,7 @@ def test_second_materialization_reuses_the_stored_checkpoint(embedded_policy, se
 def test_local_hf_folder_source(tmp_path, tiny_llama_dir):
     store = ModelStore(root=str(tmp_path / "store"))
     config = {"ops": {"base_policy": {"config": {"model": str(tiny_llama_dir)}}}}
-    result = materialize([base_policy], resources={"model_store": store}, run_config=config)
+    result = materialize([base_policy], resources={"model_store": store, "duckdb": Warehouse(database=str(tmp_path / "rlvr.duckdb"))}, run_config=config)
     metadata = result.asset_materializations_for_node("base_policy")[0].metadata
     assert metadata["source"].value.startswith("hf_dir:") and metadata["parameters"].value > 0
     assert store.latest("base_policy").path.is_dir()
@@ -60,7 +60,9 @@ def test_local_hf_folder_source(tmp_path, tiny_llama_dir):
 def test_missing_model_is_named(tmp_path, model, message):
     store = ModelStore(root=str(tmp_path / "store"))
     config = {"ops": {"base_policy": {"config": {"model": model}}}}
-    result = materialize([base_policy], resources={"model_store": store}, run_config=config, raise_on_error=False)
+    result = materialize(
+        [base_policy], resources={"model_store": store, "duckdb": Warehouse(database=str(tmp_path / "rlvr.duckdb"))}, run_config=config, raise_on_error=False
+    )
     assert not result.success
     failure = next(e for e in result.all_events if e.event_type_value == "STEP_FAILURE")
     assert message in failure.event_specific_data.error.message

@@ -243,6 +243,8 @@ def test_metrics_count_requests_rollouts_and_votes(server):
     assert delta("rlvr_requests_total", endpoint="/solve", status="400") == 1
     assert delta("rlvr_rollouts_generated_total") == 2
     assert delta("rlvr_vote_share_count") == 1
+    assert delta("rlvr_key_completion_tokens_total", api_key_id="anonymous") > 0  # an open service: no key
+    assert delta("rlvr_key_prompt_tokens_total", api_key_id="anonymous") > 0 and delta("rlvr_key_compute_seconds_total", api_key_id="anonymous") > 0
     assert delta("rlvr_generation_seconds_count") >= 1
     assert metric_value(after, "rlvr_reward_count") > 0  # from the /generate test with ground truth
     assert metric_value(after, "bentoml_service_request_total", endpoint="/solve", http_response_code="200") > 0
@@ -261,6 +263,8 @@ def test_every_answered_request_is_in_the_traffic_log(server):
     assert record["vote_share"] == out["vote_share"] and record["latency_s"] > 0
     assert record["completions"] == [r["text"] for r in out["rollouts"]]
     assert "T" in record["timestamp"] and record["params"]["num_rollouts"] == 2
+    assert record["prompt_tokens"] > 0 and record["generated_tokens"] == sum(r["completion_tokens"] for r in out["rollouts"])
+    assert 0 < record["compute_s"] <= record["latency_s"]  # from its submission to the engine to its last token
     solves = [r for r in records.values() if r["endpoint"] == "/solve"]
     assert solves and all({"answers", "answer", "vote_share", "latency_s"} <= r.keys() for r in solves)
 

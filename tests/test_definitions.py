@@ -14,14 +14,14 @@ from rlvr_assets.definitions import defs
 from rlvr_assets.training import grpo_training, run_pod_tags
 
 ROOT = Path(__file__).resolve().parents[1]
-ASSET_MODULES = ("data", "models", "sft", "training", "evaluation", "registry", "serving", "monitoring", "tasks")
+ASSET_MODULES = ("data", "models", "sft", "training", "evaluation", "registry", "serving", "monitoring", "tasks", "costs")
 
 
 def test_every_asset_has_a_group_description_and_owner():
     graph = defs.resolve_asset_graph()
     for key in graph.get_all_asset_keys():
         node = graph.get(key)
-        assert node.group_name in {"data", "models", "training", "evaluation", "serving", "monitoring", "tasks"}, key
+        assert node.group_name in {"data", "models", "training", "evaluation", "serving", "monitoring", "tasks", "costs"}, key
         assert node.description and len(node.description) > 40, key
         assert node.owners, key
 

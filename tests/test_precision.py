@@ -9,6 +9,7 @@ import torch
 from rlvr.generation import SamplingConfig, generate_rollouts
 from rlvr.grpo import GRPOConfig, GRPOTrainer
 from rlvr.grpo.scoring import completion_logprobs, pack_rows
+from rlvr.sft import SFTConfig
 from support.tiny_models import COPY_DIGIT_CHARS, COPY_DIGIT_PROBLEMS, char_tokenizer, tiny_llama, tiny_qwen2
 
 
@@ -90,3 +91,11 @@ def test_sampled_logprobs_equal_the_trainers_recomputed_ones(device, compute_dty
     assert mask.sum() > 100 and error.max() < tolerance, f"largest |sampled - recomputed| log-prob {error.max():.2e}"
     metrics = trainer.train(COPY_DIGIT_PROBLEMS)[0]  # one pass, one optimizer step: every ratio is taken before it
     assert metrics["rollout_logprob_abs_diff"] < tolerance and metrics["clip_frac"] == 0
+
+
+@pytest.mark.parametrize("config_class", [GRPOConfig, SFTConfig])
+def test_compute_dtype_defaults_to_auto_and_names_itself_when_wrong(config_class):
+    assert config_class().compute_dtype == "auto"
+    assert config_class(compute_dtype="float32").compute_dtype == "float32"  # float32 everywhere: one setting
+    with pytest.raises(ValueError, match=r"compute_dtype must be one of \('auto', 'float32', 'bfloat16'\), got 'float16'"):
+        config_class(compute_dtype="float16")

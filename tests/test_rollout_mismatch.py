@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from rlvr.fastpaths import eligibility
 from rlvr.generation import SamplingConfig, generate_rollouts
 from rlvr.grpo import GRPOConfig, GRPOTrainer
 from rlvr.grpo.loss import group_advantages, rollout_mismatch, truncated_importance_weights
@@ -67,6 +68,7 @@ def make_trainer(**overrides) -> tuple[GRPOTrainer, object]:
         lr_decay="constant",
         micro_batch_size=64,
         total_steps=1,
+        compute_dtype="float32",  # the mechanics by exact numbers; bf16 only where a test asks for it
     )
     config = GRPOConfig(**(settings | overrides))
     return GRPOTrainer(tiny_llama(len(tokenizer), seed=4), tokenizer, config, lambda texts, problems: ([0.0] * len(texts), {})), tokenizer
@@ -144,6 +146,18 @@ def test_auto_tis_is_on_exactly_with_a_low_precision_rollout_copy(compute_dtype,
     trainer, _ = make_trainer(compute_dtype=compute_dtype, tis=tis)
     assert (trainer.rollout_policy is not trainer.policy) == (compute_dtype == "bfloat16")
     assert trainer.tis_cap == cap
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_compute_dtype_turns_auto_tis_on_exactly_when_it_resolves_to_bf16(monkeypatch, native):
+    """The default (compute_dtype and tis "auto"): bf16 compute, a bf16 rollout copy and TIS on a device
+    with native bf16; float32, no copy and no TIS on one without."""
+    monkeypatch.setattr(eligibility, "native_bf16", lambda device: native)
+    trainer, _ = make_trainer(compute_dtype="auto")
+    assert trainer.config.tis == "auto" and trainer.plan.compute_dtype == ("bfloat16" if native else "float32")
+    assert (trainer.rollout_policy is not trainer.policy) is native
+    assert {p.dtype for p in trainer.rollout_policy.parameters()} == {torch.bfloat16 if native else torch.float32}
+    assert trainer.tis_cap == (2.0 if native else None)
 
 
 def test_bf16_rollouts_differ_from_the_float32_update_a_little(monkeypatch):

@@ -90,7 +90,7 @@ def test_the_loss_is_the_mean_nll_of_completion_tokens_only():
             logits = model(ids).logits[0, len(e["prompt_ids"]) - 1 : -1].log_softmax(-1)
             nll -= float(logits.gather(1, torch.tensor(e["target_ids"])[:, None]).sum())
             count += len(e["target_ids"])
-    trainer = SFTTrainer(model, tokenizer, config(batch_size=3, micro_batch_size=2))
+    trainer = SFTTrainer(model, tokenizer, config(batch_size=3, micro_batch_size=2, compute_dtype="float32"))  # the float32 forward by hand
     assert trainer.step(examples)["loss"] == pytest.approx(nll / count, rel=1e-5)
 
 
@@ -111,7 +111,7 @@ def test_environment_tokens_are_context_outside_the_loss():
             policy = torch.tensor(e["environment_mask"]) == 0
             nll -= float(logprobs[policy].sum())
             count += int(policy.sum())
-    metrics = SFTTrainer(model, tokenizer, config(batch_size=3, micro_batch_size=2)).step(examples)
+    metrics = SFTTrainer(model, tokenizer, config(batch_size=3, micro_batch_size=2, compute_dtype="float32")).step(examples)
     assert metrics["tokens"] == count == 6
     assert metrics["loss"] == pytest.approx(nll / count, rel=1e-5)
 

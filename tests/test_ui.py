@@ -113,6 +113,7 @@ def pipeline(tmp_path_factory, gsm8k_dir):
     MLflow store, then `make mlflow`'s MLflow UI and the Dagster webserver on them: (Dagster URL, MLflow URL)."""
     from dagster import DagsterInstance, materialize
 
+    from rlvr_assets.costs import cost_report
     from support.pipeline import TRAINING, resources_for, run_config
 
     home = tmp_path_factory.mktemp("ui")
@@ -124,6 +125,7 @@ def pipeline(tmp_path_factory, gsm8k_dir):
         with DagsterInstance.local_temp(str(home / "dagster")) as instance:
             config, resources = run_config(gsm8k_dir, save_tiny_llama(home / "tiny"), steps=1), resources_for(home)
             assert materialize(TRAINING, resources=resources, run_config=config, instance=instance).success
+            assert materialize([cost_report], resources=resources, instance=instance).success  # what the training cost
         links = resources["mlflow"].links()  # the addresses the metadata links to
     bin_dir = Path(sys.executable).parent
     mlflow_url, dagster_url = f"http://127.0.0.1:{mlflow_port}", f"http://127.0.0.1:{dagster_port}"
@@ -199,3 +201,15 @@ def test_eval_report_shows_rounded_headline_metadata_with_a_working_mlflow_link(
     page.goto(link.get_attribute("href"), wait_until="domcontentloaded")
     page.get_by_text("eval-", exact=False).first.wait_for(timeout=60_000)  # the evaluation run's page
     assert "Model registry" in page.inner_text("body")
+
+
+def test_cost_report_shows_its_tables_and_plots(pipeline, page, tmp_path):
+    page.goto(f"{pipeline[0]}/assets/cost_report", wait_until="domcontentloaded", timeout=120_000)
+    page.get_by_text("by asset").first.wait_for(timeout=120_000)
+    text = page.inner_text("body")
+    assert "grpo_training" in text and "CPU core-s" in text  # the training's row, in the by-asset table
+    assert not re.search(r"\d\.\d{6,}", text), "unrounded numbers on the page"
+    plot = page.locator('img[src^="data:image/png"]').first
+    plot.wait_for(timeout=60_000)  # a plot, rendered
+    assert plot.evaluate("img => img.naturalWidth") > 0
+    screenshot(page, "cost-report.png", tmp_path)

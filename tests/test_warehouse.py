@@ -1,5 +1,7 @@
 """The DuckDB warehouse resource on a real file: atomic writes, upserts, loaders."""
 
+import logging
+
 import duckdb
 import pandas as pd
 import pytest
@@ -74,6 +76,13 @@ def older_gsm8k_table(ids: list[str], splits: list[str], questions: list[str]) -
     )
 
 
+def create_as_older_code(warehouse, table: str, frame: pd.DataFrame) -> None:
+    """``table`` written into the file by another process, as code of an older layout did."""
+    with duckdb.connect(warehouse.database) as conn:
+        conn.register("older", frame)
+        conn.execute(f'CREATE TABLE "{table}" AS SELECT * FROM older')
+
+
 def test_problem_loaders_fail_the_step_without_problems(warehouse):
     with pytest.raises(Failure, match="materialize gsm8k_problems or its partition 'gsm8k' first"):
         warehouse.task_problems("gsm8k", "train")
@@ -89,10 +98,13 @@ def test_problem_loaders_fail_the_step_without_problems(warehouse):
     assert warehouse.traffic_cursor() == {} and all(w.empty for w in warehouse.traffic_window("2026-11-23", 10))
 
 
-def test_an_older_files_gsm8k_problems_table_moves_once_into_task_problems_and_keeps_its_name_as_a_view(warehouse):
+def test_an_older_files_gsm8k_problems_table_moves_once_into_task_problems_and_keeps_its_name_as_a_view(warehouse, caplog):
     older = older_gsm8k_table(["p1", "p2", "q1"], ["train", "train", "test"], ["a", "b", "c"])
-    warehouse.replace_tables({"gsm8k_problems": older})
-    [first, second] = map(problem_record, warehouse.task_problems("gsm8k", "train"))  # moved on the first read of any task's problems
+    create_as_older_code(warehouse, "gsm8k_problems", older)
+    with caplog.at_level(logging.WARNING):
+        [first, second] = map(problem_record, warehouse.task_problems("gsm8k", "train"))  # moved before the first connection is used
+    assert [r.getMessage() for r in caplog.records if "moved 3 rows of the table gsm8k_problems into task_problems" in r.getMessage()]
+    assert warehouse.upgrade() == []  # once
     assert first["answer_value"] == 4.0 and first["answer_text"] == "4" and first["solution"] == "2 + 2 = 4" and first["task"] == "gsm8k"
     assert [first["content_hash"], second["content_hash"]] == ["hash-p1", "hash-p2"]  # stored evaluations keep their identity
     with duckdb.connect(warehouse.database, read_only=True) as conn:
@@ -134,7 +146,8 @@ def test_each_tasks_evaluation_and_train_questions_are_read_apart(warehouse):
     assert warehouse.latest_evaluation("v1", "gsm8k")["eval_id"].tolist() == ["g"] and warehouse.latest_evaluation("v1", "arith")["eval_id"].tolist() == ["a"]
     assert warehouse.task_reference_questions("arith", 5) == []  # no task_problems yet
     train = pd.DataFrame({"task": "arith", "problem_id": ["p1", "p2", "p3"], "split": ["train", "train", "test"], "question": ["1+1", "2+2", "3+3"]})
-    warehouse.replace_tables({"task_problems": train, "gsm8k_problems": older_gsm8k_table(["g1", "g2", "g3"], ["train", "train", "test"], ["q1", "q2", "q3"])})
+    warehouse.replace_tables({"task_problems": train})
+    create_as_older_code(warehouse, "gsm8k_problems", older_gsm8k_table(["g1", "g2", "g3"], ["train", "train", "test"], ["q1", "q2", "q3"]))
     assert sorted(warehouse.task_reference_questions("arith", 5)) == ["1+1", "2+2"]
     assert sorted(warehouse.reference_questions(4, {"arith": 1.0, "gsm8k": 1.0})) == ["1+1", "2+2", "q1", "q2"]
 

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 from dagster import Failure
 
-from resources import Upsert, Warehouse, table_parts
+from resources import Upsert, Warehouse, part_compaction, table_parts
 from resources import warehouse as warehouse_module
 from resources.warehouse import SCHEMAS, Append
 
@@ -54,7 +54,7 @@ def test_a_reader_keeps_its_snapshot_across_many_appends_and_the_snapshot_stays_
     finally:
         reader.close()
     assert count(warehouse.snapshot_path) == (41 * 16, 41 * 16) == count(warehouse.database)
-    assert len(live_parts(warehouse)) < 2 * table_parts.TIER_PARTS
+    assert len(live_parts(warehouse)) < 2 * part_compaction.TIER_PARTS
     assert warehouse.training_run_summary("r1")["reward_rows"] == 41 * 16
     parts_bytes = sum(f.stat().st_size for f in warehouse.parts_root.rglob("*.parquet"))
     assert warehouse.snapshot_path.stat().st_size < 4 * 2**20 and count(
@@ -93,7 +93,10 @@ def test_an_old_layout_file_is_moved_into_parts_once_and_nothing_is_lost(tmp_pat
         conn.execute("CREATE TABLE rewards AS SELECT run_id, completion_id, 'math_answer' AS reward_name, 0.25 AS value FROM rollouts")
         conn.execute(SCHEMAS["serving_traffic"].replace(", api_key_id VARCHAR", ""))
         conn.execute("INSERT INTO serving_traffic (record_id, source_file, status) VALUES ('a', 'traffic-20261101T0-1.jsonl', 200), ('b', NULL, 200)")
-        conn.execute("CREATE TABLE gsm8k_problems AS SELECT 'p1' AS problem_id")
+        conn.execute(
+            "CREATE TABLE gsm8k_problems AS SELECT 'p1' AS problem_id, 'train' AS split, 'q' AS question, '4' AS solution, '4' AS answer_text, "
+            "4.0 AS answer_value, 1 AS num_steps, 'local' AS source, 'h1' AS content_hash"
+        )
         before = {t: sorted(conn.execute(f"SELECT * FROM {t}").fetchall()) for t in ("rollouts", "rewards", "serving_traffic")}
     old_size, warehouse = database.stat().st_size, Warehouse(database=str(database))
     with caplog.at_level(logging.WARNING):
@@ -101,6 +104,7 @@ def test_an_old_layout_file_is_moved_into_parts_once_and_nothing_is_lost(tmp_pat
     assert database.stat().st_size < old_size  # the moved tables' space is given back: the snapshot copies the small file
     moved = [r.getMessage() for r in caplog.records if "into Parquet parts" in r.getMessage()]
     assert len(moved) == 3 and "moved table rollouts (300 rows, 3 partitions)" in " ".join(moved)
+    assert [r for r in caplog.records if "moved 1 rows of the table gsm8k_problems into task_problems" in r.getMessage()]
     with duckdb.connect(str(database), read_only=True) as conn:
         for table, rows in before.items():
             columns = [c for c, *_ in conn.execute(f"DESCRIBE {table}").fetchall()]
@@ -130,7 +134,7 @@ def test_a_corrupt_part_is_named_by_readers_and_refused_by_the_next_write_to_its
 
 def test_compaction_beside_a_reader_keeps_the_readers_files_and_loses_no_row(tmp_path):
     warehouse = Warehouse(database=str(tmp_path / "rlvr.duckdb"), part_grace_s=0)
-    steps = table_parts.TIER_PARTS - 1  # below what a write merges itself
+    steps = part_compaction.TIER_PARTS - 1  # below what a write merges itself
     for step in range(steps):
         warehouse.write(*step_rows("r1", step))
     old_parts = [warehouse.parts_root / p for p in live_parts(warehouse)]
@@ -149,13 +153,13 @@ def test_compaction_beside_a_reader_keeps_the_readers_files_and_loses_no_row(tmp
 def test_a_compaction_overtaken_by_a_write_is_dropped(warehouse, monkeypatch):
     for step in range(3):
         warehouse.write(*step_rows("r1", step))
-    write_parquet = warehouse_module.write_parquet
+    write_parquet = part_compaction.write_parquet
 
     def overtaken(conn, sql, folder, table):  # a live run's write lands between the merge's plan and its swap
         warehouse.write(Upsert("rollouts", step_rows("r1", 0)[0].frame.assign(completion="rewritten"), "completion_id"))
         return write_parquet(conn, sql, folder, table)
 
-    monkeypatch.setattr(warehouse_module, "write_parquet", overtaken)
+    monkeypatch.setattr(part_compaction, "write_parquet", overtaken)
     assert warehouse.compact("rollouts") == 0
     assert count(warehouse.database) == (48, 48) and count(warehouse.database, "SELECT count(*) FROM rollouts WHERE completion = 'rewritten'") == (16,)
 

@@ -127,3 +127,27 @@ def use_unpadded_update(model: Any, fast: FastPaths, sharded: bool) -> bool:
     """Completions' per-token work without padding (``rlvr.grpo.unpadded``: the model's own modules over
     real tokens): models with a plain head whose every layer attends over the whole sequence, unsharded."""
     return fast.unpadded_update and not sharded and output_head(model, fast) is not None and attention_window(model.config) is None
+
+
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")  # a training config's compute_dtype
+
+
+def native_bf16(device: torch.device) -> bool:
+    """bfloat16 arithmetic in hardware, as torch reports it: a CUDA GPU with bf16 support, or a CPU
+    with AVX-512 BF16 or AMX instructions."""
+    if device.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type == "cpu":
+        return any(getattr(torch.cpu, query, lambda: False)() for query in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return False
+
+
+def training_compute_dtype(requested: str, device: torch.device) -> str:
+    """The dtype training computes in: ``requested`` ("float32" or "bfloat16"), or for "auto" bfloat16
+    where :func:`native_bf16` (mixed precision: float32 weights, bf16 forwards and rollouts) and float32
+    elsewhere."""
+    if requested not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    return "bfloat16" if native_bf16(device) else "float32"

@@ -28,6 +28,7 @@ class BackendPlan:
 
     device: str  # where the model runs: "cpu", "cuda", ...
     dtype: str  # its weights' dtype: "float32", "bfloat16", ...
+    compute_dtype: str  # the forwards' dtype: the weights' for an engine; training's resolved compute_dtype
     threads: int  # torch threads the plan was decided at
     runner: str  # the engine's decode runner: FUSED_DECODER or MODEL_FORWARD
     layer_kernels: bool  # the fused decoder's RMSNorms and rotary through rlvr.fastpaths.layer_kernels
@@ -45,11 +46,13 @@ class BackendPlan:
         return self.runner == FUSED_DECODER
 
     def describe(self) -> str:
-        """One line: device, dtype and threads, the runner, then the speed-ups on and off."""
+        """One line: device, dtype (and the compute dtype when it differs) and threads, the runner, then the
+        speed-ups on and off."""
         flags = [f.name for f in fields(self) if f.type in ("bool", bool)]
         on = [name for name in flags if getattr(self, name)]
         off = [name for name in flags if not getattr(self, name)]
-        return f"{self.device} {self.dtype}, {self.threads} threads: {self.runner}; on: {', '.join(on) or '-'}; off: {', '.join(off) or '-'}"
+        dtypes = self.dtype if self.compute_dtype == self.dtype else f"{self.dtype} weights, {self.compute_dtype} compute"
+        return f"{self.device} {dtypes}, {self.threads} threads: {self.runner}; on: {', '.join(on) or '-'}; off: {', '.join(off) or '-'}"
 
 
 def plan_backend(
@@ -60,19 +63,23 @@ def plan_backend(
     dtype: torch.dtype | None = None,
     threads: int | None = None,
     sharded: bool = False,
+    compute_dtype: str | None = None,
 ) -> BackendPlan:
     """The :class:`BackendPlan` of ``model`` run on ``device`` in ``dtype`` (default: its parameters') at
     ``threads`` torch threads (default: the calling thread's now), under ``fast_paths`` (default: all on);
-    ``sharded``: its update runs under FSDP."""
+    ``sharded``: its update runs under FSDP; ``compute_dtype``: a training config's ("auto", "float32",
+    "bfloat16"; default: ``dtype``), "auto" resolved here by :func:`~rlvr.fastpaths.eligibility.native_bf16`."""
     fast = FastPaths.coerce(fast_paths)
     parameter = next(model.parameters())
     device = torch.device(device) if device is not None else parameter.device
     dtype = dtype or parameter.dtype
     threads = threads or torch.get_num_threads()
     fused = eligibility.use_fused_decode(model, fast)
+    weights = str(dtype).removeprefix("torch.")
     return BackendPlan(
         device=device.type,
-        dtype=str(dtype).removeprefix("torch."),
+        dtype=weights,
+        compute_dtype=weights if compute_dtype is None else _resolved_compute_dtype(compute_dtype, device),
         threads=threads,
         runner=FUSED_DECODER if fused else MODEL_FORWARD,
         layer_kernels=eligibility.use_layer_kernels(fast, device, dtype, fused),
@@ -85,6 +92,14 @@ def plan_backend(
         chunked_head=eligibility.output_head(model, fast) is not None,
         unpadded_update=eligibility.use_unpadded_update(model, fast, sharded),
     )
+
+
+def _resolved_compute_dtype(requested: str, device: torch.device) -> str:
+    resolved = eligibility.training_compute_dtype(requested, device)
+    if requested == "auto":
+        native = "native bf16" if eligibility.native_bf16(device) else "no native bf16"
+        logger.info("compute_dtype auto: %s on this %s (%s; set compute_dtype to choose)", resolved, device.type, native)
+    return resolved
 
 
 _LOGGED: set[tuple[str, str]] = set()

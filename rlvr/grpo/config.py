@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from rlvr.fastpaths import FastPaths
+from rlvr.fastpaths.eligibility import COMPUTE_DTYPES
 from rlvr.generation import SamplingConfig, is_greedy
 
 from .loss import AGGREGATIONS, POLICY_LOSSES
@@ -50,7 +51,7 @@ class GRPOConfig:
     micro_batch_size: int = 8  # rows per forward/backward
     share_prompt_forward: bool = True  # one prompt pass per group in the update (off with gradient checkpointing)
     # truncated importance sampling: each token's policy loss times min(π_old / π_rollout, tis_cap)
-    tis: str = "auto"  # "on", "off" or "auto": on exactly when rollouts come from the low-precision copy (compute_dtype bfloat16, no fsdp)
+    tis: str = "auto"  # "on", "off" or "auto": on exactly when rollouts come from the low-precision copy (bf16 compute, no fsdp)
     tis_cap: float = 2.0  # C, the largest TIS weight; must be > 1
     # optimisation (AdamW, linear warmup then decay, per training step)
     lr: float = 1e-6
@@ -67,7 +68,9 @@ class GRPOConfig:
     gradient_checkpointing: bool = False
     # "bfloat16": mixed precision. The update runs under autocast (fp32 master weights and
     # optimizer); rollouts come from a bf16 copy of the policy, refreshed after every update.
-    compute_dtype: str = "float32"
+    # "auto": bfloat16 where the device computes bf16 natively (rlvr.fastpaths.eligibility.native_bf16),
+    # else float32; decided once by the training's backend plan. "float32": float32 everywhere.
+    compute_dtype: str = "auto"
     fsdp: bool = False  # shard with FSDP2 under torchrun on GPUs (DDP otherwise)
     fast_paths: FastPaths = field(default_factory=FastPaths)  # speed-ups of rollouts and update (rlvr.fastpaths)
     # bookkeeping
@@ -98,8 +101,8 @@ class GRPOConfig:
             raise ValueError(f"unknown aggregation {self.aggregation!r}; expected one of {AGGREGATIONS}")
         if self.group_size < 2:
             raise ValueError("group_size must be >= 2: advantages are relative to the group")
-        if self.compute_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"compute_dtype must be 'float32' or 'bfloat16', got {self.compute_dtype!r}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
         if self.lr_decay not in ("cosine", "linear", "constant"):
             raise ValueError(f"unknown lr_decay {self.lr_decay!r}")
         if self.dynamic_sampling_rounds < 0:

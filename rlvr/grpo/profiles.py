@@ -16,7 +16,7 @@ PROFILES: dict[str, dict] = {
         "checkpoint_every": 2,
         "sampling": {"max_new_tokens": 128, "temperatures": [0.7, 0.8, 0.9, 1.0]},
     },
-    # one GPU: a real run
+    # one GPU: a real run (bf16 compute where the GPU has it: compute_dtype auto)
     "full": {
         "total_steps": 500,
         "prompts_per_step": 32,
@@ -29,7 +29,6 @@ PROFILES: dict[str, dict] = {
         "aggregation": "token-mean",
         "mask_truncated": True,
         "checkpoint_every": 50,
-        "compute_dtype": "bfloat16",
         "sampling": {"max_new_tokens": 512, "temperatures": [1.0]},
     },
 }

@@ -49,7 +49,7 @@ from .loss import (
 )
 from .sampler import ProblemWalk
 from .scoring import CompletionScorer, completion_logprobs, pack_rows
-from .trainer_loop import TrainerLoop, float32_master_weights
+from .trainer_loop import StopHook, TrainerLoop, float32_master_weights
 
 _REFILL = 1  # derive_seed tag of the problems that refill a step (dynamic sampling)
 
@@ -85,14 +85,16 @@ class GRPOTrainer(TrainerLoop):
         checkpoint_dir: str | Path | None = None,
         on_step: OnStep | None = None,
         records_per_rank: bool = False,
+        should_stop: StopHook | None = None,
     ):
         self.reward_fn, self.on_step, self.records_per_rank = reward_fn, on_step, records_per_rank
+        self.should_stop = should_stop  # after each step: a reason to end the run there (a budget), or None
         self.dist = init_distributed(device=None if _launched_distributed() else next(model.parameters()).device)
         if config.prompts_per_step < self.dist.world_size:
             raise ValueError(f"prompts_per_step ({config.prompts_per_step}) < world size ({self.dist.world_size})")
         fast = config.fast_paths
-        # the update's backend, decided once (float32 master weights; rollouts plan their own engine)
-        self.plan = plan_backend(model, fast, device=self.dist.device, dtype=torch.float32, sharded=config.fsdp)
+        # the update's backend, decided once (float32 master weights, the compute dtype; rollouts plan their own engine)
+        self.plan = plan_backend(model, fast, device=self.dist.device, dtype=torch.float32, sharded=config.fsdp, compute_dtype=config.compute_dtype)
         log_plan(self.plan, "GRPO training")
         if self.plan.keep_freed_memory:
             keep_freed_memory()  # the update's large temporaries would otherwise be page-faulted in every step
@@ -105,7 +107,7 @@ class GRPOTrainer(TrainerLoop):
             model = _apply_lora(model, config.lora)
         if config.gradient_checkpointing:
             _enable_activation_checkpointing(model)
-        compute_dtype = getattr(torch, config.compute_dtype)
+        compute_dtype = getattr(torch, self.plan.compute_dtype)
         mixed = compute_dtype != torch.float32  # weights and optimizer state are float32 (float32_master_weights)
         # the update's forwards run through this (DDP / FSDP when distributed; DDP syncs rank 0's weights)
         share_prompts = config.share_prompt_forward and not config.gradient_checkpointing
@@ -124,7 +126,7 @@ class GRPOTrainer(TrainerLoop):
 
     def train(self, problems: Iterable[dict], resume: bool = True) -> list[dict]:
         """Train until ``config.total_steps``; a fresh trainer first resumes from the latest
-        checkpoint when there is one.
+        checkpoint when there is one. ``should_stop`` may end it early, at a step boundary (:meth:`stop_early`).
 
         ``problems`` are dicts with a rendered ``prompt`` and the reference fields the reward needs, or
         a schedule with ``step_problems(step, n, seed)`` (``rlvr.tasks.TaskMixture``). Returns the
@@ -142,6 +144,8 @@ class GRPOTrainer(TrainerLoop):
             if self.on_step is not None and (self.dist.is_main or self.records_per_rank):
                 self.on_step(self.step_count, metrics, records)  # the step's rows before its resume point: a kill loses nothing
             history.append(self.record_step(metrics))  # and the step's checkpoint, when one is due
+            if self.stop_early(self.should_stop, metrics):  # stopped at this boundary (its checkpoint saved): why is self.stopped
+                break
         return history
 
     def step(self, problems: list[dict], refill: Callable[[int], list[dict]] | None = None) -> tuple[dict, list[dict]]:

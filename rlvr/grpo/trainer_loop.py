@@ -1,12 +1,13 @@
 """What the SFT and GRPO trainers share: AdamW and its LR schedule, the step count and history,
-checkpoints (:mod:`rlvr.grpo.checkpoint`) and resume. Each trainer writes its own loop on it::
-
+checkpoints (:mod:`rlvr.grpo.checkpoint`), resume and an early stop. Each trainer's loop::
     if resume and self.step_count == 0:
         self.resume()                                  # weights, optimizer, schedule, step, RNG states
     while self.step_count < self.config.total_steps:
         metrics = self.step(batch)                     # ... optimizer_step(), scheduler.step(), step_count += 1
         self.on_step(self.step_count, metrics)         # before the step's resume point: a kill loses nothing
         history.append(self.record_step(metrics))      # the checkpoint, when one is due
+        if self.stop_early(should_stop, metrics):      # a stop hook (a budget) ends the run at this boundary
+            break
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import math
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -24,6 +25,8 @@ from . import checkpoint
 from .distributed import DistributedContext, all_gather_objects, barrier
 
 logger = logging.getLogger("rlvr.grpo")
+
+StopHook = Callable[[int], "str | None"]  # after step n: why the run stops there (the same on every rank), or None
 
 
 class WorldSizeChanged(RuntimeError):
@@ -58,6 +61,7 @@ class TrainerLoop:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, partial(lr_multiplier, config=config))
         self.step_count = 0  # training steps completed
         self.history: list[dict] = []
+        self.stopped: str | None = None  # why the run stopped before total_steps (a stop hook's reason)
 
     def optimizer_step(self) -> float:
         """Clip the accumulated gradients to ``max_grad_norm``, step AdamW, clear them; returns the norm before clipping."""
@@ -74,6 +78,17 @@ class TrainerLoop:
         if self.checkpoint_due():
             metrics["checkpoint"] = str(self.save_checkpoint())
         return metrics
+
+    def stop_early(self, should_stop: StopHook | None, metrics: dict) -> bool:
+        """After a recorded step (never the last): whether ``should_stop`` ends the run here. Then its reason is
+        :attr:`stopped` and the step is a resume point (its checkpoint saved even when none was due). Every rank
+        calls it, and the hook must answer the same on each (the checkpoint is collective)."""
+        if should_stop is None or self.step_count >= self.config.total_steps:
+            return False
+        self.stopped = should_stop(self.step_count)
+        if self.stopped is not None and self.checkpoint_dir is not None and "checkpoint" not in metrics:
+            metrics["checkpoint"] = str(self.save_checkpoint())
+        return self.stopped is not None
 
     def checkpoint_due(self) -> bool:
         """A checkpoint is due every ``checkpoint_every`` steps (0: never) and after the last step."""

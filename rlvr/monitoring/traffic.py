@@ -6,6 +6,7 @@ holds the lines of one UTC day, named in its file name (``traffic-YYYYMMDDT...``
 belongs to is the day its line was written. The reader resumes from a cursor (byte offset per
 file), optionally over one day's files; a last line without its newline is still being written, so
 it is left for the next pass, and a malformed complete line is counted and reported, never fatal.
+``tokens_by_key`` sums one day's tokens per API key (the service's daily quotas, restored at its start).
 Retention keeps today's files and those of the ``retention_days`` days before it, and deletes the rest.
 """
 
@@ -18,6 +19,7 @@ import re
 import threading
 import time
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from datetime import date, timedelta
 from pathlib import Path
@@ -193,6 +195,9 @@ TRAFFIC_COLUMNS = (
     "source_file",
     "source_offset",
     "api_key_id",
+    "prompt_tokens",
+    "generated_tokens",
+    "compute_s",
 )
 NATIVE_ENDPOINTS = ("/generate", "/solve")  # the service's own routes: each request rendered with one of the policy's tasks
 
@@ -227,7 +232,8 @@ def traffic_row(record: dict) -> dict:
 
     ``well_formed`` is the share of the request's completions in its task's answer format (the task's own
     check); None for a request without a task (the OpenAI routes) or of a task this process cannot resolve,
-    so those are not counted in well-formedness. ``completion_chars`` / ``completion_tokens`` are means.
+    so those are not counted in well-formedness. ``completion_chars`` / ``completion_tokens`` are means;
+    ``prompt_tokens`` / ``generated_tokens`` / ``compute_s`` the request's totals (:func:`request_usage`).
     Missing fields become None.
     """
     completions = [c for c in record.get("completions") or [] if isinstance(c, str)]
@@ -262,4 +268,53 @@ def traffic_row(record: dict) -> dict:
         "source_file": record.get("_file"),
         "source_offset": record.get("_offset"),
         "api_key_id": record.get("api_key_id"),  # who sent it: the id of its API key (None: an open service, an older log)
+        **request_usage(record),
     }
+
+
+def request_usage(record: dict) -> dict:
+    """A record's ``prompt_tokens`` (each prompt once, whatever its samples), ``generated_tokens`` (all its
+    samples') and ``compute_s`` (from its submission to the engine to its last token); each None when the
+    record lacks it (an older log, a request that did not finish)."""
+
+    def count(name: str) -> int | None:
+        value = record.get(name)
+        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 else None
+
+    compute_s = record.get("compute_s")
+    return {
+        "prompt_tokens": count("prompt_tokens"),
+        "generated_tokens": count("generated_tokens"),
+        "compute_s": float(compute_s) if isinstance(compute_s, (int, float)) and not isinstance(compute_s, bool) else None,
+    }
+
+
+def request_tokens(record: dict) -> int | None:
+    """The tokens a request counts against its key's daily quota: prompt + generated tokens of a request
+    answered 200; None for any other record."""
+    used = request_usage(record)
+    if record.get("status") != 200 or used["prompt_tokens"] is None or used["generated_tokens"] is None:
+        return None
+    return used["prompt_tokens"] + used["generated_tokens"]
+
+
+def tokens_by_key(folder: str | Path, day: str) -> Counter:
+    """``request_tokens`` of ``day``'s log files in ``folder``, summed by ``api_key_id`` (None: no key). Read a
+    line at a time (memory bounded by the longest line); incomplete and malformed lines are skipped."""
+    used: Counter = Counter()
+    folder = Path(folder)
+    if not folder.is_dir():
+        return used
+    for path in sorted(folder.glob(f"{day_prefix(day)}*{FILE_SUFFIX}")):
+        with open(path, "rb") as f:
+            for raw in f:
+                if not raw.endswith(b"\n"):
+                    break  # still being written
+                try:
+                    record = json.loads(raw)
+                except (ValueError, UnicodeDecodeError):
+                    continue
+                tokens = request_tokens(record) if isinstance(record, dict) else None
+                if tokens is not None:
+                    used[record.get("api_key_id")] += tokens
+    return used
