@@ -127,6 +127,7 @@ def main() -> None:
     (settings.model_root).mkdir(parents=True, exist_ok=True)
     shutil.copytree(source, settings.model_root / "base_policy", symlinks=True)
     resources = default_resources(settings)
+    (work / "dagster").mkdir()
     with DagsterInstance.local_temp(str(work / "dagster")) as instance:
         assert materialize([gsm8k_problems], resources=resources, instance=instance).success
         rows = resources["duckdb"].task_problems(DEFAULT_TASK, "train")
@@ -150,9 +151,13 @@ def main() -> None:
             medians[(arm, phase)] = statistics.median(run[phase] for run in runs)
             print(f"| {arm} | {phase} | {medians[(arm, phase)]:.1f} |")
     bare, dagster = medians[("bare loop", "total")], medians[("dagster", "total")]
-    steps = medians[("dagster", "steps")]
-    print(f"\noverhead: {dagster - bare:.1f} s = {(dagster - bare) / bare:.1%} of the bare loop's time")
-    print(f"outside the steps: {(dagster - steps) / dagster:.1%} of the Dagster run")
+    outside = {arm: medians[(arm, "total")] - medians[(arm, "steps")] for arm in results}
+    added = outside["dagster"] - outside["bare loop"]
+    print(f"\noverhead, all of it: {dagster - bare:+.1f} s = {(dagster - bare) / bare:+.1%} of the bare loop's time (step times vary run to run)")
+    print(f"outside the steps: bare {outside['bare loop']:.1f} s, Dagster {outside['dagster']:.1f} s", end=": ")
+    print(f"{added:+.1f} s per run = {added / bare:.1%} of the bare loop's time")
+    ratios = [d["steps"] / b["steps"] for b, d in zip(results["bare loop"], results["dagster"])]
+    print(f"steps, Dagster / bare per repeat: {', '.join(f'{r:.2f}' for r in ratios)}")
     print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 

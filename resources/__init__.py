@@ -1,33 +1,43 @@
 """Dagster resources of rlvr-ops: the DuckDB warehouse, model store, MLflow tracking, compute, evaluations
-and the Bento builder; ``config_from`` exposes a core dataclass config as Dagster run config."""
+and the Bento builder; ``config_from`` exposes a core dataclass config as Dagster run config.
 
-from resources.bento import BentoBuilder
-from resources.compute import ComputeResource
-from resources.evaluations import EvalProtocol, Evaluation, Evaluator
-from resources.model_store import ModelStore, StoredModel
-from resources.run_config import CoreConfig, EnvironmentConfig, build_environment, config_from
-from resources.tracking import CHAMPION, MLflowResource
-from resources.warehouse import WRITER_POOL, Append, Replace, Upsert, Warehouse
-from rlvr.settings import Settings
+Names are imported when first used (PEP 562), so a process that needs one module of the package (the
+training worker: ``resources.grpo_worker``) does not pay for MLflow, BentoML and DuckDB at start.
+"""
 
-__all__ = [
-    "Append",
-    "BentoBuilder",
-    "CHAMPION",
-    "ComputeResource",
-    "CoreConfig",
-    "EvalProtocol",
-    "EnvironmentConfig",
-    "Evaluation",
-    "Evaluator",
-    "MLflowResource",
-    "ModelStore",
-    "Replace",
-    "Settings",
-    "StoredModel",
-    "Upsert",
-    "WRITER_POOL",
-    "Warehouse",
-    "build_environment",
-    "config_from",
-]
+from importlib import import_module
+
+_WHERE = {
+    "BentoBuilder": "resources.bento",
+    "ComputeResource": "resources.compute",
+    "EvalProtocol": "resources.evaluations",
+    "Evaluation": "resources.evaluations",
+    "Evaluator": "resources.evaluations",
+    "ModelStore": "resources.model_store",
+    "StoredModel": "resources.model_store",
+    "CoreConfig": "resources.run_config",
+    "EnvironmentConfig": "resources.run_config",
+    "build_environment": "resources.run_config",
+    "config_from": "resources.run_config",
+    "CHAMPION": "resources.tracking",
+    "MLflowResource": "resources.tracking",
+    "WRITER_POOL": "resources.warehouse",
+    "Append": "resources.warehouse",
+    "Replace": "resources.warehouse",
+    "Upsert": "resources.warehouse",
+    "Warehouse": "resources.warehouse",
+    "Settings": "rlvr.settings",
+}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'resources' has no attribute {name!r}")
+    value = getattr(import_module(_WHERE[name]), name)
+    globals()[name] = value  # imported once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})

@@ -1,7 +1,7 @@
 """Launching GRPO training outside the orchestrator's process: torchrun through Dagster Pipes.
 
-:class:`TrainingLauncher` runs :mod:`resources.grpo_worker` under ``torchrun --nproc_per_node N`` in a
-Pipes session, for every run size: logs reach the event log as they happen, per-step metrics stream
+:class:`TrainingLauncher` runs :mod:`resources.grpo_worker` under ``torchrun --nproc_per_node N`` (one
+process: the worker alone) in a Pipes session: logs reach the event log as they happen, per-step metrics stream
 from the run's scratch folder (:class:`StepMetrics`), rows come back as Parquet files there
 (:meth:`TrainingLauncher.step_rows`; each step's costs: :func:`step_costs`), and every rank's final
 weights digest must agree. Training dies with its run (own process group, parent-death signal); one
@@ -45,6 +45,7 @@ WORKER_MODULE = grpo_worker.__name__  # what torchrun runs with -m: resources.gr
 LOCK_FILE = "attempt.lock"  # in the scratch folder: the holder's {"dagster_run_id", "pid", "host", "pgid": its training's process group}
 SCRATCH_ENV = "RLVR_TRAINING_SCRATCH"  # in every training process's environment: the scratch folder it trains in
 TRAINING_MARKERS = (b"torch.distributed.run", b"torchrun", WORKER_MODULE.encode())  # what a training process's command line holds
+ONE_PROCESS_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}  # a run of one process, as torchrun names it
 OnStep = Callable[[int, dict], None]
 
 # Dagster's own Pipes session reads this preview property of every message reader it is given (ours
@@ -119,7 +120,11 @@ class TrainingLauncher(ConfigurableResource):
         return process_count(nproc, torch.cuda.device_count())
 
     def command(self, nproc: int) -> list[str]:
-        """The torchrun command line of a run of ``nproc`` processes on this node."""
+        """The command line of a run of ``nproc`` processes on this node: torchrun's; for one process the worker
+        itself (torchrun's agent would add only its start-up, about 2 s), with the environment torchrun would give it
+        (:data:`ONE_PROCESS_ENV`)."""
+        if nproc == 1:
+            return [self.python, "-m", WORKER_MODULE]
         return [self.python, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", WORKER_MODULE]
 
     def train(self, context: Any, job: TrainingJob, nproc: int, restart: bool = False, on_step: OnStep | None = None) -> list[tuple[int, dict]]:
@@ -136,7 +141,7 @@ class TrainingLauncher(ConfigurableResource):
             finally:
                 metrics.poll()
         if returncode != 0:
-            raise training_failure(f"torchrun exited with code {returncode}", job.scratch, nproc)
+            raise training_failure(f"{'the training' if nproc == 1 else 'torchrun'} exited with code {returncode}", job.scratch, nproc)
         check_digests(job.scratch, nproc)
         return step_history(job.scratch)
 
@@ -146,6 +151,7 @@ class TrainingLauncher(ConfigurableResource):
         path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))  # the worker imports what this process can
         with open_pipes_session(context, PipesTempFileContextInjector(), PipesTempFileMessageReader(), extras=job.extras()) as session:
             env = {**os.environ, "PYTHONPATH": path, SCRATCH_ENV: str(job.scratch.resolve()), **session.get_bootstrap_env_vars()}
+            env |= ONE_PROCESS_ENV if nproc == 1 else {}
             process = Popen(self.command(nproc), env=env, start_new_session=True, preexec_fn=partial(start_training_process, os.getpid()))
             try:
                 record(process.pid)  # its process group: what a later attempt stops if this one is killed

@@ -55,7 +55,7 @@ class UsageMeter:
     (0: only at the start and end). One meter measures one block; :meth:`read` gives the usage so far.
     """
 
-    def __init__(self, gpus: int = 0, interval_s: float = 0.5, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, gpus: int = 0, interval_s: float = 2.0, clock: Callable[[], float] = time.perf_counter):
         self.gpus, self.interval_s, self.clock = gpus, interval_s, clock
         self.process = psutil.Process()
         self._peak_rss = 0.0
