@@ -162,7 +162,7 @@ ROWS = [
     ("TRL GRPOTrainer (bf16, gradient checkpointing off)", "bf16", lambda args: run_trl(args, gradient_checkpointing=False, bf16=True)),
     ("TRL GRPOTrainer (fp32: bf16=False, gradient checkpointing on)", "fp32", lambda args: run_trl(args, gradient_checkpointing=True, bf16=False)),
     ("TRL GRPOTrainer (fp32: bf16=False, gradient checkpointing off)", "fp32", lambda args: run_trl(args, gradient_checkpointing=False, bf16=False)),
-    ("rlvr-ops (default: fp32, stop after the #### line)", "fp32", lambda args: run_rlvr(args, stop_at_final_answer=True)),
+    ("rlvr-ops (fp32, stop after the #### line)", "fp32", lambda args: run_rlvr(args, stop_at_final_answer=True)),
     ("rlvr-ops (fp32, stop at final answer off)", "fp32", lambda args: run_rlvr(args)),
     (
         "rlvr-ops (compute_dtype=bfloat16: bf16 rollouts, bf16 autocast update)",

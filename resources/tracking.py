@@ -55,6 +55,7 @@ class MLflowResource(ConfigurableResource):
     artifact_location: str | None = Field(default=None, description="artifact root for a new experiment")
     registered_model: str = Field(default="rlvr-gsm8k-policy", description="registered model holding trained policies")
     ui_url: str | None = Field(default=None, description="the MLflow UI that metadata links point at; default: a tracking server itself, else `make mlflow`'s")
+    system_metrics_interval_s: float = Field(default=10.0, description="how often a run with system metrics (training) samples the machine's use")
 
     def client(self):
         """An MlflowClient bound to this tracking URI (registry too)."""
@@ -120,19 +121,30 @@ class MLflowResource(ConfigurableResource):
         return experiment_id
 
     @contextmanager
-    def start_run(self, run_name: str, tags: Mapping[str, Any] | None = None, started_at: float | None = None) -> Iterator["TrackedRun"]:
+    def start_run(
+        self, run_name: str, tags: Mapping[str, Any] | None = None, started_at: float | None = None, system_metrics: bool = False
+    ) -> Iterator["TrackedRun"]:
         """A run of this experiment, ended FINISHED when the block ends and FAILED when it raises;
-        ``started_at`` (``time.time()``) dates its start back to when its work began."""
+        ``started_at`` (``time.time()``) dates its start back to when its work began; ``system_metrics``: MLflow's
+        monitor logs the machine's CPU, memory, disk, network and GPU use meanwhile (``system/...``, every
+        ``system_metrics_interval_s``)."""
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
         from mlflow.tracking.context.registry import resolve_tags  # the user/source tags mlflow.start_run adds
 
         client, experiment_id = self.client(), self.experiment_id()
         start_time = int(started_at * 1000) if started_at is not None else None
         run = client.create_run(experiment_id, start_time=start_time, run_name=run_name, tags=resolve_tags({k: str(v) for k, v in (tags or {}).items()}))
+        monitor = SystemMetricsMonitor(run.info.run_id, self.system_metrics_interval_s, tracking_uri=self.tracking_uri) if system_metrics else None
+        if monitor is not None:
+            monitor.start()
         try:
             yield TrackedRun(client, run.info.run_id, experiment_id)
         except BaseException:
             client.set_terminated(run.info.run_id, "FAILED")
             raise
+        finally:
+            if monitor is not None:
+                monitor.finish()
         client.set_terminated(run.info.run_id, "FINISHED")
 
     def end_runs_of(self, dagster_run_id: str, status: str = "KILLED") -> list[str]:

@@ -37,11 +37,12 @@ class AssetCost:
     machine: str
     evaluations: dict[str, Usage] = field(default_factory=dict)  # task -> its evaluations' tokens
     final: Usage = field(default_factory=Usage)  # what was recorded when the materialization ended
+    trained: Usage = field(default_factory=Usage)  # the tokens of the training steps it ran (count_training)
 
     def usage(self) -> Usage:
-        """What the materialization used so far, with its evaluations' tokens."""
-        tokens = sum(self.evaluations.values(), Usage())
-        return self.meter.read().with_tokens(tokens.prompt_tokens, tokens.completion_tokens)
+        """What the materialization used so far, with its evaluations' and its training's tokens."""
+        tokens = sum(self.evaluations.values(), self.trained)
+        return self.meter.read().with_tokens(tokens.prompt_tokens, tokens.completion_tokens, tokens.trained_tokens)
 
     def rows(self, usage: Usage) -> list[dict]:
         """The asset's row and, per evaluated task, an ``evaluation`` row: the usage's share by the task's tokens."""
@@ -53,6 +54,13 @@ class AssetCost:
             task_usage = usage.share(share).with_tokens(counted.prompt_tokens, counted.completion_tokens)
             rows.append(cost_row(task_usage, scope="evaluation", task=task, **ids))
         return rows
+
+
+def count_training(prompt: int, completion: int, trained: int) -> None:
+    """Count a training's tokens (its steps' prompt, completion and trained tokens) in the running materialization's cost."""
+    cost = _ACTIVE.get()
+    if cost is not None:
+        cost.trained = cost.trained + Usage().with_tokens(prompt, completion, trained)
 
 
 def count_evaluation(task: str, *evaluations: Evaluation) -> None:

@@ -40,7 +40,7 @@ from rlvr.rewards import CompositeReward
 from rlvr.tasks import DEFAULT_TASK, TaskError, TaskMixture, get_task, normalized_text_hash
 from rlvr.training_run import problems_hash, sample_completions
 from rlvr_assets.metadata import metrics_table, percent, rounded
-from rlvr_assets.metering import metered
+from rlvr_assets.metering import count_training, metered
 from rlvr_assets.partitions import add_policy_version
 
 GPU_TAGS = {  # a run that trains in its own pod (the local launcher) asks the Kubernetes run launcher for a GPU (deploy/k8s)
@@ -189,7 +189,9 @@ def grpo_training(
         refuse_spent_budget(budget, job.scratch, grpo_config.total_steps)
     for ended in mlflow.end_abandoned_runs(TRAINING_RUN_TAG, run_id, functools.partial(run_ended, context.instance)):  # killed before it could
         context.log.warning(f"MLflow run {ended} of an earlier attempt of this run, whose Dagster run has ended, was left RUNNING: marked KILLED")
-    with mlflow.start_run(run_name("grpo", None, context.run.run_id), tags) as run:  # named by its policy version once stored
+    with mlflow.start_run(
+        run_name("grpo", None, context.run.run_id), tags, system_metrics=True
+    ) as run:  # the machine's use, over time  # named by its policy version once stored
         run.log_params(flat_params({"grpo": asdict(grpo_config), "rewards": rewards, "nproc": nproc, "environment": env_spec, "tasks": config.tasks or {}}))
         try:  # each step's metrics reach MLflow as it ends; a resumed run's curve starts with the earlier attempts' steps
             history = launcher.train(context, job, nproc, restart=config.restart, on_step=lambda step, metrics: run.log_metrics(metrics, step=step))
@@ -198,6 +200,8 @@ def grpo_training(
         finally:  # one writer: every rank's rows and step costs, also those of a failed run's finished steps (keyed: no duplicates)
             step_rows, ledger = write_step_rows(duckdb, launcher, job, machine)
             run.log_metrics(cost_totals := ledger_totals(ledger))
+            ours = [row for row in ledger if row["run_id"] == context.run.run_id]  # this attempt's steps: its asset row's tokens
+            count_training(*(int(sum(row[name] for row in ours)) for name in ("prompt_tokens", "completion_tokens", "trained_tokens")))
         manifest = checkpoint_manifest(lineage, rows, grpo_config, rewards, config.tasks, env_spec, nproc, history)
         manifest |= {"mlflow_run_id": run.run_id, "dagster_run_id": context.run.run_id, "root_run_id": run_id}
         stored = model_store.put("grpo_checkpoint", launcher.exported(job.scratch), metadata=manifest)

@@ -1,6 +1,7 @@
 """The MLflow resource against a real local store: runs, the evaluation record, the champion/challenger registry."""
 
 import json
+import time
 
 import mlflow
 import pandas as pd
@@ -105,3 +106,16 @@ def test_runs_params_metrics_artifacts_and_the_evaluation_record(tracking, tmp_p
     tags = client.get_model_version(tracking.registered_model, version).tags
     assert tags["data_hash"] == "abc" and tags["eval.pass_at_1_strict"] == "0.5" and tags["eval.mlflow_run_id"] == found.run_id
     assert tags[POLICY_VERSION_TAG] == "v1" and str(tracking.registry().version_for(CHALLENGER).version) == version
+
+
+def test_a_run_with_system_metrics_logs_the_machines_use_over_time(tmp_path):
+    resource = MLflowResource(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", artifact_location=str(tmp_path / "art"), system_metrics_interval_s=0.5)
+    with resource.start_run("busy", system_metrics=True) as run:
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            pass
+    history = resource.client().get_metric_history(run.run_id, "system/cpu_utilization_percentage")
+    assert len(history) >= 2 and all(0 <= point.value <= 100 for point in history)
+    with resource.start_run("quiet") as run:  # without: nothing sampled
+        pass
+    assert not any(name.startswith("system/") for name in resource.client().get_run(run.run_id).data.metrics)

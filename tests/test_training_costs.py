@@ -106,6 +106,13 @@ def test_each_step_of_a_run_is_in_the_costs_table(home, gsm8k_dir, tiny_llama_di
     assert metadata["cost/tokens"].value == sum(r[1] + r[2] for r in tokens)
     mlflow_run = res["mlflow"].client().get_run(stored.manifest["mlflow_run_id"])
     assert mlflow_run.data.metrics["cost/cpu_core_s"] == pytest.approx(spent)
+    assets = {
+        r[0]: r[1:]
+        for r in rows(home, f"SELECT asset, cpu_core_s, prompt_tokens, completion_tokens FROM costs WHERE scope = 'asset' AND run_id = '{result.run_id}'")
+    }
+    assert set(assets) == {"gsm8k_problems", "base_policy", "grpo_training"}  # the job's materializations, one row each
+    assert spent <= assets["grpo_training"][0] and sum(a[0] for a in assets.values()) <= used  # steps within their asset, assets within the job
+    assert assets["grpo_training"][1:] == (sum(r[1] for r in tokens), sum(r[2] for r in tokens))  # the training's tokens on its asset row
 
 
 @pytest.mark.slow  # materializes GRPO training three times
