@@ -53,6 +53,8 @@ def main() -> None:
         f"completions, max {params['grpo.sampling.max_new_tokens']} new tokens, lr {params['grpo.lr']}, rewards "
         f"{ {name: float(params['rewards.' + name]) for name in rewards} }: {sum(m.value for m in steps) / 60:.1f} min of steps"
     )
+    costs = {k: v.value for k, v in meta.items() if k.startswith("training") and ("cost" in k or "per point" in k)}  # the ledger's (docs/costs.md)
+    print("  cost: " + ("; ".join(f"{k} {v}" for k, v in costs.items()) or "not recorded (a run from before the cost ledger)"))
     for metric in [f"reward_{name}_mean" for name in sorted(rewards)] + ["frac_groups_kept"]:
         print(f"  GRPO {metric} per step: {metric_curve(client, run.info.run_id, metric)}")
     if sft:
