@@ -9,14 +9,14 @@ from resources import Warehouse
 from resources.costs import daily, ledger, summed, traffic_usage
 from rlvr import plots
 from rlvr.costs import configured_prices
-from rlvr_assets.metadata import markdown_table
+from rlvr_assets.metadata import amount, markdown_table
 from rlvr_assets.metering import metered
 
 COLUMNS = {
     "wall_s": "wall (s)",
     "cpu_core_s": "CPU core-s",
     "gpu_s": "GPU-s",
-    "energy_kwh": "energy (kWh)",
+    "energy_kwh": "energy (Wh)",
     "prompt_tokens": "prompt tokens",
     "completion_tokens": "completion tokens",
     "trained_tokens": "trained tokens",
@@ -70,7 +70,12 @@ def cost_report(context: AssetExecutionContext, duckdb: Warehouse) -> Materializ
 
 
 def table(frame: pd.DataFrame) -> MetadataValue:
-    """A cost table as Markdown (its columns named as people read them); a line saying so when it is empty."""
+    """A cost table as Markdown (its columns named as people read them, energy in Wh, small amounts to four
+    decimals); a line saying so when it is empty."""
     if frame.empty:
         return MetadataValue.md("_nothing recorded yet_")
-    return markdown_table(frame.to_dict(orient="records"), COLUMNS)
+    shown = frame.copy()
+    for column, scale in (("energy_kwh", 1000.0), ("cost_usd", 1.0)):
+        if column in shown:
+            shown[column] = [amount(value * scale) for value in shown[column]]
+    return markdown_table(shown.to_dict(orient="records"), COLUMNS)

@@ -22,6 +22,11 @@ def rounded(value: float, digits: int = 3) -> float:
     return 0.0 if abs(value) < 1e-12 else float(f"{value:.{digits}g}")
 
 
+def amount(value: float) -> float:
+    """A small amount (USD, Wh) as a person reads it: three significant digits, at most four decimals."""
+    return round(rounded(value), 4) + 0.0
+
+
 def percent(rate: float) -> float:
     """A rate as a percentage with one decimal (a number, so Dagster plots it across materializations)."""
     return round(100 * rate, 1) + 0.0  # + 0.0: no -0.0
@@ -83,7 +88,7 @@ def policy_cost_metadata(cost, gain_points: float) -> dict[str, Any]:
     found = {"training cost: CPU core-s": rounded(cost.total.cpu_core_s), "training cost: GPU-s": rounded(cost.total.gpu_s)}
     found["training CPU core-s per point gained"] = _per_point(cost.total.cpu_core_s, gain_points)
     if cost.money is not None:
-        found |= {"training cost (USD)": rounded(cost.money), "training USD per point gained": _per_point(cost.money, gain_points)}
+        found |= {"training cost (USD)": amount(cost.money), "training USD per point gained": _per_point(cost.money, gain_points)}
     return found
 
 
@@ -95,10 +100,10 @@ def task_cost_rows(cost, gains_points: Mapping[str, float]) -> list[dict[str, An
         core_s = usage.cpu_core_s if usage is not None else 0.0
         row = {"task": task, "Δ (points)": gain, "CPU core-s": rounded(core_s), "core-s per point": _per_point(core_s, gain)}
         if cost.money is not None:
-            row |= {"USD": rounded(money or 0.0), "USD per point": _per_point(money or 0.0, gain)}
+            row |= {"USD": amount(money or 0.0), "USD per point": _per_point(money or 0.0, gain)}
         rows.append(row)
     return rows
 
 
-def _per_point(amount: float, gain_points: float) -> float | str:
-    return rounded(amount / gain_points) if gain_points > 0 else "no gain"
+def _per_point(spent: float, gain_points: float) -> float | str:
+    return amount(spent / gain_points) if gain_points > 0 else "no gain"

@@ -21,6 +21,7 @@ from dagster import AssetExecutionContext, MaterializeResult
 from resources import Evaluation, Upsert, Warehouse
 from resources.costs import COSTS, cost_frame, cost_row
 from rlvr.costs import Usage, UsageMeter, configured_prices, machine_kind
+from rlvr_assets.metadata import amount
 
 _ACTIVE: contextvars.ContextVar["AssetCost | None"] = contextvars.ContextVar("rlvr_asset_cost", default=None)
 
@@ -82,14 +83,14 @@ def cost_metadata(usage: Usage, machine: str) -> dict:
         "cost: wall (s)": round(usage.wall_s, 2),
         "cost: CPU core-s": round(usage.cpu_core_s, 2),
         "cost: peak RSS (MiB)": round(usage.peak_rss_mb, 1),
-        f"cost: energy (kWh){estimated}": float(f"{usage.energy_kwh:.3g}"),
+        f"cost: energy (Wh){estimated}": amount(usage.energy_kwh * 1000),
     }
     if usage.gpu_s:
         found |= {"cost: GPU-s": round(usage.gpu_s, 2), "cost: peak GPU memory (MiB)": round(usage.peak_gpu_mem_mb, 1)}
     if usage.prompt_tokens or usage.completion_tokens:
         found |= {"cost: prompt tokens": usage.prompt_tokens, "cost: completion tokens": usage.completion_tokens}
     money = configured_prices().money(usage, machine)
-    return found | ({"cost (USD)": float(f"{money:.4g}")} if money is not None else {})
+    return found | ({"cost (USD)": amount(money)} if money is not None else {})
 
 
 def metered(fn):

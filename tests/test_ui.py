@@ -205,11 +205,19 @@ def test_eval_report_shows_rounded_headline_metadata_with_a_working_mlflow_link(
 
 def test_cost_report_shows_its_tables_and_plots(pipeline, page, tmp_path):
     page.goto(f"{pipeline[0]}/assets/cost_report", wait_until="domcontentloaded", timeout=120_000)
-    page.get_by_text("by asset").first.wait_for(timeout=120_000)
+    page.get_by_text("total CPU core-s").first.wait_for(timeout=120_000)
+    page.get_by_role("cell", name="grpo_training", exact=True).first.wait_for(timeout=60_000)  # the by-asset table, inline
     text = page.inner_text("body")
-    assert "grpo_training" in text and "CPU core-s" in text  # the training's row, in the by-asset table
+    assert "CPU core-s" in text and "energy (Wh)" in text
     assert not re.search(r"\d\.\d{6,}", text), "unrounded numbers on the page"
-    plot = page.locator('img[src^="data:image/png"]').first
-    plot.wait_for(timeout=60_000)  # a plot, rendered
+    show_markdown("cost by asset", page)  # a plot: in the entry's dialog
+    plot = page.get_by_role("dialog").locator('img[src^="data:image/png"]').first
+    plot.wait_for(timeout=60_000)
     assert plot.evaluate("img => img.naturalWidth") > 0
     screenshot(page, "cost-report.png", tmp_path)
+
+
+def show_markdown(label: str, page) -> None:
+    """Open the Markdown of the metadata entry ``label`` (the asset page shows a link to it, in a dialog)."""
+    row = page.locator("tr").filter(has=page.get_by_text(label, exact=True)).last  # the entry's own row, not a row around it
+    row.get_by_text("[Show Markdown]").click()
