@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 import pandas as pd
 
 from resources.part_keys import NO_PARTITION, partition_sql
-from rlvr.costs import PriceTable, Usage
+from rlvr.costs import PriceTable, Usage, total
 
 COSTS = "costs"
 SCOPES = ("asset", "step", "evaluation")
@@ -136,7 +136,7 @@ def policy_cost(warehouse, root_run_id: str | None, prices: PriceTable) -> Polic
     usages = [(usage_of(row), row["machine"], row["task"]) for _, row in rows.iterrows()]
     money = [prices.money(usage, machine) for usage, machine, _ in usages]
     total_money = sum(m for m in money if m is not None) if prices.is_set else None
-    whole = sum((usage for usage, _, _ in usages[1:]), usages[0][0])
+    whole = total(usage for usage, _, _ in usages)
     tokens = {}
     for usage, _, task in usages:
         tokens[task] = tokens.get(task, 0) + usage.prompt_tokens + usage.completion_tokens
