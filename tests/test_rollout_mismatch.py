@@ -51,10 +51,10 @@ def test_tis_cap_must_be_a_number_above_one(bad):
 def test_tis_mode_is_validated_and_resolved():
     with pytest.raises(ValueError, match="tis must be one of"):
         GRPOConfig(tis="yes")
-    assert GRPOConfig().tis_weight_cap(low_precision_rollouts=True) == 2.0
-    assert GRPOConfig().tis_weight_cap(low_precision_rollouts=False) is None
-    assert GRPOConfig(tis="on", tis_cap=3).tis_weight_cap(low_precision_rollouts=False) == 3.0
-    assert GRPOConfig(tis="off").tis_weight_cap(low_precision_rollouts=True) is None
+    assert GRPOConfig().tis_weight_cap(other_rollouts=True) == 2.0
+    assert GRPOConfig().tis_weight_cap(other_rollouts=False) is None
+    assert GRPOConfig(tis="on", tis_cap=3).tis_weight_cap(other_rollouts=False) == 3.0
+    assert GRPOConfig(tis="off").tis_weight_cap(other_rollouts=True) is None
 
 
 def make_trainer(**overrides) -> tuple[GRPOTrainer, object]:

@@ -16,10 +16,12 @@ from typing import Any, Callable
 import numpy as np
 
 from rlvr.answers import answers_match, extract_final_answer, format_number, is_well_formed, lm_eval_gsm8k_answers, lm_eval_gsm8k_match
+from rlvr.environments.driver import drives_episodes
 from rlvr.evaluation.estimators import maj_at_k, majority_vote, pass_at_k_per_problem
 from rlvr.evaluation.intervals import accuracy_by_group, bootstrap_ci
 from rlvr.evaluation.significance import mcnemar_test, paired_bootstrap
-from rlvr.generation import SamplingConfig, StopRule, stream_rollouts
+from rlvr.generation import SamplingConfig, StopRule
+from rlvr.generation.generator import EngineConfig, make_generator
 from rlvr.rewards import RewardPool
 from rlvr.tasks import DEFAULT_TASK, GSM8K, get_task
 from rlvr.tasks.base import problem_record
@@ -39,8 +41,11 @@ class EvalConfig:
     seed: int = 0  # seed of the sampled completions and of the bootstrap
     reward_weights: dict[str, float] = field(default_factory=lambda: dict(GSM8K.rewards))  # rewards reported per completion of a numeric-answer task
     confidence: float = 0.95  # level of the confidence intervals
+    engine: EngineConfig = field(default_factory=EngineConfig)  # the generation engine (native or vLLM), as training's rollout
 
     def __post_init__(self) -> None:
+        if isinstance(self.engine, dict):
+            self.engine = EngineConfig(**self.engine)
         if self.num_samples < 0 or self.max_new_tokens < 1 or self.batch_rows < 1:
             raise ValueError("need num_samples >= 0, max_new_tokens >= 1 and batch_rows >= 1")
         if self.num_samples and any(not 1 <= k <= self.num_samples for k in self.ks):
@@ -171,11 +176,12 @@ class _Decoded:
 
 
 class _Decoder:
-    """Decodes the evaluation's prompts with the rollout engine, reporting progress over every pass."""
+    """Decodes the evaluation's prompts on the engine ``config.engine`` chooses (one for every pass), reporting progress."""
 
     def __init__(self, model, tokenizer, prompts, config: EvalConfig, environment, progress, stop: StopRule):
         self.model, self.tokenizer, self.prompts, self.config, self.environment = model, tokenizer, prompts, config, environment
         self.progress, self.stop, self.done = progress, stop, 0
+        self.generator = make_generator(config.engine, model, tokenizer, seed=config.seed, tools=drives_episodes(environment))
         self.total = len(prompts) * (1 + config.num_samples)
         self.environment_name = environment.name if environment is not None else "single_turn"
 
@@ -190,7 +196,7 @@ class _Decoder:
             environment=self.environment,
         )
         decoded = _Decoded([], [], [], [], num_samples)
-        for chunk in stream_rollouts(self.model, self.tokenizer, self.prompts, num_samples, sampling, [self.stop] * len(self.prompts)):
+        for chunk in self.generator.stream(self.prompts, num_samples, sampling, [self.stop] * len(self.prompts)):
             decoded.texts += chunk.texts
             decoded.reasons += chunk.finish_reasons
             decoded.lengths += chunk.completion_lengths.tolist()

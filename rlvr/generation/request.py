@@ -12,6 +12,15 @@ from rlvr.environments.base import Environment, ToolCall
 from rlvr.generation.stops import NO_STOP_RULE, StopRule
 
 
+class RequestDoesNotFit(ValueError):
+    """An engine can never run this request: over the model's context or sliding window, or a KV cache the
+    engine cannot hold. ``part`` names what is over: ``"prompt"``, ``"new_tokens"`` or ``"rows"``."""
+
+    def __init__(self, message: str, part: str):
+        super().__init__(message)
+        self.part = part
+
+
 @dataclass(eq=False)
 class EngineRequest:
     """One prompt's ``num_samples`` completions. ``on_tokens`` sees each step's (sample, token) pairs,

@@ -17,6 +17,7 @@ import torch
 
 from rlvr.environments.base import Environment, ToolCall
 from rlvr.fastpaths import FastPaths
+from rlvr.fastpaths.plan import BackendPlan
 from rlvr.generation.engine import SHORT_LANE_TOKENS, Engine
 from rlvr.generation.kv_cache import kv_cache_bytes_per_token, quantized
 from rlvr.generation.request import EngineRequest
@@ -118,27 +119,17 @@ def stream_rollouts(
     num_samples: int = 1,
     config: SamplingConfig | None = None,
     stops: Sequence[StopRule] | None = None,
+    engines: RolloutEngines | None = None,
 ) -> Iterator[Rollouts]:
     """Like :func:`generate_rollouts`, yielding the prompts in order as they finish, in chunks of at most
     ``config.max_batch_rows`` rows (at least one prompt's G samples); ``group_index`` counts prompts
-    across chunks. The concatenated chunks are the same rollouts whatever the chunk size."""
+    across chunks. The concatenated chunks are the same rollouts whatever the chunk size. ``engines``:
+    the engine kept from earlier calls (a trainer's), else one for this call."""
     config = config or SamplingConfig()
-    if stops is not None and len(stops) != len(prompts):
-        raise ValueError(f"{len(stops)} stop rules for {len(prompts)} prompts: give one per prompt")
-    rules = [(rule or NO_STOP_RULE).with_strings(config.stop_strings) for rule in stops] if stops is not None else None
-    if num_samples < 1:
-        raise ValueError("num_samples must be >= 1")
-    if not prompts:
-        raise ValueError("no prompts")
-    texts = sum(isinstance(p, str) for p in prompts)
-    if texts not in (0, len(prompts)):
-        raise ValueError("prompts are all texts or all token ids")
-    encoded = tokenizer(list(prompts), add_special_tokens=False).input_ids if texts else [list(p) for p in prompts]
-    if any(len(ids) == 0 for ids in encoded):
-        raise ValueError("empty prompt")
+    encoded, rules = encode_prompts(tokenizer, prompts, num_samples, config, stops)
     max_rows = max(num_samples, min(len(encoded) * num_samples, config.max_batch_rows or len(encoded) * num_samples))
     prompts_per_chunk = max(1, max_rows // num_samples)
-    engine = _rollout_engine(model, tokenizer, encoded, num_samples, max_rows, config)
+    engine = (engines or RolloutEngines()).engine_for(model, tokenizer, encoded, num_samples, max_rows, config)
     requests = [
         EngineRequest(
             prompt_ids=ids,
@@ -148,7 +139,7 @@ def stream_rollouts(
             top_p=config.top_p,
             seed=config.seed,
             prompt_index=i,
-            stop=rules[i] if rules is not None else StopRule(config.stop_strings),
+            stop=rules[i],
             environment=config.environment,
         )
         for i, ids in enumerate(encoded)
@@ -171,23 +162,57 @@ def stream_rollouts(
                 next_prompt = end
 
 
-def _rollout_engine(model: Any, tokenizer: Any, encoded: list[list[int]], num_samples: int, max_rows: int, config: SamplingConfig) -> Engine:
-    """An engine sized for one call: KV room for ``max_rows`` rows of the longest prompt plus the budget, twice
-    over (two lanes), and its prompts' prefill caches."""
-    longest = max(len(ids) for ids in encoded) + config.max_new_tokens
-    per_token = kv_cache_bytes_per_token(model.config, model.dtype)
-    budget = per_token * (2 * max_rows * quantized(longest) + sum(len(ids) for ids in encoded[: max(1, max_rows // num_samples)]))
-    return Engine(
-        model,
-        tokenizer,
-        max_rows=max_rows,
-        step_tokens=ROLLOUT_STEP_TOKENS,
-        kv_budget_bytes=budget,
-        max_share=1.0,
-        short_lane_tokens=SHORT_LANE_TOKENS,
-        fast_paths=config.fast_paths,
-        stop_token_ids=config.stop_token_ids,
-    )
+def encode_prompts(
+    tokenizer: Any, prompts: list[str] | list[list[int]], num_samples: int, config: SamplingConfig, stops: Sequence[StopRule] | None
+) -> tuple[list[list[int]], list[StopRule]]:
+    """The prompts as token ids (texts tokenized without special tokens, ids as they are) and each one's
+    stop rule with ``config.stop_strings`` added; a ValueError naming what is wrong with the call."""
+    if stops is not None and len(stops) != len(prompts):
+        raise ValueError(f"{len(stops)} stop rules for {len(prompts)} prompts: give one per prompt")
+    if num_samples < 1:
+        raise ValueError("num_samples must be >= 1")
+    if not prompts:
+        raise ValueError("no prompts")
+    texts = sum(isinstance(p, str) for p in prompts)
+    if texts not in (0, len(prompts)):
+        raise ValueError("prompts are all texts or all token ids")
+    encoded = tokenizer(list(prompts), add_special_tokens=False).input_ids if texts else [list(p) for p in prompts]
+    if any(len(ids) == 0 for ids in encoded):
+        raise ValueError("empty prompt")
+    rules = [(rule or NO_STOP_RULE).with_strings(config.stop_strings) for rule in stops] if stops is not None else None
+    return encoded, rules or [StopRule(config.stop_strings)] * len(encoded)
+
+
+class RolloutEngines:
+    """What rollouts keep from call to call (a trainer's whole run): the backend plan, decided at the first
+    call for the model and its settings. Each call gets an engine of its own, sized for it, whose runner
+    packs the weights as they are now (the trainer updates them between calls)."""
+
+    def __init__(self) -> None:
+        self.plan: BackendPlan | None = None
+        self._key: tuple | None = None
+
+    def engine_for(self, model: Any, tokenizer: Any, encoded: list[list[int]], num_samples: int, max_rows: int, config: SamplingConfig) -> Engine:
+        """An engine for one call: KV room for ``max_rows`` rows of the longest prompt plus the budget, twice
+        over (two lanes), and its prompts' prefill caches."""
+        longest = max(len(ids) for ids in encoded) + config.max_new_tokens
+        per_token = kv_cache_bytes_per_token(model.config, model.dtype)
+        budget = per_token * (2 * max_rows * quantized(longest) + sum(len(ids) for ids in encoded[: max(1, max_rows // num_samples)]))
+        key = (id(model), model.dtype, config.fast_paths)
+        engine = Engine(
+            model,
+            tokenizer,
+            max_rows=max_rows,
+            step_tokens=ROLLOUT_STEP_TOKENS,
+            kv_budget_bytes=budget,
+            max_share=1.0,
+            short_lane_tokens=SHORT_LANE_TOKENS,
+            fast_paths=config.fast_paths,
+            stop_token_ids=config.stop_token_ids,
+            plan=self.plan if key == self._key else None,
+        )
+        self.plan, self._key = engine.plan, key
+        return engine
 
 
 def _rollouts(requests: list[EngineRequest], first_prompt: int, group: int, tokenizer: Any) -> Rollouts:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.eligibility import COMPUTE_DTYPES
 from rlvr.generation import SamplingConfig, is_greedy
+from rlvr.generation.generator import EngineConfig
 
 from .loss import AGGREGATIONS, POLICY_LOSSES
 
@@ -35,6 +36,7 @@ class GRPOConfig:
     group_size: int = 8
     prompts_per_step: int = 8
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    rollout: EngineConfig = field(default_factory=EngineConfig)  # the engine that generates them (native or vLLM)
     # objective
     loss_type: str = "grpo"  # a key of loss.POLICY_LOSSES: "grpo" (token ratio) or "gspo" (sequence ratio)
     aggregation: str = "seq-mean-token-mean"  # or "token-mean" (DAPO), "seq-mean-token-sum-norm" (Dr. GRPO)
@@ -51,7 +53,7 @@ class GRPOConfig:
     micro_batch_size: int = 8  # rows per forward/backward
     share_prompt_forward: bool = True  # one prompt pass per group in the update (off with gradient checkpointing)
     # truncated importance sampling: each token's policy loss times min(π_old / π_rollout, tis_cap)
-    tis: str = "auto"  # "on", "off" or "auto": on exactly when rollouts come from the low-precision copy (bf16 compute, no fsdp)
+    tis: str = "auto"  # "on", "off" or "auto": on exactly when rollouts come from a low-precision copy (bf16 compute, no fsdp) or vLLM
     tis_cap: float = 2.0  # C, the largest TIS weight; must be > 1
     # optimisation (AdamW, linear warmup then decay, per training step)
     lr: float = 1e-6
@@ -94,6 +96,10 @@ class GRPOConfig:
             )
         if isinstance(self.lora, dict):
             self.lora = LoRAConfig(**self.lora)
+        if isinstance(self.rollout, dict):
+            self.rollout = EngineConfig(**self.rollout)
+        if self.rollout.engine == "vllm" and self.fsdp:
+            raise ValueError("rollout.engine vllm with fsdp: vLLM shards its own copy (rollout.tensor_parallel_size); train with DDP")
         self.betas = tuple(self.betas)
         if self.loss_type not in POLICY_LOSSES:
             raise ValueError(f"unknown loss_type {self.loss_type!r}; registered: {sorted(POLICY_LOSSES)}")
@@ -119,8 +125,8 @@ class GRPOConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
 
-    def tis_weight_cap(self, low_precision_rollouts: bool) -> float | None:
+    def tis_weight_cap(self, other_rollouts: bool) -> float | None:
         """The TIS cap in force, None when TIS is off: ``tis="auto"`` turns it on exactly when the
-        rollouts come from a lower-precision copy of the policy than the update's."""
-        on = self.tis == "on" or (self.tis == "auto" and low_precision_rollouts)
+        rollouts come from other numerics than the update's (a lower-precision copy, another engine)."""
+        on = self.tis == "on" or (self.tis == "auto" and other_rollouts)
         return float(self.tis_cap) if on else None

@@ -22,11 +22,14 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from rlvr.environments.driver import drives_episodes
 from rlvr.fastpaths.attention import use_fast_attention
 from rlvr.fastpaths.heap import keep_freed_memory
 from rlvr.fastpaths.plan import BackendPlan, log_plan, plan_backend
-from rlvr.generation import Rollouts, concat_rollouts, generate_rollouts
+from rlvr.generation import Rollouts, concat_rollouts
+from rlvr.generation.generator import make_generator
 from rlvr.generation.sampler import derive_seed
+from rlvr.generation.vllm_engine import hf_weights
 
 from .config import GRPOConfig, LoRAConfig
 from .distributed import (
@@ -117,7 +120,18 @@ class GRPOTrainer(TrainerLoop):
         self._autocast = partial(torch.autocast, self.dist.device.type, compute_dtype, enabled=autocast)
         # generation runs on a low-precision copy in mixed precision (FSDP casts on its own)
         self.rollout_policy = copy.deepcopy(model).to(compute_dtype) if autocast else model
-        self.tis_cap = config.tis_weight_cap(low_precision_rollouts=self.rollout_policy is not model)
+        # the one generation interface (ours on the rollout policy, or vLLM holding its own copy), for the whole run
+        self.generator = make_generator(
+            config.rollout,
+            self.rollout_policy,
+            tokenizer,
+            rank=self.dist.rank,
+            world_size=self.dist.world_size,
+            seed=config.seed,
+            tools=drives_episodes(config.sampling.environment),
+        )
+        self._weights_pushed = True  # the generator holds the policy's current weights
+        self.tis_cap = config.tis_weight_cap(other_rollouts=self.rollout_policy is not model or self.generator.name != "native")
         self._share_prompts = share_prompts
         # the policy is the module itself (generation, checkpoints); optimizer, schedule, step count
         super().__init__(model, tokenizer, config, checkpoint_dir, self.dist, sharded=config.fsdp)
@@ -227,19 +241,27 @@ class GRPOTrainer(TrainerLoop):
         gather = gathered_parameters(self.model) if self.config.fsdp else contextlib.nullcontext()
         with gather:
             prompts, stops = [p["prompt"] for p in problems], [p.get("stop") for p in problems]  # each problem's task's stop rule
-            rollouts = generate_rollouts(self.rollout_policy, self.tokenizer, prompts, self.config.group_size, sampling, stops)
+            rollouts = concat_rollouts(list(self.generator.stream(prompts, self.config.group_size, sampling, stops)))
         self.policy.train()
         return rollouts
 
     @torch.no_grad()
     def _sync_rollout_policy(self) -> None:
-        """Copy the updated weights into the low-precision rollout copy (trainable ones only: the rest never change)."""
+        """Copy the updated weights into the low-precision rollout copy (trainable ones only: the rest never change);
+        an engine holding its own copy (vLLM) takes them before the next generation."""
+        self._weights_pushed = self.generator.name == "native"  # vLLM takes them once the update is done (_push_weights)
         if self.rollout_policy is self.policy:
             return
         copies = dict(self.rollout_policy.named_parameters())
         for name, param in self.policy.named_parameters():
             if param.requires_grad:
                 copies[name].copy_(param)
+
+    def _push_weights(self) -> None:
+        """An engine holding its own copy of the policy (vLLM) takes the updated weights, once per update."""
+        if not self._weights_pushed:
+            self.generator.load_weights(hf_weights(self.policy))
+            self._weights_pushed = True
 
     def _score(self, rollouts: Rollouts, problems: list[dict]) -> tuple[torch.Tensor, dict[str, list[float]]]:
         totals, per_reward = self.reward_fn(rollouts.texts, problem_of_rows(rollouts, problems))
@@ -288,6 +310,7 @@ class GRPOTrainer(TrainerLoop):
                 self._sync_rollout_policy()
                 stats["optimizer_steps"] += 1
                 stats["grad_norm"] += grad_norm
+        self._push_weights()
         sums = all_reduce_sum(torch.tensor([stats[k] for k in _TOKEN_STATS], dtype=torch.float64), self.dist)
         return stats | dict(zip(_TOKEN_STATS, sums.tolist()))
 
@@ -382,10 +405,11 @@ class GRPOTrainer(TrainerLoop):
     # --- checkpoints ---------------------------------------------------------------------------
 
     def resume(self) -> bool:
-        """:meth:`TrainerLoop.resume`, then the low-precision rollout copy takes the loaded weights."""
+        """:meth:`TrainerLoop.resume`, then the rollout copy (or vLLM's) takes the loaded weights."""
         resumed = super().resume()
         if resumed:
             self._sync_rollout_policy()
+            self._push_weights()
         return resumed
 
     # --- metrics and records ---------------------------------------------------------------------

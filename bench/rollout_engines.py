@@ -1,0 +1,77 @@
+"""Training rollouts through the one generation interface, ours against vLLM, in one invocation:
+
+    python bench/rollout_engines.py .rlvr/models/base_policy/<version> --prompts 4 --samples 8 --new-tokens 128
+
+Each engine runs in its own process (``make_generator`` as the trainer calls it) on the same GSM8k prompts
+and budget, no end token (equal work), sampled at temperature 1, after one warm-up call; the engines take
+turns for ``--rounds``. ``--dtype``: the weights' (float32, or bfloat16 as the trainer's rollout copy).
+Prints each round's completion tokens/s, the medians and ours over vLLM's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `bench` and this tree's rlvr, also as `python bench/x.py`
+
+from bench.harness import questions  # noqa: E402
+
+WORKER = r"""
+import json, sys, time, torch
+args = json.loads(sys.argv[1])
+from rlvr.generation import SamplingConfig
+from rlvr.generation.generator import EngineConfig, make_generator
+from rlvr.policy import load_policy
+from rlvr.tasks.gsm8k.prompt import render_prompt
+model, tokenizer = load_policy(args["checkpoint"], "cpu", getattr(torch, args["dtype"]))
+prompts = [render_prompt(tokenizer, q) for q in args["questions"]]
+generator = make_generator(EngineConfig(engine=args["engine"], kv_cache_gib=2), model.eval(), tokenizer)
+config = SamplingConfig(max_new_tokens=args["new_tokens"], temperatures=[1.0], stop_token_ids=[], seed=1)
+with torch.inference_mode():
+    list(generator.stream(prompts[:1], 1, SamplingConfig(max_new_tokens=8, temperatures=[1.0], stop_token_ids=[])))
+    started = time.perf_counter()
+    rollouts = [chunk for chunk in generator.stream(prompts, args["samples"], config)]
+    elapsed = time.perf_counter() - started
+tokens = sum(int(chunk.completion_mask.sum()) for chunk in rollouts)
+print(json.dumps({"tokens": tokens, "seconds": elapsed}))
+"""
+
+
+def run(engine: str, args: argparse.Namespace) -> float:
+    payload = dict(checkpoint=args.checkpoint, engine=engine, dtype=args.dtype, questions=questions(args.prompts))
+    payload |= dict(samples=args.samples, new_tokens=args.new_tokens)
+    env = os.environ | {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(payload)], capture_output=True, text=True, env=env, check=False)
+    if done.returncode:
+        raise SystemExit(f"{engine} failed:\n{done.stderr[-3000:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return result["tokens"] / result["seconds"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    speeds: dict[str, list[float]] = {"native": [], "vllm": []}
+    for round_ in range(args.rounds):
+        for engine in speeds:
+            speeds[engine].append(run(engine, args))
+            print(f"round {round_ + 1} {engine}: {speeds[engine][-1]:.1f} completion tok/s", flush=True)
+    native, vllm = (statistics.median(speeds[e]) for e in ("native", "vllm"))
+    print(f"median: native {native:.1f}, vllm {vllm:.1f} tok/s; native / vllm = {native / vllm:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

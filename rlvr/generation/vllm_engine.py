@@ -1,0 +1,254 @@
+"""vLLM's engine as a library: the settings one model's vLLM engine starts with, for rollouts and for the
+service alike, and its in-process model runner (where the trainer's weights are loaded after each update).
+
+vLLM runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the trainer reaches its runner's
+``reload_weights`` directly, with no copy through disk or a socket. Its log-probs are taken after the
+temperature (``logprobs_mode="processed_logprobs"``), as ours are; with ``top_p`` < 1 they are over
+the nucleus, where ours are before the cut.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """How one vLLM engine is started. ``kv_cache_bytes``: its KV cache (None: vLLM's own default, a share
+    of GPU memory or 4 GiB of CPU memory); ``tensor_parallel_size`` / ``data_parallel_size``: devices per
+    model copy and model copies, for models past one device."""
+
+    model_dir: str
+    dtype: str = "auto"  # "float32", "bfloat16", ... ("auto": the checkpoint's)
+    max_model_len: int | None = None
+    seed: int = 0
+    kv_cache_bytes: int | None = None
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enforce_eager: bool = False  # True: no compilation or CUDA graphs (quicker start, slower steps)
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``vllm.LLM`` / ``vllm.EngineArgs`` for these settings."""
+        kwargs: dict[str, Any] = dict(
+            model=str(Path(self.model_dir)),
+            dtype=self.dtype,
+            seed=self.seed,
+            tensor_parallel_size=self.tensor_parallel_size,
+            data_parallel_size=self.data_parallel_size,
+            enforce_eager=self.enforce_eager,
+            logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True,
+        )
+        if self.max_model_len is not None:
+            kwargs["max_model_len"] = self.max_model_len
+        if self.kv_cache_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_bytes)
+        return kwargs
+
+
+def in_process() -> None:
+    """Keep vLLM's engine core in this process (before vLLM is imported): its model is then this process's."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def engine_runner(llm_engine: Any) -> Any:
+    """The model runner of an in-process vLLM ``LLMEngine``: its ``reload_weights`` takes weights under their
+    Hugging Face names and redoes the backend's processing (packing, fusing) in place."""
+    return llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+class VllmGenerator:
+    """Rollouts from vLLM (``rlvr.generation.generator.Generator``): each row one vLLM request (its own
+    temperature and seed, from (seed, prompt, sample) as ours), finished by our stop rules over its tokens,
+    so finish reasons and lengths mean what they mean natively; the trainer's weights loaded in process."""
+
+    name = "vllm"
+
+    def __init__(self, llm: Any, tokenizer: Any, stop_token_ids: set[int], checker: Any, group: Any = None):
+        self.llm, self.tokenizer, self.stop_token_ids, self.checker = llm, tokenizer, stop_token_ids, checker
+        self.group = group  # the process group of the ranks sharing this model copy (tensor parallel), or None
+
+    @classmethod
+    def for_model(cls, model: Any, tokenizer: Any, config: Any, *, rank: int = 0, world_size: int = 1, seed: int = 0) -> "VllmGenerator":
+        """vLLM on ``model`` as it is now: written once to a scratch folder (weights, config, tokenizer) that vLLM
+        starts from; later updates reach it in memory (:meth:`load_weights`). ``config``: the run's
+        ``EngineConfig``; ranks in groups of its ``tensor_parallel_size``."""
+        import tempfile
+
+        from rlvr.generation.stops import StopChecker
+
+        tp = config.tensor_parallel_size
+        if world_size % tp:
+            raise ValueError(f"rollout.tensor_parallel_size {tp} does not divide the {world_size} training processes")
+        scratch = tempfile.mkdtemp(prefix="rlvr-vllm-")
+        save_hf(model, scratch)
+        tokenizer.save_pretrained(scratch)
+        settings = VllmSettings(
+            model_dir=scratch,
+            dtype=str(model.dtype).removeprefix("torch."),
+            seed=seed + rank // tp,  # one seed per model copy (its ranks share it)
+            kv_cache_bytes=int(config.kv_cache_gib * 2**30) if config.kv_cache_gib else None,
+            tensor_parallel_size=tp,
+            enforce_eager=not config.compile,
+        )
+        llm = start_llm(settings, external_launcher=world_size > 1)
+        shutil.rmtree(scratch, ignore_errors=True)
+        checker = StopChecker(model, tokenizer)
+        group = torch.distributed.new_subgroups(group_size=tp)[0] if tp > 1 else None
+        return cls(llm, tokenizer, checker.stop_ids, checker, group)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load the policy's weights (Hugging Face names) into vLLM's model; its cached prefixes go."""
+        engine_runner(self.llm.llm_engine).reload_weights(weights_iterator=weights)
+        self.llm.reset_prefix_cache()
+
+    def stream(self, prompts: Any, num_samples: int, config: Any, stops: Any = None) -> Iterator[Any]:
+        """``num_samples`` completions per prompt (``rlvr.generation.rollouts.stream_rollouts``'s contract;
+        one chunk: vLLM schedules every row at once). Tool environments run on the native engine only."""
+        from vllm import SamplingParams
+
+        from rlvr.environments.driver import drives_episodes
+        from rlvr.generation.rollouts import encode_prompts
+        from rlvr.generation.sampler import derive_seed, is_greedy
+
+        if drives_episodes(config.environment):
+            raise ValueError("tool-calling environments run on the native engine: set rollout.engine to native")
+        encoded, rules = encode_prompts(self.tokenizer, prompts, num_samples, config, stops)
+        stop_ids = sorted(self.stop_token_ids if config.stop_token_ids is None else {int(i) for i in config.stop_token_ids})
+        inputs, params = [], []
+        for i, ids in enumerate(encoded):
+            for j in range(num_samples):
+                temperature = config.temperatures[j % len(config.temperatures)]
+                inputs.append({"prompt_token_ids": ids})
+                params.append(
+                    SamplingParams(
+                        n=1,
+                        temperature=0.0 if is_greedy(temperature) else temperature,
+                        top_p=config.top_p,
+                        seed=derive_seed(config.seed, i, j),
+                        max_tokens=config.max_new_tokens,
+                        stop_token_ids=stop_ids,
+                        stop=list(rules[i].strings) or None,
+                        include_stop_str_in_output=True,
+                        ignore_eos=not stop_ids,
+                        logprobs=0,
+                        detokenize=bool(rules[i].strings),
+                    )
+                )
+        outputs = self._generate(inputs, params)
+        rows = [self._row(output.outputs[0], config.max_new_tokens, rules[k // num_samples]) for k, output in enumerate(outputs)]
+        yield rows_to_rollouts(encoded, rows, num_samples, config.temperatures, self.tokenizer)
+
+    def _generate(self, inputs: list[dict], params: list[Any]) -> list[Any]:
+        """vLLM's outputs of this rank's requests. Ranks sharing a model copy all submit the same requests
+        (vLLM's tensor parallelism): each gathers its group's, and keeps its own outputs."""
+        if self.group is None:
+            return self.llm.generate(inputs, params, use_tqdm=False)
+        parts: list[Any] = [None] * torch.distributed.get_world_size(self.group)
+        torch.distributed.all_gather_object(parts, (inputs, params), group=self.group)
+        mine = torch.distributed.get_rank(self.group)
+        start = sum(len(part[0]) for part in parts[:mine])
+        outputs = self.llm.generate([i for part in parts for i in part[0]], [p for part in parts for p in part[1]], use_tqdm=False)
+        return outputs[start : start + len(inputs)]
+
+    def _row(self, completion: Any, max_new_tokens: int, rule: Any) -> tuple[list[int], list[float], str]:
+        """A row's tokens, log-probs and finish reason, cut where our stop rules end it."""
+        ids = list(completion.token_ids)
+        logprobs = [entry[token].logprob for token, entry in zip(ids, completion.logprobs or [])]
+        for end in range(1, len(ids) + 1):
+            if (reason := self.checker.finish_reason(ids[:end], max_new_tokens, rule)) is not None:
+                return ids[:end], logprobs[:end], reason
+        return ids, logprobs, "stop" if completion.finish_reason == "stop" else "length"
+
+
+def start_llm(settings: VllmSettings, *, external_launcher: bool = False) -> Any:
+    """``vllm.LLM`` in this process on ``settings`` (under torchrun, ``external_launcher``: each rank holds its
+    share of a model copy, as the training launcher started them)."""
+    in_process()
+    _llvmlite_scannable()
+    from vllm import LLM
+
+    kwargs = settings.engine_kwargs()
+    if external_launcher:
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    set_num_threads = torch.set_num_threads  # vLLM's CPU worker swaps it for a no-op, process-wide: ours stays
+    try:
+        return LLM(**kwargs)
+    finally:
+        torch.set_num_threads = set_num_threads
+
+
+def _llvmlite_scannable() -> None:
+    """vLLM's CPU worker scans every loaded module's objects for ``__dict__``; llvmlite's library handle (numba's,
+    loaded for our CPU kernels) answers that lookup with a foreign function. Give it a plain, empty one."""
+    import sys
+
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    if ffi is not None and hasattr(ffi, "lib") and hasattr(ffi.lib, "_fntab"):
+        ffi.lib._fntab.setdefault("__dict__", {})
+
+
+def save_hf(model: Any, folder: str) -> None:
+    """``model`` (LoRA adapters merged in) as a Hugging Face checkpoint in ``folder``."""
+    from safetensors.torch import save_file
+
+    model.config.save_pretrained(folder)
+    save_file({name: tensor.contiguous() for name, tensor in hf_weights(model)}, f"{folder}/model.safetensors", metadata={"format": "pt"})
+
+
+def hf_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """``model``'s weights under their Hugging Face names, LoRA adapters merged in (peft models)."""
+    if hasattr(model, "merge_adapter") and hasattr(model, "unmerge_adapter"):
+        model.merge_adapter()
+        try:
+            prefix = "base_model.model."
+            merged = [
+                (name.removeprefix(prefix).replace(".base_layer.", "."), param.detach())
+                for name, param in model.named_parameters()
+                if "lora_" not in name and "modules_to_save" not in name
+            ]
+            yield from [(name, tensor.clone()) for name, tensor in merged]
+        finally:
+            model.unmerge_adapter()
+        return
+    for name, param in model.named_parameters():
+        yield name, param.detach()
+    for name, buffer in model.named_buffers():
+        if name.endswith(("weight", "bias")):
+            yield name, buffer
+
+
+def rows_to_rollouts(encoded: list[list[int]], rows: list[tuple[list[int], list[float], str]], group: int, temperatures: list[float], tokenizer: Any) -> Any:
+    """:class:`~rlvr.generation.rollouts.Rollouts` from each row's (token ids, log-probs, finish reason), row
+    ``i * G + j`` sample j of prompt i."""
+    from rlvr.generation.rollouts import Rollouts
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    width = max(1, max(len(ids) for ids, _, _ in rows))
+    completion_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+    for k, (ids, values, _) in enumerate(rows):
+        if ids:
+            completion_ids[k, : len(ids)] = torch.tensor(ids)
+            logprobs[k, : len(ids)] = torch.tensor(values)
+            mask[k, : len(ids)] = 1
+    count = len(rows)
+    return Rollouts(
+        prompt_ids=[list(encoded[k // group]) for k in range(count)],
+        completion_ids=completion_ids,
+        completion_mask=mask,
+        logprobs=logprobs,
+        temperatures=torch.tensor([temperatures[k % group % len(temperatures)] for k in range(count)], dtype=torch.float32),
+        finish_reasons=[reason for _, _, reason in rows],
+        texts=tokenizer.batch_decode([ids for ids, _, _ in rows], skip_special_tokens=True),
+        group_index=torch.arange(count) // group,
+        sample_index=torch.arange(count) % group,
+        pad_token_id=pad_id,
+    )
