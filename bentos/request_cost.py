@@ -1,7 +1,8 @@
 """A request's cost on the loaded model, checked before it is queued: a 400 naming the field when a
-prompt is over ``MAX_PROMPT_TOKENS``, its new tokens over the model's context or sliding window, a token
-id outside the vocabulary, the KV cache of all its rows over the budget (``$RLVR_KV_CACHE_BUDGET_MIB``),
-or its work more than the engine's measured speed finishes within the request timeout; a 503
+prompt is over ``MAX_PROMPT_TOKENS`` (the service's limit), when the engine could never run it (its
+``check``: the model's context or sliding window, a token id outside the vocabulary, the KV cache of all
+its rows over the budget, ``$RLVR_KV_CACHE_BUDGET_MIB``), or its work more than the engine's measured
+speed finishes within the request timeout; a 503
 (:class:`~bentos.admission.FinishesTooLate`) when the queue ahead would make it finish past the timeout
 (``$RLVR_REFUSE_PAST_TIMEOUT=0`` admits either to run into the timeout instead)."""
 
@@ -15,6 +16,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 from bentos.admission import FinishesTooLate, refuse_past_timeout, request_timeout_s
 from bentos.limits import MAX_PROMPT_TOKENS
 from rlvr.generation import EngineRequest
+from rlvr.generation.request import RequestDoesNotFit
 from rlvr.tasks import Task
 
 
@@ -35,9 +37,9 @@ class CostFields(NamedTuple):
 
 
 class RequestCost:
-    """The service's request-cost checks (a mixin of ``RlvrPolicy``: the loaded model's ``context_tokens``,
-    ``vocab_size``, ``kv_bytes_per_token``, ``kv_cache_budget_bytes``, ``prompt_tokenizer`` and ``environment``).
-    A request's ``max_new_tokens`` bounds its rows' tokens, the environment's injected ones included."""
+    """The service's request-cost checks (a mixin of ``RlvrPolicy``: its ``serving_engine``,
+    ``prompt_tokenizer`` and ``environment``). A request's ``max_new_tokens`` bounds its rows' tokens, the
+    environment's injected ones included."""
 
     def _within_timeout(self, names: CostFields, prompt_tokens: int, rows: int, max_new_tokens: int) -> None:
         """A 400 naming the new-tokens field when the engine's measured speed cannot finish the request in
@@ -46,7 +48,7 @@ class RequestCost:
             return
         timeout_s, estimated_s = request_timeout_s(), self.serving_engine.estimated_s(prompt_tokens, rows, max_new_tokens)
         if estimated_s > timeout_s:
-            step_ms = 1000 * self.serving_engine.engine.step_seconds
+            step_ms = 1000 * self.serving_engine.step_seconds
             raise invalid_request(
                 names.title,
                 names.new_tokens,
@@ -54,7 +56,7 @@ class RequestCost:
                 f"at least {estimated_s:.0f} s at the engine's measured {step_ms:.0f} ms per step, over the request "
                 f"timeout of {timeout_s:.0f} s",
             )
-        if (wait_s := self.serving_engine.start_wait_s()) + estimated_s > timeout_s:
+        if (wait_s := self.serving_engine.start_wait_s(prompt_tokens)) + estimated_s > timeout_s:
             raise FinishesTooLate(wait_s, estimated_s, timeout_s)
 
     def _rendered(self, title: str, text_field: str, question: str, task: Task) -> list[int]:
@@ -70,49 +72,27 @@ class RequestCost:
         self, names: CostFields, prompts: list[list[int]], rows: int, max_new_tokens: int, seed: int | None = None, **sampling
     ) -> list[EngineRequest]:
         """One engine request per prompt, in the policy's environment, once the request's cost on the loaded
-        model fits; else a 400 naming the field: each prompt within ``MAX_PROMPT_TOKENS`` and, with its new
-        tokens, the model's context; the KV cache of all the request's rows within the budget. ``seed``: the
+        model fits; else a 400 naming the field: each prompt within ``MAX_PROMPT_TOKENS``, then whatever the
+        engine's ``check`` refuses (each prompt alone, and all the request's rows together). ``seed``: the
         client's (the same choices alone or batched), else the engine's next."""
         title, where = names.title, " in the chat template" if names.templated else ""
         for ids in prompts:
-            tokens = len(ids)
-            if tokens > MAX_PROMPT_TOKENS:
-                raise invalid_request(title, names.prompt, f"{names.prompt} is {tokens} tokens{where}; at most {MAX_PROMPT_TOKENS}")
-            if self.context_tokens is not None and tokens + max_new_tokens > self.context_tokens:
-                raise invalid_request(
-                    title,
-                    names.new_tokens,
-                    f"{names.prompt} ({tokens} tokens{where}) + {names.new_tokens} "
-                    f"({max_new_tokens}) is over the model's context of {self.context_tokens} tokens",
-                )
-            window = self.serving_engine.engine.window
-            if window is not None and tokens + max_new_tokens > window:
-                raise invalid_request(
-                    title,
-                    names.new_tokens,
-                    f"{names.prompt} ({tokens} tokens{where}) + {names.new_tokens} ({max_new_tokens}) is over the model's sliding window of {window} tokens",
-                )
-            if max(ids) >= self.vocab_size:
-                raise invalid_request(title, names.prompt, f"{names.prompt} holds token id {max(ids)}, outside the model's vocabulary of {self.vocab_size}")
-        kv_bytes = [rows * (len(ids) + max_new_tokens) * self.kv_bytes_per_token for ids in prompts]
-        if sum(kv_bytes) > self.kv_cache_budget_bytes:
-            tokens = " + ".join(str(len(ids)) for ids in prompts)
-            raise invalid_request(
-                title,
-                names.rows,
-                f"{names.rows} x ({names.prompt} + {names.new_tokens}) = {rows} x ({tokens} + "
-                f"{max_new_tokens}) tokens: a KV cache of {sum(kv_bytes) / 2**20:.1f} MiB, over the "
-                f"budget of {self.kv_cache_budget_bytes / 2**20:.0f} MiB",
-            )
-        self._within_timeout(names, max(len(ids) for ids in prompts), rows * len(prompts), max_new_tokens)
-        return [
-            EngineRequest(
-                prompt_ids=list(ids),
-                num_samples=rows,
-                max_new_tokens=max_new_tokens,
-                seed=self.serving_engine.next_seed() if seed is None else seed,
-                environment=self.environment,
-                **sampling,
-            )
-            for ids in prompts
+            if len(ids) > MAX_PROMPT_TOKENS:
+                raise invalid_request(title, names.prompt, f"{names.prompt} is {len(ids)} tokens{where}; at most {MAX_PROMPT_TOKENS}")
+        requests = [
+            EngineRequest(prompt_ids=list(ids), num_samples=rows, max_new_tokens=max_new_tokens, environment=self.environment, **sampling) for ids in prompts
         ]
+        try:
+            self.serving_engine.check(*requests)
+        except RequestDoesNotFit as err:
+            field_name = getattr(names, err.part)
+            what = {
+                "prompt": f"{names.prompt}{where}",
+                "new_tokens": f"{names.prompt}{where} + {names.new_tokens}",
+                "rows": f"{names.rows} x ({names.prompt} + {names.new_tokens})",
+            }[err.part]
+            raise invalid_request(title, field_name, f"{what}: {err}") from None
+        self._within_timeout(names, max(len(ids) for ids in prompts), rows * len(prompts), max_new_tokens)
+        for request in requests:
+            request.seed = self.serving_engine.next_seed() if seed is None else seed
+        return requests

@@ -6,8 +6,8 @@ Wang et al. 2022: a majority vote of k samples), OpenAI's ``/v1`` API and vLLM's
 Every route but the probes takes an API key (``bentos.api_keys``). The policy comes from the model
 store (the ``model_tag`` Bento argument); the native routes render and parse each request with one of
 the tasks it records (``rlvr.policy.policy_tasks``): training's prompt builder and the task's parser.
-Admission (``bentos.admission``), request cost (``bentos.request_cost``), the engine
-(``bentos.serving_engine``) and the traffic log (``bentos.traffic_log``) are modules of their own.
+Admission (``bentos.admission``), request cost (``bentos.request_cost``), the engine (``bentos.serving_engine``;
+vLLM's, ``bentos.vllm_serving``, by ``$RLVR_ENGINE``) and the traffic log (``bentos.traffic_log``) are modules of their own.
 """
 
 from __future__ import annotations
@@ -39,9 +39,13 @@ from bentos.openapi import openapi_document
 from bentos.request_cost import CostFields, RequestCost, invalid_request
 from bentos.serving_engine import ModelCall, RolloutResult, ServingEngine
 from bentos.traffic_log import TrafficRecording, generation_fields, note_request
+from bentos.vllm_serving import VllmServingEngine
 from bentos.vocabulary import Vocabulary
+from rlvr.environments.driver import drives_episodes
 from rlvr.evaluation import majority_vote
 from rlvr.generation import EngineRequest, kv_cache_bytes_per_token
+from rlvr.generation.engines import choose_engine
+from rlvr.generation.vllm_engine import VllmSettings
 from rlvr.monitoring.traffic import TrafficLog, tokens_by_key
 from rlvr.policy import load_policy, load_tokenizer, policy_environment, policy_tasks
 from rlvr.process_lifetime import die_with_parent
@@ -279,6 +283,7 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
 
             device = "cuda" if torch.cuda.is_available() else "cpu"
             self.environment = policy_environment(path)  # its protocol, as trained: before any prompt is rendered
+            engine = self._engine_choice(device)
             self.tasks = {name: get_task(name) for name in policy_tasks(path) or {DEFAULT_TASK: 1.0}}  # what it was trained on
             self.model, self.tokenizer = load_policy(path, device, torch.bfloat16 if device == "cuda" else None)
             self.model.eval().requires_grad_(False)  # frozen: every pass reuses one packed copy of its weights
@@ -288,7 +293,10 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
             self.kv_bytes_per_token = kv_cache_bytes_per_token(self.model.config, self.model.dtype)
             self.vocab_size = self.model.get_input_embeddings().weight.shape[0]
             seed = int(os.environ.get("RLVR_SEED", "0"))
-            self.serving_engine = ServingEngine(self.model, self.tokenizer, self.kv_cache_budget_bytes, seed, self.batching)
+            if engine == "vllm":
+                self.serving_engine = self._vllm_engine(path, device, seed)
+            else:
+                self.serving_engine = ServingEngine(self.model, self.tokenizer, self.kv_cache_budget_bytes, seed, self.batching)
             prompt_ids = self._rendered("warm-up", "question", WARM_UP_QUESTION, next(iter(self.tasks.values())))
             self.serving_engine.warm_up(
                 functools.partial(EngineRequest, prompt_ids, num_samples=1, temperatures=(0.0,), max_new_tokens=4, environment=self.environment)
@@ -296,9 +304,10 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
             REQUEST_SLOTS.start_wait_s = self.serving_engine.start_wait_s
             REQUEST_SLOTS.loaded = True
             logger.info(
-                "rlvr_policy: %s loaded on %s and warmed up; environment %s %s; tasks %s",
+                "rlvr_policy: %s loaded on %s and warmed up; engine %s; environment %s %s; tasks %s",
                 self.model_tag,
                 device,
+                engine,
                 self.environment.name,
                 self.environment.options(),
                 ", ".join(self.tasks),
@@ -308,6 +317,33 @@ class RlvrPolicy(OpenAIProtocol, RequestCost, TrafficRecording):
             logger.exception("rlvr_policy: loading %s failed", self.model_tag)
             return
         self.serving_engine.run()
+
+    def _engine_choice(self, device: str) -> str:
+        """``$RLVR_ENGINE`` (auto, native or vllm; ``rlvr.generation.engines``) on ``device``; ``auto`` keeps
+        the native engine for a policy whose environment runs tool episodes, which vLLM does not."""
+        setting = os.environ.get("RLVR_ENGINE", "auto").strip().lower()
+        try:
+            engine = choose_engine(setting, device)
+        except ValueError as err:
+            raise ValueError(f"RLVR_ENGINE: {err}") from None
+        if engine == "vllm" and setting == "auto" and drives_episodes(self.environment):
+            logger.info("rlvr_policy: the native engine: vLLM does not run %s's tool episodes", self.environment.name)
+            return "native"
+        return engine
+
+    def _vllm_engine(self, path: str, device: str, seed: int) -> VllmServingEngine:
+        """vLLM's engine over the policy's checkpoint, its KV cache the service's budget; on CPU in float32 and
+        eager (``$RLVR_VLLM_COMPILE=1`` compiles: slower start, faster steps)."""
+        on_cpu = device == "cpu"
+        settings = VllmSettings(
+            model_dir=path,
+            dtype="float32" if on_cpu else "bfloat16",
+            max_model_len=-1,  # the model's context, or as much of it as the KV cache holds (vLLM's auto-fit)
+            seed=seed,
+            kv_cache_bytes=self.kv_cache_budget_bytes,
+            enforce_eager=on_cpu and os.environ.get("RLVR_VLLM_COMPILE", "0") != "1",
+        )
+        return VllmServingEngine(settings, self.model, self.tokenizer, seed, self.batching, self.environment)
 
     # ---- answers, rewards, traffic -----------------------------------------------------------
 

@@ -64,7 +64,11 @@ class ModelCall:
 
 class ServingEngine:
     """The engine the service's requests run on (``batching`` off: one request at a time); unseeded
-    requests take the next of the seeds counted from ``seed``."""
+    requests take the next of the seeds counted from ``seed``. What the service asks of an engine:
+    :meth:`check`, :meth:`submit`, :meth:`call`, :meth:`estimated_s`, :meth:`start_wait_s`,
+    :attr:`step_seconds`, :meth:`next_seed`, :meth:`warm_up` and :meth:`run`."""
+
+    name = "native"
 
     def __init__(self, model: Any, tokenizer: Any, kv_budget_bytes: int, seed: int, batching: bool = True):
         self.tokenizer = tokenizer
@@ -82,6 +86,16 @@ class ServingEngine:
     def next_seed(self) -> int:
         """The seed of a request whose client gave none."""
         return next(self._seeds)
+
+    def check(self, *requests: EngineRequest) -> None:
+        """``RequestDoesNotFit`` for requests the engine could never run, each alone or all their rows
+        together (``rlvr.generation.Engine.check``)."""
+        self.engine.check(*requests)
+
+    @property
+    def step_seconds(self) -> float:
+        """The engine's measured time a step (0: none measured yet)."""
+        return self.engine.step_seconds
 
     def submit(self, request: EngineRequest) -> Future:
         """Queue ``request``; its result (a :class:`RolloutResult`) once its last row ends. A caller that
@@ -132,15 +146,16 @@ class ServingEngine:
         second measures the step time the admission estimates start from."""
         for attempt in range(2):
             if attempt:
-                self.engine.step_seconds = 0.0
+                self.engine.reset_step_times()
             result = self.submit(new_request())
             while not result.done():
                 self.engine.take_submissions()
                 self.engine.step()
         return result.result()
 
-    def start_wait_s(self) -> float:
-        wait = self.engine.start_wait_s()
+    def start_wait_s(self, prompt_tokens: int = 0) -> float:
+        """How long a new request (of ``prompt_tokens``) would wait for its first token (``Engine.start_wait_s``)."""
+        wait = self.engine.start_wait_s(prompt_tokens)
         START_WAIT_ESTIMATE.set(wait)
         return wait
 

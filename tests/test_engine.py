@@ -2,11 +2,13 @@
 and leaves around them; chunked prefill interleaved with decoding; fair shares; the KV budget held."""
 
 import gc
+import re
 
 import pytest
 import torch
 
 from rlvr.generation import Engine, EngineRequest, SamplingConfig, StopRule, generate_rollouts
+from rlvr.generation.request import RequestDoesNotFit
 from support.engine_runs import run_engine, watch_forwards
 from support.tiny_models import char_tokenizer, tiny_llama
 
@@ -78,12 +80,12 @@ def test_a_seeded_request_samples_the_same_alone_or_in_a_crowd(model, tokenizer)
 
 
 def test_a_short_request_is_served_while_a_long_one_prefills_and_decodes(model, tokenizer):
-    """A 300-token prompt with 4 rows x 250 tokens first; a short greedy request a step later starts within
+    """A 250-token prompt with 4 rows x 250 tokens first (within the model's context of 512); a short greedy request a step later starts within
     a few steps (chunked prefill, a fair share of the rows) in the short lane (its slot not padded to
     the long rows'), and ends long before the long one."""
     engine = Engine(model, tokenizer, max_rows=4, step_tokens=32, kv_budget_bytes=2**24)
     engine.stops.stop_ids = set()  # no end token: the long one runs to its budget
-    long = _request(tokenizer, "y" * 300, samples=4, new_tokens=250, temperatures=(1.0,))
+    long = _request(tokenizer, "y" * 250, samples=4, new_tokens=250, temperatures=(1.0,))
     short = _request(tokenizer, PROMPTS[0], new_tokens=8)
     lanes = []
     short.on_tokens = lambda pairs: lanes.append(([len(lane.rows) for lane in engine.lanes], engine.lanes[0].cache.capacity_length))
@@ -115,6 +117,29 @@ def test_a_request_the_kv_budget_cannot_hold_alone_is_refused_at_submit(model, t
     engine.submit(_request(tokenizer, "y" * 19, new_tokens=100))  # 19 prompt tokens and a 128-position slot
     with pytest.raises(ValueError, match="past the engine's budget"):
         engine.submit(_request(tokenizer, "y" * 20, new_tokens=100))
+
+
+def test_the_engine_says_which_part_of_a_request_it_could_never_run(model, tokenizer):
+    """Its context (512 positions), a token outside the vocabulary, the KV cache of the rows that run at once
+    (alone or beside the other prompts of one call): ``RequestDoesNotFit`` naming the part, at check and submit."""
+    per_token = 2 * 2 * 2 * 16 * 4
+    engine = Engine(model, tokenizer, max_rows=8, step_tokens=64, kv_budget_bytes=4 * 256 * per_token)
+    fits = _request(tokenizer, "y" * 20, samples=4, new_tokens=200)
+    engine.check(fits)
+    cases = [
+        (_request(tokenizer, "y" * 20, new_tokens=500), "new_tokens", "context of 512"),
+        (EngineRequest([0, len(tokenizer) + 5], 1, (0.0,), 4), "prompt", f"vocabulary of {len(tokenizer)}"),
+        (_request(tokenizer, "y" * 20, samples=8, new_tokens=200), "rows", "8 x (20 + 200)"),
+    ]
+    for request, part, message in cases:
+        with pytest.raises(RequestDoesNotFit, match=re.escape(message)) as refused:
+            engine.submit(request)
+        assert refused.value.part == part
+    with pytest.raises(
+        RequestDoesNotFit, match=re.escape("4 x (20 + 200) + 4 x (20 + 200) tokens: a KV cache of 0.9 MiB, over the budget of 0.5 MiB")
+    ) as refused:
+        engine.check(fits, fits)  # each fits alone, not both at once
+    assert refused.value.part == "rows" and not engine.scheduler.waiting
 
 
 def test_cancelled_requests_leave_at_the_next_step(model, tokenizer):
@@ -159,7 +184,7 @@ def test_a_requests_time_is_estimated_from_the_measured_step_time(model, tokeniz
 
 def test_the_start_wait_follows_the_rows_ahead_once_asked(model, tokenizer):
     """Steps build the backlog only once someone has asked for the start wait (training never does);
-    then a request queued behind a running one waits for its rows, and an idle engine starts at once."""
+    then a request queued behind a running one waits for its rows, and an idle engine starts in a step."""
     engine = Engine(model, tokenizer, max_rows=1, step_tokens=64, kv_budget_bytes=2**24)
     engine.stops.stop_ids = set()
     first, second = (_request(tokenizer, PROMPTS[0], new_tokens=20) for _ in range(2))
@@ -167,14 +192,14 @@ def test_the_start_wait_follows_the_rows_ahead_once_asked(model, tokenizer):
         engine.submit(request)
     engine.take_submissions()
     engine.step()
-    assert engine.backlog.running == () and engine.backlog.waiting == ()  # not asked: not built
-    assert engine.start_wait_s() == 0.0
+    assert engine.backlog.requests == ()  # not asked: not built
+    assert engine.start_wait_steps() == 1
     engine.step()
-    assert engine.backlog.running and engine.backlog.waiting == ((1, 20),)
-    assert engine.start_wait_s() > 0
+    assert [(len(q.running), q.pending) for q in engine.backlog.requests] == [(1, 0), (0, 1)]
+    assert engine.start_wait_steps() > 20 and engine.start_wait_s() > 0
     while not second.done_s:
         engine.step()
-    assert engine.start_wait_s() == 0.0
+    assert engine.start_wait_steps() == 1
 
 
 def test_requests_submitted_since_the_last_step_count_in_the_start_wait(model, tokenizer):
@@ -187,7 +212,7 @@ def test_requests_submitted_since_the_last_step_count_in_the_start_wait(model, t
     engine.start_wait_s()
     engine.step()
     engine.step()
-    assert engine.backlog.running and not engine.backlog.waiting
+    assert [(len(q.running), q.pending) for q in engine.backlog.requests] == [(1, 0)]
     alone = engine.start_wait_s()
     engine.submit(second)
     behind_one = engine.start_wait_s()
@@ -197,4 +222,54 @@ def test_requests_submitted_since_the_last_step_count_in_the_start_wait(model, t
     engine.take_submissions()
     assert engine.start_wait_s() == behind_two  # taken in, but the backlog is the last step's until the next
     engine.step()
-    assert engine.backlog.waiting == ((1, 20), (1, 20))  # now the step's backlog holds them
+    assert [(q.pending, q.tokens) for q in engine.backlog.requests[1:]] == [(1, 20), (1, 20)]  # now the step's backlog holds them
+
+
+def _estimated_and_measured_steps(engine: Engine, arrivals: dict[int, list[EngineRequest]]) -> list[tuple[float, int]]:
+    """Each arrival's start wait in steps, as estimated just before it is submitted (as the service asks)
+    and as measured (its first token's step less the steps run before it was submitted)."""
+    estimates, submitted_at, first_at = {}, {}, {}
+    for request in (q for qs in arrivals.values() for q in qs):
+        request.on_tokens = lambda pairs, request=request: first_at.setdefault(request, engine.steps)
+    engine.start_wait_steps()  # asked from the start, as the service does
+    for step in range(500):
+        for request in arrivals.get(step, []):
+            estimates[request] = engine.start_wait_steps(len(request.prompt_ids))
+            submitted_at[request] = engine.steps
+            engine.submit(request)
+        engine.take_submissions()
+        engine.step()
+        if len(first_at) == len(estimates) and step >= max(arrivals):
+            return [(estimates[q], first_at[q] - submitted_at[q]) for q in estimates]
+    raise AssertionError("the engine did not start every request")
+
+
+def test_the_start_wait_estimated_at_submission_is_within_1_5x_of_the_measured_one(model, tokenizer):
+    """8 row slots: a 2-row request and a 7-row one (4 of its rows start, its fair share), then requests
+    queue behind them. A new request waits for the next slot to free, not for every row queued ahead of it
+    (the 7-row request's waiting rows start after the newer requests' first rows), in steps counted."""
+    engine = Engine(model, tokenizer, max_rows=8, step_tokens=64, kv_budget_bytes=2**24)
+    engine.stops.stop_ids = set()  # every row runs to its budget: the expected tokens are exact
+    arrivals = {
+        0: [_request(tokenizer, PROMPTS[0], samples=2, new_tokens=40), _request(tokenizer, PROMPTS[2], samples=7, new_tokens=30)],
+        2: [_request(tokenizer, PROMPTS[1], new_tokens=10)],
+        3: [_request(tokenizer, PROMPTS[0], samples=3, new_tokens=12), _request(tokenizer, PROMPTS[1], samples=2, new_tokens=8)],
+        5: [_request(tokenizer, PROMPTS[3], new_tokens=20)],
+        20: [_request(tokenizer, PROMPTS[1], new_tokens=6)],
+        24: [_request(tokenizer, PROMPTS[1], samples=2, new_tokens=9)],
+    }
+    waits = _estimated_and_measured_steps(engine, arrivals)
+    assert len([measured for _, measured in waits if measured > 2]) >= 4, waits  # most queued
+    assert all(measured / 1.5 <= estimated <= 1.5 * measured for estimated, measured in waits), waits
+
+
+def test_a_small_request_beside_a_max_cost_one_is_estimated_to_start_soon(model, tokenizer):
+    """The max-cost request holds half the KV budget (4 of its 8 rows) and its other rows wait: a small
+    request still starts at once beside it (a first row always fits), and is estimated to."""
+    per_token = 2 * 2 * 2 * 16 * 4
+    engine = Engine(model, tokenizer, max_rows=8, step_tokens=64, kv_budget_bytes=8 * 128 * per_token)
+    engine.stops.stop_ids = set()
+    big = _request(tokenizer, "y" * 20, samples=8, new_tokens=100, temperatures=(1.0,))
+    smalls = [_request(tokenizer, "7", new_tokens=4) for _ in range(3)]
+    waits = _estimated_and_measured_steps(engine, {0: [big], 5: smalls[:1], 30: smalls[1:2], 60: smalls[2:]})
+    assert waits[0][1] <= 2 and all(measured <= 2 and estimated <= 3 for estimated, measured in waits[1:]), waits

@@ -10,7 +10,7 @@ import torch
 
 from rlvr.generation.prefix_cache import PrefixCache
 from rlvr.generation.request import EngineRequest
-from rlvr.generation.scheduler import Backlog, Lane, PrefillChunk, Row, Scheduler
+from rlvr.generation.scheduler import Backlog, Lane, PrefillChunk, QueuedWork, Row, Scheduler
 
 
 def _scheduler(kv_budget_bytes: int = 10_000, max_rows: int = 8, step_tokens: int = 128, **kwargs) -> Scheduler:
@@ -274,20 +274,40 @@ def test_a_cancelled_waiting_request_is_released_and_done():
 
 
 def test_a_new_request_starts_when_the_rows_ahead_of_it_free_a_slot():
-    """Two slots: rows with 5 and 9 tokens left, then a waiting request's two rows of 10: they take the
-    slots freed at 5 and 9, so a new row starts at step 15, after the waiting prompt's 64 tokens (half a
-    step of 128)."""
-    assert Backlog((9, 5), ((2, 10),), 64, rows=2).start_steps(step_tokens=128) == 15.5
-    assert Backlog(rows=2).start_steps(step_tokens=128) == 0  # idle: at once
-    assert Backlog((9,), ((1, 10),), 0, rows=4).start_steps(step_tokens=128) == 0  # a slot is free
+    """Two slots: rows with 5 and 9 tokens left, then a waiting request of two rows of 10: its first row
+    takes the slot freed at 5, a new request's the one freed at 9 (before the waiting request's second
+    row: the oldest with no row started goes first), beside the prefill; then its own step."""
+    work = (QueuedWork((9, 5), 0, 20, True, True), QueuedWork((), 2, 10, False, False, 64 * 128))
+    backlog = Backlog(work, rows=2, max_rows=2, lookahead_rows=4)
+    assert backlog.start_steps(step_tokens=128, prompt_tokens=64) == 1 + 9  # the waiting prompt as far as its 64 tokens, then its own: a step
+    assert backlog.start_steps(step_tokens=128, prompt_tokens=64 * 128) == 1 + 128  # a prompt as long: both prefill first
+    assert Backlog(rows=2, max_rows=2).start_steps(step_tokens=128) == 1  # idle: its own step
+    assert Backlog(work[:1], rows=4, max_rows=4, lookahead_rows=5).start_steps(step_tokens=128) == 1  # a slot is free
+    assert Backlog(work, rows=2, max_rows=2, lookahead_rows=4, max_requests=1).start_steps(step_tokens=128) == 1 + 29
+    # one request at a time: after the waiting one's two rows, run one after the other (its fair share beside the new one)
 
 
 def test_requests_posted_since_the_backlog_was_built_queue_behind_it():
-    backlog = Backlog((9, 5), ((2, 10),), 64, rows=2)
-    posted = backlog.with_posted([_request(64, samples=1, max_new_tokens=40)], row_fill=0.5)
-    assert posted == Backlog((9, 5), ((2, 10), (1, 20)), 128, rows=2)
-    assert posted.start_steps(step_tokens=128) == 19 + 1  # its row took the slot freed at 15, a new one gets 19; two prompts: a step
+    backlog = Backlog((QueuedWork((9, 5), 0, 20, True, True), QueuedWork((), 2, 10, False, False, 64)), rows=2, max_rows=2, lookahead_rows=4)
+    posted = backlog.with_posted([_request(64, samples=1, max_new_tokens=40)], row_fill=0.5, cached_share=0.25)
+    assert posted.requests[2] == QueuedWork((), 1, 20, False, False, 48)  # a quarter of its prompt expected from the prefix cache
+    # the waiting request's first row takes the slot freed at 5, the posted one's the slot freed at 9, a new
+    # one the slot its first row frees at 15 (before its second row: the oldest without a row goes first), then its own step
+    assert posted.start_steps(step_tokens=128) == 1 + 15
+    assert backlog.start_steps(step_tokens=128) == 1 + 9
     assert backlog.with_posted([], row_fill=0.5) is backlog
+
+
+def test_a_new_request_starts_beside_rows_a_running_request_has_left_waiting():
+    """A request's rows past its fair share (or KV share) wait for slots, but a new request's first row does
+    not wait behind them: the oldest request with no row started goes first."""
+    running = QueuedWork((400,) * 4, 12, 500, True, True)  # 4 rows running, 12 waiting
+    assert Backlog((running,), rows=8, max_rows=8, lookahead_rows=20, max_share=0.5).start_steps(step_tokens=128) == 1
+    # every slot taken: the next one to free
+    full = QueuedWork((400,) * 7 + (30,), 12, 500, True, True)
+    assert Backlog((full,), rows=8, max_rows=8, lookahead_rows=30).start_steps(step_tokens=128) == 1 + 30
+    # past the lookahead no prompt starts: the running request's waiting rows take the freed slots first
+    assert Backlog((full,), rows=8, max_rows=8, lookahead_rows=10).start_steps(step_tokens=128) > 1 + 30
 
 
 def test_the_backlog_counts_rows_at_the_share_of_their_budget_rows_have_used():
@@ -298,10 +318,10 @@ def test_the_backlog_counts_rows_at_the_share_of_their_budget_rows_have_used():
     waiting = _request(40, samples=3, max_new_tokens=100)
     scheduler.add(waiting)
     backlog = scheduler.backlog()
-    assert backlog == Backlog((70, 100), ((3, 100),), 40, rows=2)
+    assert backlog == Backlog((QueuedWork((70, 100), 0, 100, True, True), QueuedWork((), 3, 100, False, False, 40)), 2, 2, 2, 0.5)
     for _ in range(200):  # rows have lately stopped at a fifth of their budget
         scheduler.row_fill = 0.95 * scheduler.row_fill + 0.05 * 0.2
-    assert scheduler.backlog().running == (max(1, 20 - 30), 20)
+    assert scheduler.backlog().requests[0].running == (max(1, 20 - 30), 20)
     assert scheduler.backlog().start_steps(128) < backlog.start_steps(128)
 
 

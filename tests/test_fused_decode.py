@@ -137,5 +137,5 @@ def test_the_engine_refuses_a_request_longer_than_the_models_sliding_window():
     sliding = tiny_qwen2(len(tokenizer), use_sliding_window=True, sliding_window=16, max_window_layers=0)
     engine = Engine(sliding, tokenizer, max_rows=2, kv_budget_bytes=2**24)
     engine.submit(EngineRequest([5] * 8, 1, (0.0,), 8))
-    with pytest.raises(ValueError, match="sliding attention window"):
+    with pytest.raises(ValueError, match="over the model.s sliding window of 16 tokens"):
         engine.submit(EngineRequest([5] * 8, 1, (0.0,), 9))

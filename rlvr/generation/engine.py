@@ -27,7 +27,7 @@ from rlvr.generation.executor import StepExecutor
 from rlvr.generation.kv_cache import kv_cache_bytes_per_token, quantized
 from rlvr.generation.outputs import OutputProcessor, finish
 from rlvr.generation.prefix_cache import PrefixCache
-from rlvr.generation.request import EngineRequest
+from rlvr.generation.request import EngineRequest, RequestDoesNotFit
 from rlvr.generation.sampler import row_generator
 from rlvr.generation.scheduler import Backlog, Lane, Row, Scheduler
 from rlvr.generation.stops import StopChecker
@@ -67,6 +67,9 @@ class Engine:
         self.plan = plan
         self.executor = StepExecutor(model, max_rows, plan)
         self.window = attention_window(model.config)
+        self.context_tokens: int | None = getattr(model.config, "max_position_embeddings", None)
+        embeddings = getattr(model, "get_input_embeddings", None)
+        self.vocab_size: int | None = embeddings().weight.shape[0] if embeddings is not None else getattr(model.config, "vocab_size", None)
         self.bytes_per_token = kv_cache_bytes_per_token(model.config, model.dtype)
         self.prefixes = PrefixCache(self.bytes_per_token, kv_budget_bytes // 8 if prefix_cache_bytes is None else prefix_cache_bytes)
         self.stops = StopChecker(model, tokenizer, stop_token_ids)
@@ -86,11 +89,20 @@ class Engine:
         )
         self._inbox: deque[EngineRequest | Callable[[], None]] = deque()
         self._wakeup = threading.Condition()
-        self.step_seconds = 0.0  # a moving average of steps with rows (0: none measured yet), for the time estimates
+        self.steps = 0  # steps run
+        self.reset_step_times()
         self.outputs = OutputProcessor(self.scheduler, self.stops, self.token_texts, self.executor.draw_tokens, lambda: self._post(_wake))
-        self.backlog = Backlog()  # the work ahead of a new request, as of the last step since start_wait_s was first asked
+        self.backlog = self.scheduler.backlog()  # the work in the engine, as of the last step since start_wait_s was first asked
         self._backlog_asked = False  # training and evaluation never ask: their steps skip building it
         self._since_backlog: list[EngineRequest] = []  # submitted after the backlog was built (kept once it is asked)
+
+    def reset_step_times(self) -> None:
+        """Forget the measured step times (0: none measured yet), e.g. those of a warm-up's first, compiling steps."""
+        self.step_seconds = 0.0  # a moving average of steps with rows, for the time estimates
+        self.decode_step_seconds = 0.0  # ... of those steps without prompt tokens
+        self._prompt_seconds = self._prompt_tokens = 0.0  # ... of the time prompt tokens add to a step, and of those tokens
+        self._step_started_s = 0.0  # the step under way: when it started (0: none) and how long it is expected to take
+        self._step_estimate_s = 0.0
 
     @property
     def rows(self) -> list[Row]:
@@ -121,21 +133,50 @@ class Engine:
     # ---- from any thread ----------------------------------------------------------------------
 
     def submit(self, request: EngineRequest) -> None:
-        """Queue ``request``; raises ValueError for one the model cannot attend over whole or the KV budget
-        cannot hold (its prompt and one row) even alone."""
-        if self.window is not None and request.slot_length > self.window:
-            raise ValueError(
-                f"prompt + max_new_tokens = {request.slot_length} tokens exceed the model's sliding attention window "
-                f"({self.window}); the engine attends over whole sequences"
-            )
-        need = (len(request.prompt_ids) + quantized(request.slot_length)) * self.bytes_per_token
-        if need > self.kv_budget_bytes:
-            raise ValueError(
-                f"a prompt of {len(request.prompt_ids)} tokens and one row of {request.slot_length} need {need} bytes of KV cache, "
-                f"past the engine's budget of {self.kv_budget_bytes}"
-            )
+        """Queue ``request``; :class:`RequestDoesNotFit` (:meth:`check`) for one it could never run."""
+        self.check(request)
         request.submitted_s = time.monotonic()
         self._post(request)
+
+    def check(self, *requests: EngineRequest) -> None:
+        """Raise :class:`RequestDoesNotFit` for a request this engine could never run as asked: a token id
+        outside the vocabulary, prompt + new tokens over the model's context or sliding window (the engine
+        attends over whole sequences), its prompt and one row past the KV budget, or its rows that run at
+        once (at most ``max_rows``) past it; ``requests`` together: all their rows at once (one client
+        request's prompts)."""
+        for request in requests:
+            self._check_one(request)
+        if len(requests) > 1:
+            self._check_rows(requests)
+
+    def _check_one(self, request: EngineRequest) -> None:
+        ids, new = request.prompt_ids, request.max_new_tokens
+        if ids and self.vocab_size is not None and not 0 <= min(ids) <= max(ids) < self.vocab_size:
+            bad = max(ids) if max(ids) >= self.vocab_size else min(ids)
+            raise RequestDoesNotFit(f"the prompt holds token id {bad}, outside the model's vocabulary of {self.vocab_size}", "prompt")
+        for limit, name in ((self.context_tokens, "context"), (self.window, "sliding window")):
+            if limit is not None and request.slot_length > limit:
+                part = "prompt" if len(ids) >= limit else "new_tokens"
+                raise RequestDoesNotFit(f"a {len(ids)}-token prompt + {new} new tokens is over the model's {name} of {limit} tokens", part)
+        need = (len(ids) + quantized(request.slot_length)) * self.bytes_per_token
+        if need > self.kv_budget_bytes:
+            raise RequestDoesNotFit(
+                f"a {len(ids)}-token prompt and one row of {request.slot_length} tokens need {need} bytes of KV cache, "
+                f"past the engine's budget of {self.kv_budget_bytes}",
+                "prompt" if (len(ids) + quantized(len(ids) + 1)) * self.bytes_per_token > self.kv_budget_bytes else "new_tokens",
+            )
+        self._check_rows([request])
+
+    def _check_rows(self, requests: tuple[EngineRequest, ...] | list[EngineRequest]) -> None:
+        """All ``requests``' rows that run at once (each at most ``max_rows``) within the KV budget."""
+        rows = [min(q.num_samples, self.max_rows) for q in requests]
+        need = sum(r * q.slot_length for r, q in zip(rows, requests)) * self.bytes_per_token
+        if need > self.kv_budget_bytes:
+            tokens = " + ".join(f"{r} x ({len(q.prompt_ids)} + {q.max_new_tokens})" for r, q in zip(rows, requests))
+            raise RequestDoesNotFit(
+                f"{tokens} tokens: a KV cache of {need / 2**20:.1f} MiB, over the budget of {self.kv_budget_bytes / 2**20:g} MiB",
+                "rows",
+            )
 
     def call(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the engine's thread between two steps (work that needs the model, e.g. scoring)."""
@@ -154,14 +195,30 @@ class Engine:
         waves = -(-rows // self.max_rows)
         return (-(-prompt_tokens // self.step_tokens) + max_new_tokens * waves) * self.step_seconds
 
-    def start_wait_s(self) -> float:
-        """How long a new request would wait for its first row to start, at the measured step time: the
-        rows and prompts ahead of it as of the last step (:class:`~rlvr.generation.scheduler.Backlog`;
+    def start_wait_steps(self, prompt_tokens: int = 0) -> float:
+        """How many steps a new request of ``prompt_tokens`` would wait for its first token (its own step
+        included): the work in the engine as of the last step (:class:`~rlvr.generation.scheduler.Backlog`;
         each step builds it from the first call on) and the requests submitted since."""
+        return self._backlog().start_steps(self.step_tokens, self._uncached(prompt_tokens))
+
+    def start_wait_s(self, prompt_tokens: int = 0) -> float:
+        """How long a new request of ``prompt_tokens`` would wait for its first token, at the measured
+        times: the decode steps until a slot takes it, its prompt and those prefilled before it (beside
+        the decoding), what is left of the step under way and its own."""
+        backlog, own = self._backlog(), self._uncached(prompt_tokens)
+        decode_s = self.decode_step_seconds or self.step_seconds
+        prompts_s = (backlog.prefill_before(own) + own) * self.prompt_token_seconds
+        under_way_s = max(0.0, self._step_estimate_s - (time.monotonic() - self._step_started_s)) if self._step_started_s else 0.0
+        return under_way_s + (backlog.slot_steps() + 1) * decode_s + prompts_s
+
+    def _uncached(self, prompt_tokens: int) -> int:
+        """Of a new prompt's tokens, those the prefix cache is not expected to hold (at its share lately)."""
+        return round(prompt_tokens * (1 - self.scheduler.cached_share))
+
+    def _backlog(self) -> Backlog:
         with self._wakeup:
             self._backlog_asked = True
-            backlog = self.backlog.with_posted(list(self._since_backlog), self.scheduler.row_fill)
-        return backlog.start_steps(self.step_tokens) * self.step_seconds
+            return self.backlog.with_posted(list(self._since_backlog), self.scheduler.row_fill, self.scheduler.cached_share)
 
     # ---- on the engine's thread ---------------------------------------------------------------
 
@@ -212,20 +269,38 @@ class Engine:
                 item()
 
     def step(self) -> None:
+        self.steps += 1
         tune_threads()  # the CPUs this process may use, less those others keep busy
-        started = time.monotonic()
+        started = self._step_started_s = time.monotonic()
         with torch.inference_mode():
             self._drop_cancelled()
             self._admit_rows()
-            tokens = self._forward()
+            tokens, prompt_tokens = self._forward()
             self._admit_rows()
         if self._backlog_asked:
             backlog = self.scheduler.backlog()
             with self._wakeup:  # requests still in the inbox are not in it yet
                 self.backlog, self._since_backlog = backlog, [item for item in self._inbox if isinstance(item, EngineRequest)]
+        self._step_started_s = 0.0
+        self._measure(time.monotonic() - started, tokens, prompt_tokens)
+
+    def _measure(self, elapsed: float, tokens: int, prompt_tokens: int) -> None:
+        """Fold a step of ``tokens`` (``prompt_tokens`` of them prefill) into the moving averages of the time
+        a step with rows takes, one without prompt tokens, and a prompt token's share of a step."""
+        decoded = tokens > prompt_tokens
         if self.rows and tokens <= self.step_tokens:  # steps past the base budget (an idle engine's long prefills) are not typical
-            elapsed = time.monotonic() - started
-            self.step_seconds = elapsed if not self.step_seconds else 0.9 * self.step_seconds + 0.1 * elapsed
+            self.step_seconds = _moving_average(self.step_seconds, elapsed)
+        if decoded and not prompt_tokens:
+            self.decode_step_seconds = _moving_average(self.decode_step_seconds, elapsed)
+        elif prompt_tokens and self.decode_step_seconds:  # what its prompt tokens add to a step (over a decoding one)
+            prompt_s = max(0.0, elapsed - self.decode_step_seconds)
+            self._prompt_seconds = _moving_average(self._prompt_seconds, prompt_s)
+            self._prompt_tokens = _moving_average(self._prompt_tokens, prompt_tokens)
+
+    @property
+    def prompt_token_seconds(self) -> float:
+        """What a prompt token adds to a step, lately (weighted by the prompt tokens of each step)."""
+        return self._prompt_seconds / self._prompt_tokens if self._prompt_tokens else 0.0
 
     def _drop_cancelled(self) -> None:
         for request in [q for q in self.scheduler.waiting if q.cancelled.is_set()]:
@@ -269,14 +344,16 @@ class Engine:
         if self.scheduler.release(request):
             finish(request)
 
-    def _forward(self) -> int:
+    def _forward(self) -> tuple[int, int]:
         """One forward of the model over the scheduler's plan (every lane's running rows, one token each,
         and the prompt chunks it picks; ``rlvr.generation.executor``); then each lane's rows sample and
         record their tokens, and each prompt that is now whole keeps its last logits for its rows' first
-        tokens. Returns the tokens it ran."""
+        tokens. Returns the tokens it ran and the prompt tokens among them."""
         for lane in self.lanes:
             self.outputs.resume_parked(lane)
         plan = self.scheduler.schedule()
+        prompt_tokens = sum(chunk.end - chunk.begin for chunk in plan.prefill)
+        self._step_estimate_s = (self.decode_step_seconds if plan.decode else 0.0) + prompt_tokens * self.prompt_token_seconds
         states = self.scheduler.states
         output = self.executor.execute(plan, {request: states[request].cache for request, _, _ in plan.prefill})
         if output.decode:
@@ -289,12 +366,16 @@ class Engine:
             if state.whole_prompt:
                 state.last_logits = logits
                 self.prefixes.store(request.prompt_ids, state.cache, self.scheduler.room_bytes())
-        return output.tokens
+        return output.tokens, prompt_tokens
 
     def _note_neighbours(self) -> None:
         neighbours = len(self.scheduler.running)
         for request in self.scheduler.running:
             request.max_neighbours = max(request.max_neighbours, neighbours)
+
+
+def _moving_average(average: float, value: float) -> float:
+    return value if not average else 0.9 * average + 0.1 * value
 
 
 def _wake() -> None:

@@ -110,34 +110,104 @@ class StepPlan:
     prefill: list[PrefillChunk]
 
 
+class QueuedWork(NamedTuple):
+    """One request as a :class:`Backlog` sees it: its running rows' expected tokens left, its rows not
+    started and the expected tokens of each, whether its prompt cache is started and whether a row is, and
+    its prompt tokens left to prefill (those the prefix cache is expected to hold left out)."""
+
+    running: tuple[int, ...]
+    pending: int
+    tokens: int
+    prompt_started: bool
+    row_started: bool
+    prompt_left: int = 0
+
+
+@dataclass(eq=False)
+class _Replayed:
+    """A :class:`QueuedWork` as :meth:`Backlog.slot_steps` replays it: its running rows' end steps, and ``index`` in the queue."""
+
+    running: list[int]
+    pending: int
+    tokens: int
+    prompt_started: bool
+    row_started: bool
+    index: int
+
+
 @dataclass(frozen=True)
 class Backlog:
-    """The work ahead of a new request at the end of a step, expected tokens counted from how much of its
-    budget a finished row has used lately; built on the engine's thread, read from any other."""
+    """The work in the engine at the end of a step, each request's rows counted at how much of its budget
+    a finished row has used lately; built on the engine's thread, read from any other. :meth:`start_steps`
+    replays the scheduler's admission over it for a new request."""
 
-    running: tuple[int, ...] = ()  # each running row's expected tokens left
-    waiting: tuple[tuple[int, int], ...] = ()  # each waiting request's (rows not started, expected tokens a row)
-    prompt_tokens: int = 0  # prompt tokens waiting to prefill
+    requests: tuple[QueuedWork, ...] = ()  # in arrival order
     rows: int = 1  # rows that run at once: the row slots, or fewer where the KV budget holds fewer at these lengths
+    max_rows: int = 1
+    lookahead_rows: int = 1  # rows running or about to start past which no prompt starts (Scheduler.start_prompts)
+    max_share: float = 1.0  # of the rows the others leave, the most a request's rows take (the KV budget's share)
+    max_requests: int | None = None  # the oldest this many requests run (None: any number)
 
-    def start_steps(self, step_tokens: int) -> float:
-        """Steps until a new request's first row could start: each waiting row takes the first of the
-        ``rows`` slots to free, in turn, and the waiting prompts' prefill takes steps of its own."""
-        slots = sorted(self.running) + [0] * max(0, self.rows - len(self.running))
-        heapq.heapify(slots)
-        for rows, tokens in self.waiting:
-            for _ in range(rows):
-                heapq.heapreplace(slots, slots[0] + tokens)
-        return slots[0] + self.prompt_tokens / step_tokens
+    def start_steps(self, step_tokens: int, prompt_tokens: int = 0) -> float:
+        """Steps until a new request of ``prompt_tokens`` has its first token: until a slot takes it
+        (:meth:`slot_steps`) or its prompt and those prefilled before it (:meth:`prefill_before`) have
+        prefilled at ``step_tokens`` a step, whichever is later, then its own step."""
+        return 1 + max(self.slot_steps(), (self.prefill_before(prompt_tokens) + prompt_tokens) / step_tokens)
 
-    def with_posted(self, requests: list[EngineRequest], row_fill: float) -> Backlog:
+    def prefill_before(self, prompt_tokens: int) -> int:
+        """Prompt tokens prefilled before a new prompt of ``prompt_tokens``: prompts prefill shortest first
+        (:meth:`Scheduler.schedule`), so the shorter ones whole and the longer ones as far as its length."""
+        return sum(min(q.prompt_left, prompt_tokens) for q in self.requests)
+
+    def slot_steps(self) -> int:
+        """Decode steps until a new one-row request's first row would start, replaying
+        :meth:`Scheduler.start_prompts` and :meth:`Scheduler.admissions` as rows end: prompts start in
+        arrival order within the lookahead; free slots go to the oldest request with no row started (the
+        head) once its prompt has started, then to the others, shortest first, each within its fair share
+        of the rows and of the KV budget."""
+        queue = [_Replayed(list(q.running), q.pending, q.tokens, q.prompt_started, q.row_started, i) for i, q in enumerate(self.requests)]
+        new = _Replayed([], 1, 1, False, False, len(queue))
+        queue.append(new)
+        ends = [(end, q.index) for q in queue for end in q.running]
+        heapq.heapify(ends)
+        now = 0
+        while True:
+            active = [q for q in queue if q.running or q.pending][: self.max_requests]
+            ahead = len(ends) + sum(q.pending for q in active if q.prompt_started)
+            for q in (q for q in active if not q.prompt_started):
+                if ahead >= self.lookahead_rows:
+                    break
+                q.prompt_started, ahead = True, ahead + q.pending
+            wanting = sum(1 for q in queue if q.running or q.pending)
+            share = self.max_rows if wanting == 1 else max(1, self.max_rows // wanting)
+            head = next((q for q in active if not q.row_started and q.pending), None)
+            for q in sorted((q for q in active if q.prompt_started and q.pending), key=lambda q: (q is not head, q.pending * q.tokens)):
+                kv_share = max(int(self.max_share * (self.rows - len(ends) + len(q.running))), 0 if q.running else 1)
+                count = min(q.pending, self.rows - len(ends), share - len(q.running), kv_share - len(q.running))
+                if count <= 0:
+                    continue
+                if q is new:
+                    return now
+                for _ in range(count):
+                    q.running.append(now + q.tokens)
+                    heapq.heappush(ends, (now + q.tokens, q.index))
+                q.pending, q.row_started = q.pending - count, True
+            if not ends:
+                return now
+            now = ends[0][0]
+            while ends and ends[0][0] == now:  # every row ending at this step frees its slot
+                queue[heapq.heappop(ends)[1]].running.remove(now)
+
+    def with_posted(self, requests: list[EngineRequest], row_fill: float, cached_share: float = 0.0) -> Backlog:
         """This backlog with ``requests`` queued behind it: those posted since the step that built it, so
-        a burst arriving between two steps sees each other's rows and prompts."""
+        a burst arriving between two steps sees each other's rows and prompts (less ``cached_share`` of them,
+        the share of prompt tokens the prefix cache has held lately)."""
         if not requests:
             return self
-        waiting = tuple((r.num_samples, expected_tokens(r, row_fill)) for r in requests)
-        prompt_tokens = sum(len(r.prompt_ids) for r in requests)
-        return replace(self, waiting=self.waiting + waiting, prompt_tokens=self.prompt_tokens + prompt_tokens)
+        posted = tuple(
+            QueuedWork((), r.num_samples, expected_tokens(r, row_fill), False, False, round(len(r.prompt_ids) * (1 - cached_share))) for r in requests
+        )
+        return replace(self, requests=self.requests + posted)
 
 
 def expected_tokens(request: EngineRequest, row_fill: float) -> int:
@@ -173,6 +243,7 @@ class Scheduler:
         self.running: set[EngineRequest] = set()  # some rows running
         self.states: dict[EngineRequest, RequestState] = {}  # every request in the engine
         self.row_fill = 1.0  # a moving average of the share of its token budget a finished row used
+        self.cached_share = 0.0  # a moving average of the share of a started prompt the prefix cache held
         self.reserved_tokens = 0  # the whole prompts of the requests whose prompt caches are started
         self.lookahead_rows = max_rows + max_rows // 4  # rows running or about to start, past which no request starts
 
@@ -252,6 +323,7 @@ class Scheduler:
         state = self.states[request]
         state.prefilled, cache = self.prefixes.lookup(request.prompt_ids, self.model_config)
         request.cached_prompt_tokens = state.prefilled
+        self.cached_share = 0.9 * self.cached_share + 0.1 * state.prefilled / max(1, len(request.prompt_ids))
         state.cache = cache if cache is not None else DynamicCache(config=self.model_config)
         self.make_room()
         return True
@@ -311,16 +383,26 @@ class Scheduler:
         self.prefixes.shrink_to(self.room_bytes())
 
     def backlog(self) -> Backlog:
-        """The work ahead of a new request now (see :class:`Backlog`)."""
-
-        rows, fill = self.rows, self.row_fill
-        running = tuple(max(1, expected_tokens(row.request, fill) - len(row.request.token_ids[row.sample])) for row in rows)
-        live = [self.states[q] for q in self.waiting if not q.cancelled.is_set()]
-        waiting = tuple((s.pending_rows, expected_tokens(s.request, fill)) for s in live if s.pending_rows)
-        prompt_tokens = sum(len(s.request.prompt_ids) - s.prefilled for s in live)
-        lengths = [quantized(row.request.slot_length) for row in rows] + [quantized(s.request.slot_length) for s in live if s.pending_rows]
+        """The work in the engine now (see :class:`Backlog`)."""
+        fill, running = self.row_fill, {}
+        for row in self.rows:
+            left = max(1, expected_tokens(row.request, fill) - len(row.request.token_ids[row.sample]))
+            running.setdefault(row.request, []).append(left)
+        in_waiting = set(self.waiting)
+        in_engine = [*self.waiting, *(q for q in self.running if q not in in_waiting)]
+        live = [q for q in in_engine if not q.cancelled.is_set() and q in self.states]
+        requests = tuple(self._queued_work(q, running.get(q, ()), fill) for q in sorted(live, key=lambda q: q.submitted_s))  # stable sort
+        lengths = [quantized(row.request.slot_length) for row in self.rows]
+        lengths += [quantized(q.slot_length) for q in self.waiting if not q.cancelled.is_set() and self.states[q].pending_rows]
         fit = self.kv_budget_bytes * len(lengths) // (self.bytes_per_token * sum(lengths)) if lengths else self.max_rows
-        return Backlog(running, waiting, prompt_tokens, max(1, min(self.max_rows, fit)))
+        rows = max(1, min(self.max_rows, fit))
+        return Backlog(requests, rows, self.max_rows, self.lookahead_rows, self.max_share, self.max_requests)
+
+    def _queued_work(self, request: EngineRequest, running: list[int], fill: float) -> QueuedWork:
+        state = self.states[request]
+        started = state.cache is not None or state.whole_prompt
+        prompt_left = (len(request.prompt_ids) - state.prefilled) * (1 if started else 1 - self.cached_share)
+        return QueuedWork(tuple(running), state.pending_rows, expected_tokens(request, fill), started, state.next_sample > 0, round(prompt_left))
 
     # ---- each step's plan ---------------------------------------------------------------------
 

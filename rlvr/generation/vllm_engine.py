@@ -9,8 +9,10 @@ the nucleus, where ours are before the cut.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -111,11 +113,9 @@ class VllmGenerator:
     def stream(self, prompts: Any, num_samples: int, config: Any, stops: Any = None) -> Iterator[Any]:
         """``num_samples`` completions per prompt (``rlvr.generation.rollouts.stream_rollouts``'s contract;
         one chunk: vLLM schedules every row at once). Tool environments run on the native engine only."""
-        from vllm import SamplingParams
-
         from rlvr.environments.driver import drives_episodes
         from rlvr.generation.rollouts import encode_prompts
-        from rlvr.generation.sampler import derive_seed, is_greedy
+        from rlvr.generation.sampler import derive_seed
 
         if drives_episodes(config.environment):
             raise ValueError("tool-calling environments run on the native engine: set rollout.engine to native")
@@ -126,20 +126,9 @@ class VllmGenerator:
             for j in range(num_samples):
                 temperature = config.temperatures[j % len(config.temperatures)]
                 inputs.append({"prompt_token_ids": ids})
+                seed = derive_seed(config.seed, i, j)
                 params.append(
-                    SamplingParams(
-                        n=1,
-                        temperature=0.0 if is_greedy(temperature) else temperature,
-                        top_p=config.top_p,
-                        seed=derive_seed(config.seed, i, j),
-                        max_tokens=config.max_new_tokens,
-                        stop_token_ids=stop_ids,
-                        stop=list(rules[i].strings) or None,
-                        include_stop_str_in_output=True,
-                        ignore_eos=not stop_ids,
-                        logprobs=0,
-                        detokenize=bool(rules[i].strings),
-                    )
+                    sampling_params(temperature, config.top_p, seed, config.max_new_tokens, stop_ids, rules[i].strings, detokenize=bool(rules[i].strings))
                 )
         outputs = self._generate(inputs, params)
         rows = [self._row(output.outputs[0], config.max_new_tokens, rules[k // num_samples]) for k, output in enumerate(outputs)]
@@ -170,28 +159,56 @@ class VllmGenerator:
 def start_llm(settings: VllmSettings, *, external_launcher: bool = False) -> Any:
     """``vllm.LLM`` in this process on ``settings`` (under torchrun, ``external_launcher``: each rank holds its
     share of a model copy, as the training launcher started them)."""
-    in_process()
-    _llvmlite_scannable()
-    from vllm import LLM
-
     kwargs = settings.engine_kwargs()
     if external_launcher:
         kwargs["distributed_executor_backend"] = "external_launcher"
-    set_num_threads = torch.set_num_threads  # vLLM's CPU worker swaps it for a no-op, process-wide: ours stays
-    try:
+    with starting_vllm():
+        from vllm import LLM
+
         return LLM(**kwargs)
+
+
+@contextlib.contextmanager
+def starting_vllm() -> Iterator[None]:
+    """Around the start of a vLLM engine in this process: its engine core kept here (``in_process``); llvmlite's
+    library handle (numba's, which our CPU kernels load) made safe for the scan vLLM's CPU worker makes of every
+    module's objects (it answers ``__dict__`` with a foreign function); and ``torch.set_num_threads``, which
+    that worker swaps for a no-op process-wide, given back."""
+    in_process()
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    if ffi is not None and hasattr(getattr(ffi, "lib", None), "_fntab"):
+        ffi.lib._fntab.setdefault("__dict__", {})
+    set_num_threads = torch.set_num_threads
+    try:
+        yield
     finally:
         torch.set_num_threads = set_num_threads
 
 
-def _llvmlite_scannable() -> None:
-    """vLLM's CPU worker scans every loaded module's objects for ``__dict__``; llvmlite's library handle (numba's,
-    loaded for our CPU kernels) answers that lookup with a foreign function. Give it a plain, empty one."""
-    import sys
+def sampling_params(
+    temperature: float, top_p: float, seed: int, max_tokens: int, stop_token_ids: list[int], stop_strings: tuple[str, ...], **extra: Any
+) -> Any:
+    """vLLM's sampling parameters of one row as ours samples it: greedy below ``GREEDY_BELOW_TEMPERATURE``,
+    else seeded (``seed``: the row's, from (seed, prompt, sample)); stop strings kept in the text (our stop rules
+    end the row); the sampled token's log-prob. ``extra``: more of ``SamplingParams``' fields."""
+    from vllm import SamplingParams
 
-    ffi = sys.modules.get("llvmlite.binding.ffi")
-    if ffi is not None and hasattr(ffi, "lib") and hasattr(ffi.lib, "_fntab"):
-        ffi.lib._fntab.setdefault("__dict__", {})
+    from rlvr.generation.sampler import is_greedy
+
+    greedy = is_greedy(temperature)
+    return SamplingParams(
+        n=1,
+        temperature=0.0 if greedy else temperature,
+        top_p=1.0 if greedy else top_p,
+        seed=None if greedy else seed,
+        max_tokens=max_tokens,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=not stop_token_ids,
+        stop=list(stop_strings) or None,
+        include_stop_str_in_output=True,
+        logprobs=0,
+        **extra,
+    )
 
 
 def save_hf(model: Any, folder: str) -> None:
