@@ -4,7 +4,7 @@
 
 Each engine runs in its own process (``make_generator`` as the trainer calls it) on the same GSM8k prompts
 and budget, no end token (equal work), sampled at temperature 1, after one warm-up call; the engines take
-turns for ``--rounds``. ``--dtype``: the weights' (float32, or bfloat16 as the trainer's rollout copy).
+turns for ``--rounds``. ``--dtype``: the weights' (float32, or bfloat16 as the trainer's rollout copy); ``--device cuda`` on a GPU.
 Prints each round's completion tokens/s, the medians and ours over vLLM's.
 """
 
@@ -29,7 +29,7 @@ from rlvr.generation import SamplingConfig
 from rlvr.generation.generator import EngineConfig, make_generator
 from rlvr.policy import load_policy
 from rlvr.tasks.gsm8k.prompt import render_prompt
-model, tokenizer = load_policy(args["checkpoint"], "cpu", getattr(torch, args["dtype"]))
+model, tokenizer = load_policy(args["checkpoint"], args["device"], getattr(torch, args["dtype"]))
 prompts = [render_prompt(tokenizer, q) for q in args["questions"]]
 generator = make_generator(EngineConfig(engine=args["engine"], kv_cache_gib=2), model.eval(), tokenizer)
 config = SamplingConfig(max_new_tokens=args["new_tokens"], temperatures=[1.0], stop_token_ids=[], seed=1)
@@ -45,7 +45,7 @@ print(json.dumps({"tokens": tokens, "seconds": elapsed}))
 
 def run(engine: str, args: argparse.Namespace) -> float:
     payload = dict(checkpoint=args.checkpoint, engine=engine, dtype=args.dtype, questions=questions(args.prompts))
-    payload |= dict(samples=args.samples, new_tokens=args.new_tokens)
+    payload |= dict(samples=args.samples, new_tokens=args.new_tokens, device=args.device)
     env = os.environ | {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(payload)], capture_output=True, text=True, env=env, check=False)
     if done.returncode:
@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (vLLM's GPU build where it is installed)")
     args = parser.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f}")
     speeds: dict[str, list[float]] = {"native": [], "vllm": []}
