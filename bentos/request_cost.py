@@ -3,7 +3,8 @@ prompt is over ``MAX_PROMPT_TOKENS`` (the service's limit), when the engine coul
 ``check``: the model's context or sliding window, a token id outside the vocabulary, the KV cache of all
 its rows over the budget, ``$RLVR_KV_CACHE_BUDGET_MIB``), or its work more than the engine's measured
 speed finishes within the request timeout; a 503
-(:class:`~bentos.admission.FinishesTooLate`) when the queue ahead would make it finish past the timeout
+(:class:`~bentos.admission.FinishesTooLate`) when the queue ahead would make it finish past the timeout at
+the share of their token budget rows lately use
 (``$RLVR_REFUSE_PAST_TIMEOUT=0`` admits either to run into the timeout instead)."""
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ class RequestCost:
 
     def _within_timeout(self, names: CostFields, prompt_tokens: int, rows: int, max_new_tokens: int) -> None:
         """A 400 naming the new-tokens field when the engine's measured speed cannot finish the request in
-        time; :class:`FinishesTooLate` when it could alone but not after the work queued ahead of it."""
+        time even alone, its rows making every token of their budget; :class:`FinishesTooLate` when the work
+        queued ahead of it would make it finish late, its rows making the share of their budget rows lately
+        have (``typical_s``): a request that would likely finish in time is not refused."""
         if not refuse_past_timeout():
             return
         timeout_s, estimated_s = request_timeout_s(), self.serving_engine.estimated_s(prompt_tokens, rows, max_new_tokens)
@@ -56,8 +59,9 @@ class RequestCost:
                 f"at least {estimated_s:.0f} s at the engine's measured {step_ms:.0f} ms per step, over the request "
                 f"timeout of {timeout_s:.0f} s",
             )
-        if (wait_s := self.serving_engine.start_wait_s(prompt_tokens)) + estimated_s > timeout_s:
-            raise FinishesTooLate(wait_s, estimated_s, timeout_s)
+        typical_s = self.serving_engine.typical_s(prompt_tokens, rows, max_new_tokens)
+        if (wait_s := self.serving_engine.start_wait_s(prompt_tokens)) + typical_s > timeout_s:
+            raise FinishesTooLate(wait_s, typical_s, timeout_s)
 
     def _rendered(self, title: str, text_field: str, question: str, task: Task) -> list[int]:
         """The question in ``task``'s training prompt (the policy's environment's instructions included), as

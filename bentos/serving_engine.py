@@ -65,7 +65,7 @@ class ModelCall:
 class ServingEngine:
     """The engine the service's requests run on (``batching`` off: one request at a time); unseeded
     requests take the next of the seeds counted from ``seed``. What the service asks of an engine:
-    :meth:`check`, :meth:`submit`, :meth:`call`, :meth:`estimated_s`, :meth:`start_wait_s`,
+    :meth:`check`, :meth:`submit`, :meth:`call`, :meth:`estimated_s`, :meth:`typical_s`, :meth:`start_wait_s`,
     :attr:`step_seconds`, :meth:`next_seed`, :meth:`warm_up` and :meth:`run`."""
 
     name = "native"
@@ -139,7 +139,14 @@ class ServingEngine:
         self.engine.call(call)
 
     def estimated_s(self, prompt_tokens: int, rows: int, max_new_tokens: int) -> float:
+        """A new request's time at the measured step time, its rows making every token of their budget."""
         return self.engine.estimated_seconds(prompt_tokens, rows, max_new_tokens)
+
+    def typical_s(self, prompt_tokens: int, rows: int, max_new_tokens: int) -> float:
+        """:meth:`estimated_s` at the share of their budget the engine's rows have lately made (its
+        ``typical_seconds``); an engine that measures none counts the whole budget."""
+        typical = getattr(self.engine, "typical_seconds", self.engine.estimated_seconds)
+        return typical(prompt_tokens, rows, max_new_tokens)
 
     def warm_up(self, new_request: Callable[[], EngineRequest]) -> RolloutResult:
         """Run a request of ``new_request()`` twice on this thread: the first compiles and packs, the

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rlvr.generation import Engine, EngineRequest, SamplingConfig, StopRule, generate_rollouts
+from rlvr.generation.engine import MovingLine
 from rlvr.generation.request import RequestDoesNotFit
 from support.engine_runs import run_engine, watch_forwards
 from support.tiny_models import char_tokenizer, tiny_llama
@@ -180,6 +181,45 @@ def test_a_requests_time_is_estimated_from_the_measured_step_time(model, tokeniz
     assert 0 < step < 1
     assert engine.estimated_seconds(10, 4, 100) == pytest.approx((1 + 100) * step)
     assert engine.estimated_seconds(40, 9, 100) == pytest.approx((3 + 3 * 100) * step)  # 3 chunks, 3 waves of 4 rows
+
+
+def test_a_requests_typical_time_counts_the_share_of_their_budget_rows_have_made(model, tokenizer):
+    """Until a row finishes, a request's rows are counted at their whole budget; once rows stop early
+    (here every row at its first token), at the share of it they have lately made."""
+    engine = Engine(model, tokenizer, max_rows=4, step_tokens=16, kv_budget_bytes=2**24)
+    engine.stops.stop_ids = set()
+    run_engine(engine, {0: [_request(tokenizer, PROMPTS[0], new_tokens=4)]})
+    assert engine.row_fill == 1 and engine.typical_seconds(10, 4, 100) == engine.estimated_seconds(10, 4, 100)
+    engine.stops.stop_ids = set(range(engine.vocab_size))
+    run_engine(engine, {0: [_request(tokenizer, p, samples=4, new_tokens=100) for p in PROMPTS]})
+    assert engine.row_fill < 0.5
+    assert engine.typical_seconds(10, 4, 100) == pytest.approx((1 + round(100 * engine.row_fill)) * engine.step_seconds)
+
+
+def test_a_new_prompt_is_expected_to_find_the_opening_the_prefix_cache_has_held(model, tokenizer):
+    """Prompts sharing a 36-character opening (a chat template's): the prefix cache holds its two whole
+    blocks (32 tokens) for each after the first, so a new prompt's start wait counts its tokens past
+    them, however long the prompt (not a share of it), and none of a prompt shorter than them."""
+    engine = Engine(model, tokenizer, max_rows=4, step_tokens=64, kv_budget_bytes=2**24)
+    opening = "you are a careful solver. question: "
+    run_engine(engine, {3 * i: [_request(tokenizer, f"{opening}{i} + {i} = ?", new_tokens=2)] for i in range(40)})
+    assert 30 < engine.scheduler.cached_tokens <= 32
+    assert 1000 - 32 <= engine.start_wait(1000).prompt_tokens <= 1000 - 30
+    assert engine.start_wait(20).prompt_tokens == 0
+
+
+def test_a_steps_prompt_time_is_split_into_a_fixed_part_and_a_part_per_token():
+    """Steps with prompt tokens add a fixed time (admitting rows, growing a lane) and a time per token:
+    fitted from steps of different prompt lengths; through 0 while every step had about as many."""
+    line = MovingLine()
+    for tokens in [10, 200, 50, 400, 30, 120] * 5:
+        line.add(tokens, 0.3 + 0.002 * tokens)
+    assert line.intercept == pytest.approx(0.3) and line.slope == pytest.approx(0.002) and line.at(100) == pytest.approx(0.5)
+    same = MovingLine()
+    for _ in range(5):
+        same.add(100, 0.5)
+    assert same.intercept == 0 and same.slope == pytest.approx(0.005)
+    assert MovingLine().at(100) == 0
 
 
 def test_the_start_wait_follows_the_rows_ahead_once_asked(model, tokenizer):

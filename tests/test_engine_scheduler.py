@@ -289,8 +289,8 @@ def test_a_new_request_starts_when_the_rows_ahead_of_it_free_a_slot():
 
 def test_requests_posted_since_the_backlog_was_built_queue_behind_it():
     backlog = Backlog((QueuedWork((9, 5), 0, 20, True, True), QueuedWork((), 2, 10, False, False, 64)), rows=2, max_rows=2, lookahead_rows=4)
-    posted = backlog.with_posted([_request(64, samples=1, max_new_tokens=40)], row_fill=0.5, cached_share=0.25)
-    assert posted.requests[2] == QueuedWork((), 1, 20, False, False, 48)  # a quarter of its prompt expected from the prefix cache
+    posted = backlog.with_posted([_request(64, samples=1, max_new_tokens=40)], row_fill=0.5, cached_tokens=16)
+    assert posted.requests[2] == QueuedWork((), 1, 20, False, False, 48)  # its opening 16 tokens expected from the prefix cache
     # the waiting request's first row takes the slot freed at 5, the posted one's the slot freed at 9, a new
     # one the slot its first row frees at 15 (before its second row: the oldest without a row goes first), then its own step
     assert posted.start_steps(step_tokens=128) == 1 + 15
@@ -325,6 +325,18 @@ def test_the_backlog_counts_rows_at_the_share_of_their_budget_rows_have_used():
     assert scheduler.backlog().start_steps(128) < backlog.start_steps(128)
 
 
+def test_the_backlog_built_during_a_step_counts_the_prompt_chunks_it_prefills_as_done():
+    """The step under way's time is counted apart (what is left of it): its prompt chunks are not
+    counted again among the prompt tokens prefilled before a new request."""
+    scheduler = _scheduler(step_tokens=64)
+    request = _request(200)
+    scheduler.add(request)
+    [chunk] = scheduler.schedule().prefill
+    assert (chunk.begin, chunk.end) == (0, 64)
+    assert scheduler.backlog().requests[0].prompt_left == 200
+    assert scheduler.backlog({request: chunk.end}).requests[0].prompt_left == 136
+
+
 def test_the_backlog_runs_as_many_rows_as_the_kv_budget_holds_at_their_lengths():
     """64 row slots, but a budget of 1,000 tokens: rows of 256 positions (quantized) run 3 at a time."""
     scheduler = _scheduler(max_rows=64, kv_budget_bytes=1_000)
@@ -333,3 +345,15 @@ def test_the_backlog_runs_as_many_rows_as_the_kv_budget_holds_at_their_lengths()
     scheduler.add(_request(100, samples=4, max_new_tokens=100))
     assert scheduler.backlog().rows == 3
     assert _scheduler(max_rows=8).backlog().rows == 8  # idle: every slot
+
+
+def test_a_request_cancelled_since_the_backlog_was_built_holds_no_one_up():
+    """A stream whose client left is dropped at the next step; until then the estimate already leaves it out."""
+    import threading
+
+    long, short = threading.Event(), threading.Event()
+    work = (QueuedWork((400, 400), 0, 500, True, True), QueuedWork((), 1, 10, False, False, 64))
+    backlog = Backlog(work, rows=2, max_rows=2, lookahead_rows=4, max_requests=1, cancels=(long, short))
+    assert backlog.live() is backlog and backlog.slot_steps() >= 400  # one request at a time: behind the long one
+    long.set()
+    assert backlog.live().requests == work[1:] and backlog.live().slot_steps() < 20

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 
@@ -29,10 +29,25 @@ from rlvr.generation.outputs import OutputProcessor, finish
 from rlvr.generation.prefix_cache import PrefixCache
 from rlvr.generation.request import EngineRequest, RequestDoesNotFit
 from rlvr.generation.sampler import row_generator
-from rlvr.generation.scheduler import Backlog, Lane, Row, Scheduler
+from rlvr.generation.scheduler import Backlog, Lane, Row, Scheduler, expected_tokens, uncached_tokens
 from rlvr.generation.stops import StopChecker
 
 SHORT_LANE_TOKENS = 512  # rows of at most this many tokens (prompt + new) decode in a lane of their own
+
+
+class StartWait(NamedTuple):
+    """A new request's wait for its first token (:meth:`Engine.start_wait`), in parts."""
+
+    under_way_s: float  # what is left of the step under way
+    slot_steps: int  # decode steps until a slot takes it (its own step comes after)
+    decode_step_s: float  # a step's time without prompt tokens, lately
+    prompt_tokens: int  # its prompt's and those prefilled before it
+    prompt_token_s: float  # what a prompt token adds to a step, lately
+    prompt_step_s: float = 0.0  # what its prompt's step adds whatever its tokens, lately (0: no prompt tokens)
+
+    @property
+    def seconds(self) -> float:
+        return self.under_way_s + (self.slot_steps + 1) * self.decode_step_s + self.prompt_step_s + self.prompt_tokens * self.prompt_token_s
 
 
 class Engine:
@@ -100,7 +115,7 @@ class Engine:
         """Forget the measured step times (0: none measured yet), e.g. those of a warm-up's first, compiling steps."""
         self.step_seconds = 0.0  # a moving average of steps with rows, for the time estimates
         self.decode_step_seconds = 0.0  # ... of those steps without prompt tokens
-        self._prompt_seconds = self._prompt_tokens = 0.0  # ... of the time prompt tokens add to a step, and of those tokens
+        self._prompt_steps = MovingLine()  # the time a step's prompt tokens add to it (over a decoding one), by their number
         self._step_started_s = 0.0  # the step under way: when it started (0: none) and how long it is expected to take
         self._step_estimate_s = 0.0
 
@@ -195,6 +210,16 @@ class Engine:
         waves = -(-rows // self.max_rows)
         return (-(-prompt_tokens // self.step_tokens) + max_new_tokens * waves) * self.step_seconds
 
+    def typical_seconds(self, prompt_tokens: int, rows: int, max_new_tokens: int) -> float:
+        """:meth:`estimated_seconds` with its rows making the tokens rows have lately made of their budget
+        (:attr:`row_fill`) rather than all of it."""
+        return self.estimated_seconds(prompt_tokens, rows, expected_tokens(max_new_tokens, self.row_fill))
+
+    @property
+    def row_fill(self) -> float:
+        """The share of their token budget finished rows have lately used (1 until one finishes)."""
+        return self.scheduler.row_fill
+
     def start_wait_steps(self, prompt_tokens: int = 0) -> float:
         """How many steps a new request of ``prompt_tokens`` would wait for its first token (its own step
         included): the work in the engine as of the last step (:class:`~rlvr.generation.scheduler.Backlog`;
@@ -202,23 +227,29 @@ class Engine:
         return self._backlog().start_steps(self.step_tokens, self._uncached(prompt_tokens))
 
     def start_wait_s(self, prompt_tokens: int = 0) -> float:
-        """How long a new request of ``prompt_tokens`` would wait for its first token, at the measured
-        times: the decode steps until a slot takes it, its prompt and those prefilled before it (beside
-        the decoding), what is left of the step under way and its own."""
+        """How long a new request of ``prompt_tokens`` would wait for its first token (:meth:`start_wait`)."""
+        return self.start_wait(prompt_tokens).seconds
+
+    def start_wait(self, prompt_tokens: int = 0) -> StartWait:
+        """A new request's wait for its first token, in parts at the measured times: the decode steps until
+        a slot takes it, its prompt and those prefilled before it (beside the decoding), what is left of the
+        step under way and its own."""
         backlog, own = self._backlog(), self._uncached(prompt_tokens)
-        decode_s = self.decode_step_seconds or self.step_seconds
-        prompts_s = (backlog.prefill_before(own) + own) * self.prompt_token_seconds
         under_way_s = max(0.0, self._step_estimate_s - (time.monotonic() - self._step_started_s)) if self._step_started_s else 0.0
-        return under_way_s + (backlog.slot_steps() + 1) * decode_s + prompts_s
+        decode_s = self.decode_step_seconds or self.step_seconds
+        prompt_tokens = backlog.prefill_before(own) + own
+        prompt_step_s = self.prompt_step_seconds if prompt_tokens else 0.0
+        return StartWait(under_way_s, backlog.slot_steps(), decode_s, prompt_tokens, self.prompt_token_seconds, prompt_step_s)
 
     def _uncached(self, prompt_tokens: int) -> int:
-        """Of a new prompt's tokens, those the prefix cache is not expected to hold (at its share lately)."""
-        return round(prompt_tokens * (1 - self.scheduler.cached_share))
+        """Of a new prompt's tokens, those the prefix cache is not expected to hold (its opening tokens held lately)."""
+        return uncached_tokens(prompt_tokens, self.scheduler.cached_tokens)
 
     def _backlog(self) -> Backlog:
         with self._wakeup:
             self._backlog_asked = True
-            return self.backlog.with_posted(list(self._since_backlog), self.scheduler.row_fill, self.scheduler.cached_share)
+            backlog = self.backlog.with_posted(list(self._since_backlog), self.scheduler.row_fill, self.scheduler.cached_tokens)
+        return backlog.live()  # a request cancelled during the step under way holds no one up
 
     # ---- on the engine's thread ---------------------------------------------------------------
 
@@ -277,12 +308,17 @@ class Engine:
             self._admit_rows()
             tokens, prompt_tokens = self._forward()
             self._admit_rows()
-        if self._backlog_asked:
-            backlog = self.scheduler.backlog()
-            with self._wakeup:  # requests still in the inbox are not in it yet
-                self.backlog, self._since_backlog = backlog, [item for item in self._inbox if isinstance(item, EngineRequest)]
+        self._publish_backlog()
         self._step_started_s = 0.0
         self._measure(time.monotonic() - started, tokens, prompt_tokens)
+
+    def _publish_backlog(self, planned: dict[EngineRequest, int] | None = None) -> None:
+        """The backlog other threads read (once asked): as of now, the prompt chunks ``planned`` for the step
+        under way counted as prefilled (its time is counted apart, as what is left of it)."""
+        if self._backlog_asked:
+            backlog = self.scheduler.backlog(planned)
+            with self._wakeup:  # requests still in the inbox are not in it yet
+                self.backlog, self._since_backlog = backlog, [item for item in self._inbox if isinstance(item, EngineRequest)]
 
     def _measure(self, elapsed: float, tokens: int, prompt_tokens: int) -> None:
         """Fold a step of ``tokens`` (``prompt_tokens`` of them prefill) into the moving averages of the time
@@ -293,14 +329,17 @@ class Engine:
         if decoded and not prompt_tokens:
             self.decode_step_seconds = _moving_average(self.decode_step_seconds, elapsed)
         elif prompt_tokens and self.decode_step_seconds:  # what its prompt tokens add to a step (over a decoding one)
-            prompt_s = max(0.0, elapsed - self.decode_step_seconds)
-            self._prompt_seconds = _moving_average(self._prompt_seconds, prompt_s)
-            self._prompt_tokens = _moving_average(self._prompt_tokens, prompt_tokens)
+            self._prompt_steps.add(prompt_tokens, max(0.0, elapsed - self.decode_step_seconds))
 
     @property
     def prompt_token_seconds(self) -> float:
-        """What a prompt token adds to a step, lately (weighted by the prompt tokens of each step)."""
-        return self._prompt_seconds / self._prompt_tokens if self._prompt_tokens else 0.0
+        """What a prompt token adds to a step, lately."""
+        return self._prompt_steps.slope
+
+    @property
+    def prompt_step_seconds(self) -> float:
+        """What a step with prompt tokens adds whatever their number (admitting rows, growing a lane), lately."""
+        return self._prompt_steps.intercept
 
     def _drop_cancelled(self) -> None:
         for request in [q for q in self.scheduler.waiting if q.cancelled.is_set()]:
@@ -353,7 +392,8 @@ class Engine:
             self.outputs.resume_parked(lane)
         plan = self.scheduler.schedule()
         prompt_tokens = sum(chunk.end - chunk.begin for chunk in plan.prefill)
-        self._step_estimate_s = (self.decode_step_seconds if plan.decode else 0.0) + prompt_tokens * self.prompt_token_seconds
+        self._step_estimate_s = (self.decode_step_seconds if plan.decode else 0.0) + (self._prompt_steps.at(prompt_tokens) if prompt_tokens else 0.0)
+        self._publish_backlog({chunk.request: chunk.end for chunk in plan.prefill})
         states = self.scheduler.states
         output = self.executor.execute(plan, {request: states[request].cache for request, _, _ in plan.prefill})
         if output.decode:
@@ -372,6 +412,35 @@ class Engine:
         neighbours = len(self.scheduler.running)
         for request in self.scheduler.running:
             request.max_neighbours = max(request.max_neighbours, neighbours)
+
+
+class MovingLine:
+    """A line ``intercept + slope * x`` fitted by least squares to the (x, y) pairs seen, each weighing a
+    tenth against those before it; neither below 0, and through 0 while the x seen barely differ."""
+
+    def __init__(self):
+        self.means: tuple[float, float, float, float] | None = None  # of x, y, x * x, x * y
+
+    def add(self, x: float, y: float) -> None:
+        pair = (x, y, x * x, x * y)
+        self.means = pair if self.means is None else tuple(0.9 * m + 0.1 * v for m, v in zip(self.means, pair))
+
+    @property
+    def slope(self) -> float:
+        if self.means is None or not self.means[0]:
+            return 0.0
+        mx, my, mxx, mxy = self.means
+        variance = mxx - mx * mx
+        if variance <= 0.01 * mx * mx:
+            return my / mx
+        return min(max(0.0, (mxy - mx * my) / variance), my / mx)
+
+    @property
+    def intercept(self) -> float:
+        return 0.0 if self.means is None else max(0.0, self.means[1] - self.slope * self.means[0])
+
+    def at(self, x: float) -> float:
+        return self.intercept + self.slope * x
 
 
 def _moving_average(average: float, value: float) -> float:

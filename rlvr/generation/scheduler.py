@@ -12,9 +12,10 @@ a model (tests/test_engine_scheduler.py).
 from __future__ import annotations
 
 import heapq
+import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
 
 import torch
@@ -147,6 +148,14 @@ class Backlog:
     lookahead_rows: int = 1  # rows running or about to start past which no prompt starts (Scheduler.start_prompts)
     max_share: float = 1.0  # of the rows the others leave, the most a request's rows take (the KV budget's share)
     max_requests: int | None = None  # the oldest this many requests run (None: any number)
+    cancels: tuple[threading.Event, ...] = field(default=(), compare=False, repr=False)  # each request's, where known
+
+    def live(self) -> Backlog:
+        """This backlog without the requests cancelled since it was built (their rows go at the next step)."""
+        keep = [i for i, cancelled in enumerate(self.cancels) if not cancelled.is_set()]
+        if len(keep) == len(self.cancels):
+            return self
+        return replace(self, requests=tuple(self.requests[i] for i in keep), cancels=tuple(self.cancels[i] for i in keep))
 
     def start_steps(self, step_tokens: int, prompt_tokens: int = 0) -> float:
         """Steps until a new request of ``prompt_tokens`` has its first token: until a slot takes it
@@ -198,21 +207,29 @@ class Backlog:
             while ends and ends[0][0] == now:  # every row ending at this step frees its slot
                 queue[heapq.heappop(ends)[1]].running.remove(now)
 
-    def with_posted(self, requests: list[EngineRequest], row_fill: float, cached_share: float = 0.0) -> Backlog:
+    def with_posted(self, requests: list[EngineRequest], row_fill: float, cached_tokens: float = 0.0) -> Backlog:
         """This backlog with ``requests`` queued behind it: those posted since the step that built it, so
-        a burst arriving between two steps sees each other's rows and prompts (less ``cached_share`` of them,
-        the share of prompt tokens the prefix cache has held lately)."""
+        a burst arriving between two steps sees each other's rows and prompts (less the ``cached_tokens``
+        of each, :func:`uncached_tokens`)."""
         if not requests:
             return self
         posted = tuple(
-            QueuedWork((), r.num_samples, expected_tokens(r, row_fill), False, False, round(len(r.prompt_ids) * (1 - cached_share))) for r in requests
+            QueuedWork((), q.num_samples, expected_tokens(q.max_new_tokens, row_fill), False, False, uncached_tokens(len(q.prompt_ids), cached_tokens))
+            for q in requests
         )
-        return replace(self, requests=self.requests + posted)
+        cancels = self.cancels + tuple(q.cancelled for q in requests) if len(self.cancels) == len(self.requests) else ()
+        return replace(self, requests=self.requests + posted, cancels=cancels)
 
 
-def expected_tokens(request: EngineRequest, row_fill: float) -> int:
-    """The tokens a row of ``request`` is expected to make: ``row_fill``, the share of their budget finished rows have lately used."""
-    return max(1, round(row_fill * request.max_new_tokens))
+def expected_tokens(max_new_tokens: int, row_fill: float) -> int:
+    """The tokens a row of ``max_new_tokens`` is expected to make: ``row_fill``, the share of their budget finished rows have lately used."""
+    return max(1, round(row_fill * max_new_tokens))
+
+
+def uncached_tokens(prompt_tokens: int, cached_tokens: float) -> int:
+    """Of a prompt not started, the tokens to prefill: all but the ``cached_tokens`` the prefix cache has
+    lately held of a prompt (its shared opening: a chat template, a task's instructions), at most all."""
+    return max(0, prompt_tokens - round(cached_tokens))
 
 
 class Scheduler:
@@ -243,7 +260,7 @@ class Scheduler:
         self.running: set[EngineRequest] = set()  # some rows running
         self.states: dict[EngineRequest, RequestState] = {}  # every request in the engine
         self.row_fill = 1.0  # a moving average of the share of its token budget a finished row used
-        self.cached_share = 0.0  # a moving average of the share of a started prompt the prefix cache held
+        self.cached_tokens = 0.0  # a moving average of the tokens of a started prompt the prefix cache held
         self.reserved_tokens = 0  # the whole prompts of the requests whose prompt caches are started
         self.lookahead_rows = max_rows + max_rows // 4  # rows running or about to start, past which no request starts
 
@@ -323,7 +340,7 @@ class Scheduler:
         state = self.states[request]
         state.prefilled, cache = self.prefixes.lookup(request.prompt_ids, self.model_config)
         request.cached_prompt_tokens = state.prefilled
-        self.cached_share = 0.9 * self.cached_share + 0.1 * state.prefilled / max(1, len(request.prompt_ids))
+        self.cached_tokens = 0.9 * self.cached_tokens + 0.1 * state.prefilled
         state.cache = cache if cache is not None else DynamicCache(config=self.model_config)
         self.make_room()
         return True
@@ -382,27 +399,30 @@ class Scheduler:
         """The prefix cache gives way to what requests hold (after a prompt cache started or a lane grew)."""
         self.prefixes.shrink_to(self.room_bytes())
 
-    def backlog(self) -> Backlog:
-        """The work in the engine now (see :class:`Backlog`)."""
+    def backlog(self, planned: dict[EngineRequest, int] | None = None) -> Backlog:
+        """The work in the engine now (see :class:`Backlog`), the prompts ``planned`` as far as the end of their chunk."""
         fill, running = self.row_fill, {}
         for row in self.rows:
-            left = max(1, expected_tokens(row.request, fill) - len(row.request.token_ids[row.sample]))
+            left = max(1, expected_tokens(row.request.max_new_tokens, fill) - len(row.request.token_ids[row.sample]))
             running.setdefault(row.request, []).append(left)
         in_waiting = set(self.waiting)
         in_engine = [*self.waiting, *(q for q in self.running if q not in in_waiting)]
         live = [q for q in in_engine if not q.cancelled.is_set() and q in self.states]
-        requests = tuple(self._queued_work(q, running.get(q, ()), fill) for q in sorted(live, key=lambda q: q.submitted_s))  # stable sort
+        planned = planned or {}
+        live.sort(key=lambda q: q.submitted_s)  # stable
+        requests = tuple(self._queued_work(q, running.get(q, ()), fill, planned.get(q, 0)) for q in live)
         lengths = [quantized(row.request.slot_length) for row in self.rows]
         lengths += [quantized(q.slot_length) for q in self.waiting if not q.cancelled.is_set() and self.states[q].pending_rows]
         fit = self.kv_budget_bytes * len(lengths) // (self.bytes_per_token * sum(lengths)) if lengths else self.max_rows
         rows = max(1, min(self.max_rows, fit))
-        return Backlog(requests, rows, self.max_rows, self.lookahead_rows, self.max_share, self.max_requests)
+        return Backlog(requests, rows, self.max_rows, self.lookahead_rows, self.max_share, self.max_requests, tuple(q.cancelled for q in live))
 
-    def _queued_work(self, request: EngineRequest, running: list[int], fill: float) -> QueuedWork:
+    def _queued_work(self, request: EngineRequest, running: list[int], fill: float, planned_end: int = 0) -> QueuedWork:
         state = self.states[request]
+        prefilled = max(state.prefilled, planned_end)
         started = state.cache is not None or state.whole_prompt
-        prompt_left = (len(request.prompt_ids) - state.prefilled) * (1 if started else 1 - self.cached_share)
-        return QueuedWork(tuple(running), state.pending_rows, expected_tokens(request, fill), started, state.next_sample > 0, round(prompt_left))
+        prompt_left = len(request.prompt_ids) - prefilled if started else uncached_tokens(len(request.prompt_ids), self.cached_tokens)
+        return QueuedWork(tuple(running), state.pending_rows, expected_tokens(request.max_new_tokens, fill), started, state.next_sample > 0, prompt_left)
 
     # ---- each step's plan ---------------------------------------------------------------------
 
