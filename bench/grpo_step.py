@@ -86,6 +86,7 @@ def main() -> None:
             "cpu_s": round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 2),
             "system_cpu_s": round(after.ru_stime - before.ru_stime, 2),  # the kernel's share: page faults
             "page_faults": after.ru_minflt - before.ru_minflt,
+            "gen_tokens_per_s": round(args.prompts * args.group * metrics["completion_len_mean"] / metrics["gen_time_s"], 1),
         }
         if args.device.startswith("cuda"):
             report["max_gpu_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)

@@ -144,9 +144,8 @@ class ServingEngine:
 
     def typical_s(self, prompt_tokens: int, rows: int, max_new_tokens: int) -> float:
         """:meth:`estimated_s` at the share of their budget the engine's rows have lately made (its
-        ``typical_seconds``); an engine that measures none counts the whole budget."""
-        typical = getattr(self.engine, "typical_seconds", self.engine.estimated_seconds)
-        return typical(prompt_tokens, rows, max_new_tokens)
+        ``typical_seconds``)."""
+        return self.engine.typical_seconds(prompt_tokens, rows, max_new_tokens)
 
     def warm_up(self, new_request: Callable[[], EngineRequest]) -> RolloutResult:
         """Run a request of ``new_request()`` twice on this thread: the first compiles and packs, the

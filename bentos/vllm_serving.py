@@ -118,6 +118,8 @@ class VllmEngine:
         waves = -(-rows // self.max_rows)
         return (-(-prompt_tokens // self.step_tokens) + max_new_tokens * waves) * self.step_seconds
 
+    typical_seconds = estimated_seconds  # vLLM's rows' use of their budget is not measured: the whole of it
+
     def start_wait_s(self, prompt_tokens: int = 0) -> float:
         """How long a new request (of ``prompt_tokens``) would wait to start, at the measured step time: 0
         while the running rows and those waiting leave rows and KV cache free; else the new tokens ahead of it

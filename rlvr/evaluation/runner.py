@@ -179,7 +179,7 @@ class _Decoder:
     """Decodes the evaluation's prompts on the engine ``config.engine`` chooses (one for every pass), reporting progress."""
 
     def __init__(self, model, tokenizer, prompts, config: EvalConfig, environment, progress, stop: StopRule):
-        self.model, self.tokenizer, self.prompts, self.config, self.environment = model, tokenizer, prompts, config, environment
+        self.prompts, self.config, self.environment = prompts, config, environment
         self.progress, self.stop, self.done = progress, stop, 0
         self.generator = make_generator(config.engine, model, tokenizer, seed=config.seed, tools=drives_episodes(environment))
         self.total = len(prompts) * (1 + config.num_samples)

@@ -29,8 +29,9 @@ def choose_engine(setting: str, device: str) -> str:
     if setting == "vllm" and missing:
         raise ValueError(f"engine 'vllm' was asked for, but {missing}")
     if setting == "auto":
-        chosen = "vllm" if str(device).startswith("cuda") and not missing else "native"
-        why = "vLLM on CUDA" if chosen == "vllm" else f"ours on {device}" + ("" if not str(device).startswith("cuda") else f" ({missing})")
+        cuda = str(device).startswith("cuda")
+        chosen = "vllm" if cuda and not missing else "native"
+        why = "vLLM on CUDA" if chosen == "vllm" else f"ours on {device}" + (f" ({missing})" if cuda else "")
     else:
         chosen, why = setting, "as set"
     logger.info("generation engine: %s (%s)", chosen, why)

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Iterator, Protocol, Sequence
 import torch
 
 from rlvr.generation.engines import ENGINE_SETTINGS, choose_engine
-from rlvr.generation.rollouts import RolloutEngines, Rollouts, SamplingConfig, stream_rollouts
+from rlvr.generation.rollouts import RolloutBackend, Rollouts, SamplingConfig, stream_rollouts
 from rlvr.generation.stops import StopRule
 
 
@@ -57,18 +57,18 @@ class Generator(Protocol):
 
 class NativeGenerator:
     """Our engine on ``model`` itself: the trainer updates the module in place, so there is nothing to load;
-    its backend is planned once, at the first call (``RolloutEngines``)."""
+    its backend is planned once, at the first call (``RolloutBackend``)."""
 
     name = "native"
 
     def __init__(self, model: Any, tokenizer: Any):
         self.model, self.tokenizer = model, tokenizer
-        self.engines = RolloutEngines()
+        self.backend = RolloutBackend()
 
     def stream(
         self, prompts: list[str] | list[list[int]], num_samples: int, config: SamplingConfig, stops: Sequence[StopRule] | None = None
     ) -> Iterator[Rollouts]:
-        return stream_rollouts(self.model, self.tokenizer, prompts, num_samples, config, stops, engines=self.engines)
+        return stream_rollouts(self.model, self.tokenizer, prompts, num_samples, config, stops, backend=self.backend)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Nothing: the engine runs the module the trainer updates."""

@@ -119,17 +119,17 @@ def stream_rollouts(
     num_samples: int = 1,
     config: SamplingConfig | None = None,
     stops: Sequence[StopRule] | None = None,
-    engines: RolloutEngines | None = None,
+    backend: RolloutBackend | None = None,
 ) -> Iterator[Rollouts]:
     """Like :func:`generate_rollouts`, yielding the prompts in order as they finish, in chunks of at most
     ``config.max_batch_rows`` rows (at least one prompt's G samples); ``group_index`` counts prompts
-    across chunks. The concatenated chunks are the same rollouts whatever the chunk size. ``engines``:
-    the engine kept from earlier calls (a trainer's), else one for this call."""
+    across chunks. The concatenated chunks are the same rollouts whatever the chunk size. ``backend``:
+    the backend plan kept from earlier calls (a trainer's), else one planned for this call."""
     config = config or SamplingConfig()
     encoded, rules = encode_prompts(tokenizer, prompts, num_samples, config, stops)
     max_rows = max(num_samples, min(len(encoded) * num_samples, config.max_batch_rows or len(encoded) * num_samples))
     prompts_per_chunk = max(1, max_rows // num_samples)
-    engine = (engines or RolloutEngines()).engine_for(model, tokenizer, encoded, num_samples, max_rows, config)
+    engine = (backend or RolloutBackend()).engine_for(model, tokenizer, encoded, num_samples, max_rows, config)
     requests = [
         EngineRequest(
             prompt_ids=ids,
@@ -183,7 +183,7 @@ def encode_prompts(
     return encoded, rules or [StopRule(config.stop_strings)] * len(encoded)
 
 
-class RolloutEngines:
+class RolloutBackend:
     """What rollouts keep from call to call (a trainer's whole run): the backend plan, decided at the first
     call for the model and its settings. Each call gets an engine of its own, sized for it, whose runner
     packs the weights as they are now (the trainer updates them between calls)."""
@@ -217,36 +217,48 @@ class RolloutEngines:
 
 def _rollouts(requests: list[EngineRequest], first_prompt: int, group: int, tokenizer: Any) -> Rollouts:
     """The finished ``requests`` (prompts ``first_prompt`` on) as :class:`Rollouts`, row ``i * G + j`` sample j of prompt i."""
+    rows = [
+        (request.token_ids[j], request.logprobs[j], request.finish_reasons[j], request.environment_masks[j], request.tool_calls[j])
+        for request in requests
+        for j in range(group)
+    ]
+    prompts = [request.prompt_ids for request in requests]
+    temperatures = [request.temperature(j) for request in requests for j in range(group)]
+    return rows_to_rollouts(prompts, rows, group, temperatures, tokenizer, first_prompt)
+
+
+def rows_to_rollouts(
+    prompts: Sequence[Sequence[int]], rows: list[tuple], group: int, temperatures: list[float], tokenizer: Any, first_prompt: int = 0
+) -> Rollouts:
+    """:class:`Rollouts` from each row's (token ids, log-probs, finish reason[, environment mask, tool calls]), row
+    ``i * G + j`` sample j of prompt i (``prompts[i]``), each row at its own ``temperatures`` entry."""
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    token_ids = [ids for request in requests for ids in request.token_ids]
-    rows, width = len(token_ids), max(1, max(map(len, token_ids)))
-    completion_ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((rows, width), dtype=torch.long)
-    logprobs = torch.zeros((rows, width), dtype=torch.float32)
-    environment_mask = torch.zeros((rows, width), dtype=torch.long)
-    row = 0
-    for request in requests:
-        for sample in range(group):
-            n = len(request.token_ids[sample])
-            if n:
-                completion_ids[row, :n] = torch.tensor(request.token_ids[sample])
-                logprobs[row, :n] = torch.tensor(request.logprobs[sample])
-                environment_mask[row, :n] = torch.tensor(request.environment_masks[sample])
-                mask[row, :n] = 1
-            row += 1
+    token_ids = [row[0] for row in rows]
+    count, width = len(rows), max(1, max(map(len, token_ids)))
+    completion_ids = torch.full((count, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((count, width), dtype=torch.long)
+    logprobs = torch.zeros((count, width), dtype=torch.float32)
+    environment_mask = torch.zeros((count, width), dtype=torch.long)
+    for k, (ids, values, _, *environment) in enumerate(rows):
+        if n := len(ids):
+            completion_ids[k, :n] = torch.tensor(ids)
+            logprobs[k, :n] = torch.tensor(values)
+            mask[k, :n] = 1
+            if environment:
+                environment_mask[k, :n] = torch.tensor(environment[0])
     return Rollouts(
-        prompt_ids=[list(request.prompt_ids) for request in requests for _ in range(group)],
+        prompt_ids=[list(prompts[k // group]) for k in range(count)],
         completion_ids=completion_ids,
         completion_mask=mask,
         logprobs=logprobs,
-        temperatures=torch.tensor([request.temperature(j) for request in requests for j in range(group)], dtype=torch.float32),
-        finish_reasons=[reason for request in requests for reason in request.finish_reasons],
+        temperatures=torch.tensor(temperatures, dtype=torch.float32),
+        finish_reasons=[row[2] for row in rows],
         texts=tokenizer.batch_decode(token_ids, skip_special_tokens=True),
-        group_index=torch.arange(rows) // group + first_prompt,
-        sample_index=torch.arange(rows) % group,
+        group_index=torch.arange(count) // group + first_prompt,
+        sample_index=torch.arange(count) % group,
         pad_token_id=pad_id,
         environment_mask=environment_mask,
-        tool_calls=[list(calls) for request in requests for calls in request.tool_calls],
+        tool_calls=[list(row[4]) if len(row) > 4 else [] for row in rows],
     )
 
 

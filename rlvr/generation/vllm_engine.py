@@ -23,8 +23,8 @@ import torch
 @dataclass(frozen=True)
 class VllmSettings:
     """How one vLLM engine is started. ``kv_cache_bytes``: its KV cache (None: vLLM's own default, a share
-    of GPU memory or 4 GiB of CPU memory); ``tensor_parallel_size`` / ``data_parallel_size``: devices per
-    model copy and model copies, for models past one device."""
+    of GPU memory or 4 GiB of CPU memory); ``tensor_parallel_size``: devices per model copy, for models past
+    one device (the copies are the training ranks' groups)."""
 
     model_dir: str
     dtype: str = "auto"  # "float32", "bfloat16", ... ("auto": the checkpoint's)
@@ -32,7 +32,6 @@ class VllmSettings:
     seed: int = 0
     kv_cache_bytes: int | None = None
     tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
     enforce_eager: bool = False  # True: no compilation or CUDA graphs (quicker start, slower steps)
 
     def engine_kwargs(self) -> dict[str, Any]:
@@ -42,7 +41,6 @@ class VllmSettings:
             dtype=self.dtype,
             seed=self.seed,
             tensor_parallel_size=self.tensor_parallel_size,
-            data_parallel_size=self.data_parallel_size,
             enforce_eager=self.enforce_eager,
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
@@ -52,11 +50,6 @@ class VllmSettings:
         if self.kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(self.kv_cache_bytes)
         return kwargs
-
-
-def in_process() -> None:
-    """Keep vLLM's engine core in this process (before vLLM is imported): its model is then this process's."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
 def engine_runner(llm_engine: Any) -> Any:
@@ -114,7 +107,7 @@ class VllmGenerator:
         """``num_samples`` completions per prompt (``rlvr.generation.rollouts.stream_rollouts``'s contract;
         one chunk: vLLM schedules every row at once). Tool environments run on the native engine only."""
         from rlvr.environments.driver import drives_episodes
-        from rlvr.generation.rollouts import encode_prompts
+        from rlvr.generation.rollouts import encode_prompts, rows_to_rollouts
         from rlvr.generation.sampler import derive_seed
 
         if drives_episodes(config.environment):
@@ -132,7 +125,8 @@ class VllmGenerator:
                 )
         outputs = self._generate(inputs, params)
         rows = [self._row(output.outputs[0], config.max_new_tokens, rules[k // num_samples]) for k, output in enumerate(outputs)]
-        yield rows_to_rollouts(encoded, rows, num_samples, config.temperatures, self.tokenizer)
+        temperatures = [config.temperatures[k % num_samples % len(config.temperatures)] for k in range(len(rows))]
+        yield rows_to_rollouts(encoded, rows, num_samples, temperatures, self.tokenizer)
 
     def _generate(self, inputs: list[dict], params: list[Any]) -> list[Any]:
         """vLLM's outputs of this rank's requests. Ranks sharing a model copy all submit the same requests
@@ -150,9 +144,11 @@ class VllmGenerator:
         """A row's tokens, log-probs and finish reason, cut where our stop rules end it."""
         ids = list(completion.token_ids)
         logprobs = [entry[token].logprob for token, entry in zip(ids, completion.logprobs or [])]
-        for end in range(1, len(ids) + 1):
-            if (reason := self.checker.finish_reason(ids[:end], max_new_tokens, rule)) is not None:
-                return ids[:end], logprobs[:end], reason
+        seen: list[int] = []
+        for token in ids:
+            seen.append(token)
+            if (reason := self.checker.finish_reason(seen, max_new_tokens, rule)) is not None:
+                return seen, logprobs[: len(seen)], reason
         return ids, logprobs, "stop" if completion.finish_reason == "stop" else "length"
 
 
@@ -170,11 +166,11 @@ def start_llm(settings: VllmSettings, *, external_launcher: bool = False) -> Any
 
 @contextlib.contextmanager
 def starting_vllm() -> Iterator[None]:
-    """Around the start of a vLLM engine in this process: its engine core kept here (``in_process``); llvmlite's
+    """Around the start of a vLLM engine in this process: its engine core kept here (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); llvmlite's
     library handle (numba's, which our CPU kernels load) made safe for the scan vLLM's CPU worker makes of every
     module's objects (it answers ``__dict__`` with a foreign function); and ``torch.set_num_threads``, which
     that worker swaps for a no-op process-wide, given back."""
-    in_process()
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     ffi = sys.modules.get("llvmlite.binding.ffi")
     if ffi is not None and hasattr(getattr(ffi, "lib", None), "_fntab"):
         ffi.lib._fntab.setdefault("__dict__", {})
@@ -236,36 +232,3 @@ def hf_weights(model: Any) -> Iterator[tuple[str, torch.Tensor]]:
         return
     for name, param in model.named_parameters():
         yield name, param.detach()
-    for name, buffer in model.named_buffers():
-        if name.endswith(("weight", "bias")):
-            yield name, buffer
-
-
-def rows_to_rollouts(encoded: list[list[int]], rows: list[tuple[list[int], list[float], str]], group: int, temperatures: list[float], tokenizer: Any) -> Any:
-    """:class:`~rlvr.generation.rollouts.Rollouts` from each row's (token ids, log-probs, finish reason), row
-    ``i * G + j`` sample j of prompt i."""
-    from rlvr.generation.rollouts import Rollouts
-
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    width = max(1, max(len(ids) for ids, _, _ in rows))
-    completion_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
-    for k, (ids, values, _) in enumerate(rows):
-        if ids:
-            completion_ids[k, : len(ids)] = torch.tensor(ids)
-            logprobs[k, : len(ids)] = torch.tensor(values)
-            mask[k, : len(ids)] = 1
-    count = len(rows)
-    return Rollouts(
-        prompt_ids=[list(encoded[k // group]) for k in range(count)],
-        completion_ids=completion_ids,
-        completion_mask=mask,
-        logprobs=logprobs,
-        temperatures=torch.tensor([temperatures[k % group % len(temperatures)] for k in range(count)], dtype=torch.float32),
-        finish_reasons=[reason for _, _, reason in rows],
-        texts=tokenizer.batch_decode([ids for ids, _, _ in rows], skip_special_tokens=True),
-        group_index=torch.arange(count) // group,
-        sample_index=torch.arange(count) % group,
-        pad_token_id=pad_id,
-    )

@@ -132,6 +132,8 @@ class GRPOTrainer(TrainerLoop):
         )
         self._weights_pushed = True  # the generator holds the policy's current weights
         self.tis_cap = config.tis_weight_cap(other_rollouts=self.rollout_policy is not model or self.generator.name != "native")
+        if self.generator.name != "native":
+            self.rollout_policy = model  # vLLM holds its own low-precision copy: ours would only be kept in sync for nothing
         self._share_prompts = share_prompts
         # the policy is the module itself (generation, checkpoints); optimizer, schedule, step count
         super().__init__(model, tokenizer, config, checkpoint_dir, self.dist, sharded=config.fsdp)
