@@ -1,16 +1,34 @@
 """The engine's scheduler (rlvr.generation.scheduler) without a model: the KV budget's gate, prompt chunks
 under the step's token budget, running rows before prompts, arrival order and the oldest request's room,
-fair shares, and releasing on finish or cancel.
+fair shares, releasing on finish or cancel, the rows' slots allocated at admission and a step's output applied.
 One byte per token keeps the budgets readable; slots are padded to 128 positions (kv_cache.quantized)."""
 
 import time
 from concurrent.futures import Future
+from types import SimpleNamespace
 
+import pytest
 import torch
 
+from rlvr.environments.driver import TokenTexts
+from rlvr.generation.outputs import OutputProcessor
 from rlvr.generation.prefix_cache import PrefixCache
 from rlvr.generation.request import EngineRequest
-from rlvr.generation.scheduler import Backlog, Lane, PrefillChunk, QueuedWork, Row, Scheduler
+from rlvr.generation.scheduler import (
+    Backlog,
+    Lane,
+    LaneOutput,
+    LaneStep,
+    PrefillChunk,
+    PrefillOutput,
+    QueuedWork,
+    Row,
+    RowSampling,
+    Scheduler,
+    StepOutput,
+)
+from rlvr.generation.stops import StopChecker
+from support.tiny_models import char_tokenizer
 
 
 def _scheduler(kv_budget_bytes: int = 10_000, max_rows: int = 8, step_tokens: int = 128, **kwargs) -> Scheduler:
@@ -119,7 +137,7 @@ def test_running_rows_decode_first_and_prompts_get_the_rest_of_the_step():
     prompt = _request(100)
     scheduler.add(prompt)
     plan = scheduler.schedule()
-    assert plan.decode == [(scheduler.lanes[0], [0, 1, 2])]
+    assert [(step.lane, step.live) for step in plan.decode] == [(0, [0, 1, 2])]
     assert plan.prefill == [PrefillChunk(prompt, 0, 61)]
     _start_rows(scheduler, running, 60 - 3)
     assert scheduler.prefill_budget() == 64 // 8  # never less than an eighth
@@ -130,7 +148,7 @@ def test_parked_rows_do_not_decode():
     request = _prefilled(scheduler, _request(5, samples=3))
     _start_rows(scheduler, request, 3)
     scheduler.lanes[0].rows[1].parked = Future()
-    assert scheduler.schedule().decode == [(scheduler.lanes[0], [0, 2])]
+    assert [(step.lane, step.live) for step in scheduler.schedule().decode] == [(0, [0, 2])]
     assert scheduler.has_work()
     scheduler.lanes[0].rows[0].parked = scheduler.lanes[0].rows[2].parked = Future()
     scheduler.waiting.clear()
@@ -357,3 +375,57 @@ def test_a_request_cancelled_since_the_backlog_was_built_holds_no_one_up():
     assert backlog.live() is backlog and backlog.slot_steps() >= 400  # one request at a time: behind the long one
     long.set()
     assert backlog.live().requests == work[1:] and backlog.live().slot_steps() < 20
+
+
+def _prompt_cache(scheduler: Scheduler, request: EngineRequest) -> None:
+    """``request``'s whole prompt cached (one KV head of one dimension per layer: position p holds p)."""
+    cache = scheduler.states[request].cache
+    length = len(request.prompt_ids)
+    for layer in range(2):
+        keys = torch.arange(length, dtype=torch.float32).view(1, 1, length, 1)
+        cache.update(keys, keys.clone(), layer)
+
+
+def _outputs(scheduler: Scheduler) -> OutputProcessor:
+    tokenizer = char_tokenizer()
+    vocab = SimpleNamespace(get_output_embeddings=lambda: SimpleNamespace(weight=torch.zeros(len(tokenizer), 1)))  # the vocabulary's size
+    return OutputProcessor(scheduler, StopChecker(vocab, tokenizer, stop_token_ids=[]), TokenTexts(tokenizer), wake=lambda: None)
+
+
+def test_starting_rows_allocates_their_slots_from_the_prompts_cache():
+    scheduler = _scheduler()
+    request = _prefilled(scheduler, _request(5, samples=3))
+    _prompt_cache(scheduler, request)
+    rows = [Row(request, sample, None) for sample in range(2)]
+    lane, slots = scheduler.start_rows(request, rows)
+    assert lane is scheduler.lanes[0] and list(slots) == [0, 1] and lane.rows == rows
+    assert lane.cache.capacity_rows >= 2 and lane.cache.capacity_length == 128 and lane.cache.lengths[:2].tolist() == [5, 5]
+    assert lane.cache.layers[1].keys[1, 0, :6, 0].tolist() == [0, 1, 2, 3, 4, 0]
+    assert scheduler.states[request].running == 2 and scheduler.states[request].pending_rows == 1
+    assert scheduler.held_bytes() == lane.cache.capacity_rows * 128 + 5  # the slots and the prompt of the row still waiting
+    with pytest.raises(ValueError, match="start from 2"):
+        scheduler.start_rows(request, [Row(request, 0, None)])
+
+
+def test_a_steps_output_moves_prompts_and_rows_on_in_one_place():
+    scheduler, request, waiting = _scheduler(), _request(5, samples=3, max_new_tokens=2), _request(50)
+    _prefilled(scheduler, request)
+    _prompt_cache(scheduler, request)
+    outputs = _outputs(scheduler)
+    lane, slots = scheduler.start_rows(request, [Row(request, sample, None) for sample in range(3)])
+    outputs.first_tokens(lane, slots, [4, 5, 6], [-1.0, -2.0, -3.0])
+    lane.rows[1].parked = Future()
+    scheduler.add(waiting)
+    assert scheduler.reserve(waiting)
+    plan = scheduler.schedule(prefill_budget=20)
+    assert plan.decode == [LaneStep(0, [4, 5, 6], [5, 5, 5], [0, 2], [RowSampling(0.0, 1.0, None)] * 2)] and plan.prefill == [PrefillChunk(waiting, 0, 20)]
+
+    outputs.update_from_output(StepOutput([LaneOutput(0, [0, 2], [7, 8], [-0.5, -0.25])], [PrefillOutput(waiting, 20, None)], tokens=23))
+    assert request.token_ids == [[4, 7], [5], [6, 8]] and request.logprobs[2] == [-3.0, -0.25]
+    assert request.finish_reasons[0] == request.finish_reasons[2] == "length"  # their budget spent: retired, the parked row moved to slot 0
+    assert lane.rows[0].sample == 1 and lane.next_tokens == [5] and lane.cache.lengths[:1].tolist() == [5]  # parked: not advanced
+    assert scheduler.states[waiting].prefilled == 20 and scheduler.states[waiting].last_logits is None
+
+    logits = torch.zeros(1, 8)
+    outputs.update_from_output(StepOutput(prefill=[PrefillOutput(waiting, 50, logits)]))
+    assert scheduler.states[waiting].whole_prompt and scheduler.states[waiting].last_logits is logits

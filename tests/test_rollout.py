@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from rlvr.chat import ControlTokensError, render_messages
-from rlvr.generation import Rollouts, SamplingConfig, generate_rollouts, sample_tokens, score_tokens, stream_rollouts
+from rlvr.generation import Rollouts, SamplingConfig, concat_rollouts, generate_rollouts, sample_tokens, score_tokens, stream_rollouts
+from rlvr.generation.generator import NativeGenerator
 from rlvr.generation.sampler import GREEDY_BELOW_TEMPERATURE, _top_p_filter
 from rlvr.generation.stops import NO_STOP_RULE, StopChecker, StopRule
 from rlvr.tasks import GSM8K
@@ -249,3 +250,39 @@ def test_render_messages_is_render_prompts_renderer_and_refuses_control_tokens_i
     with pytest.raises(ControlTokensError, match=r"messages\[2\]\.content contains .*<\|im_end\|>") as err:
         render_messages(chat, [*messages[:2], {"role": "assistant", "content": "4<|im_end|>"}])
     assert err.value.field == "messages[2].content"
+
+
+LONG_PROMPTS = ["the same opening for every prompt: " + tail for tail in ("12+30?", "7", "a b c")]  # past a prefix block
+
+
+@pytest.mark.parametrize("trainable", [True, False], ids=["trainable", "frozen"])
+def test_a_trainers_calls_share_one_engine_that_follows_its_weight_updates(tokenizer, trainable):
+    model = tiny_llama(len(tokenizer), seed=3).requires_grad_(trainable)
+    generator = NativeGenerator(model, tokenizer)
+    config = SamplingConfig(max_new_tokens=10, temperatures=[0.0])
+    first = concat_rollouts(list(generator.stream(LONG_PROMPTS, 2, config)))
+    engine = generator.backend.engine
+    assert engine.prefixes.bytes > 0 and engine.executor is None and engine.kv_bytes() == engine.prefixes.bytes  # nothing but the prefixes kept
+    assert not engine.weights_changed()
+    with torch.no_grad():  # the trainer's update: in place
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(1)))
+    assert engine.weights_changed()
+    engine.refresh()
+    assert engine.prefixes.bytes == 0 and not engine.weights_changed()  # its blocks came from the old weights
+    after = concat_rollouts(list(generator.stream(LONG_PROMPTS, 2, config)))
+    assert generator.backend.engine is engine
+    fresh = generate_rollouts(model, tokenizer, LONG_PROMPTS, num_samples=2, config=config)  # an engine of its own
+    assert torch.equal(after.completion_ids, fresh.completion_ids) and torch.equal(after.logprobs, fresh.logprobs)
+    assert not torch.equal(after.completion_ids, first.completion_ids)
+
+
+def test_a_larger_call_resizes_the_kept_engine(model, tokenizer):
+    generator = NativeGenerator(model, tokenizer)
+    config = SamplingConfig(max_new_tokens=6, temperatures=[0.0])
+    small = concat_rollouts(list(generator.stream(PROMPTS[:1], 1, config)))
+    engine = generator.backend.engine
+    large = concat_rollouts(list(generator.stream(PROMPTS, 4, config)))
+    assert generator.backend.engine is engine and engine.max_rows == len(PROMPTS) * 4
+    assert large.completion_ids[0, : small.completion_lengths[0]].tolist() == small.completion_token_lists()[0]
+    assert torch.equal(large.completion_ids, generate_rollouts(model, tokenizer, PROMPTS, num_samples=4, config=config).completion_ids)

@@ -2,10 +2,11 @@
 
 Every caller submits :class:`EngineRequest`s: training rollouts and evaluation (``rlvr.generation.rollouts``,
 stepping until every row is done) and the service (stepping on its model thread). Each :meth:`Engine.step`
-drops cancelled rows, starts the rows the scheduler admits (``rlvr.generation.scheduler``), has the
-executor run one forward over its plan and sample (``rlvr.generation.executor``): every running row's next
-token and the prompt chunks that fit the step's token budget; the output processor records the tokens,
-applies the stop rules and the rows' tool episodes, and retires finished rows (``rlvr.generation.outputs``).
+drops cancelled rows, starts the rows the scheduler admits and allocates (``rlvr.generation.scheduler``),
+has the executor run one forward over the scheduler's plain-data plan and sample (``rlvr.generation.executor``):
+every running row's next token and the prompt chunks that fit the step's token budget; the output processor
+applies the step's output: records the tokens, applies the stop rules and the rows' tool episodes, and
+retires finished rows (``rlvr.generation.outputs``).
 docs/architecture.md ("The generation engine") tells the whole mechanism.
 """
 
@@ -80,12 +81,14 @@ class Engine:
             plan = plan_backend(model, fast_paths)
             log_plan(plan, "engine")
         self.plan = plan
-        self.executor = StepExecutor(model, max_rows, plan)
+        self.executor: StepExecutor | None = StepExecutor(model, max_rows, plan)
+        self._weights = _weight_state(model)  # the weights the runner packed (see weights_changed)
         self.window = attention_window(model.config)
         self.context_tokens: int | None = getattr(model.config, "max_position_embeddings", None)
         embeddings = getattr(model, "get_input_embeddings", None)
         self.vocab_size: int | None = embeddings().weight.shape[0] if embeddings is not None else getattr(model.config, "vocab_size", None)
         self.bytes_per_token = kv_cache_bytes_per_token(model.config, model.dtype)
+        self._prefix_share = 8 if prefix_cache_bytes is None else None  # the prefix cache's limit: an eighth of the KV budget, or as given
         self.prefixes = PrefixCache(self.bytes_per_token, kv_budget_bytes // 8 if prefix_cache_bytes is None else prefix_cache_bytes)
         self.stops = StopChecker(model, tokenizer, stop_token_ids)
         self.token_texts = TokenTexts(tokenizer)
@@ -106,7 +109,7 @@ class Engine:
         self._wakeup = threading.Condition()
         self.steps = 0  # steps run
         self.reset_step_times()
-        self.outputs = OutputProcessor(self.scheduler, self.stops, self.token_texts, self.executor.draw_tokens, lambda: self._post(_wake))
+        self.outputs = OutputProcessor(self.scheduler, self.stops, self.token_texts, lambda: self._post(_wake))
         self.backlog = self.scheduler.backlog()  # the work in the engine, as of the last step since start_wait_s was first asked
         self._backlog_asked = False  # training and evaluation never ask: their steps skip building it
         self._since_backlog: list[EngineRequest] = []  # submitted after the backlog was built (kept once it is asked)
@@ -144,6 +147,51 @@ class Engine:
         """The KV cache held: every lane's slots, the prompt caches of requests whose rows wait, and the
         prefix cache's blocks."""
         return self.scheduler.held_bytes() + self.prefixes.bytes
+
+    # ---- between calls (an idle engine kept for a trainer's whole run) -------------------------
+
+    def idle(self) -> bool:
+        """Whether no request is in the engine or on its way to it."""
+        with self._wakeup:
+            return not self._inbox and not self.scheduler.states
+
+    def weights_changed(self) -> bool:
+        """Whether any of the model's weights changed (another tensor, or one written in place) since the
+        runner packed them."""
+        state = _weight_state(self.model)
+        return len(state) != len(self._weights) or any(a is not b or u != v for (a, u), (b, v) in zip(state, self._weights))
+
+    def refresh(self) -> None:
+        """Ready the engine for a call after the weights may have changed (a trainer's update): where any
+        did, the prefix cache empties (its keys and values came from the old weights) and the runner packs
+        them afresh, as it does after :meth:`release_buffers`."""
+        if self.weights_changed():
+            self.prefixes.shrink_to(0)
+            self.executor, self._weights = None, _weight_state(self.model)
+        if self.executor is None:
+            self.executor = StepExecutor(self.model, self.max_rows, self.plan)
+
+    def release_buffers(self) -> None:
+        """After a call: forget any request left in the engine (an abandoned call's) and drop the lanes'
+        KV buffers and the runner's packed weights, so neither is kept through the trainer's update (where
+        it would double the weights' memory); :meth:`refresh` (or the next step) packs them again."""
+        for request in self.scheduler.drop_all():
+            request.error = request.error or RuntimeError("the engine's call ended before the request was done")
+        with self._wakeup:
+            self._inbox.clear()
+        self.executor = None
+
+    def resize(self, max_rows: int, kv_budget_bytes: int) -> None:
+        """Size an idle engine for a call: ``max_rows`` rows at once within ``kv_budget_bytes`` of KV cache
+        (the runner, packed for the rows, is rebuilt where they change)."""
+        if not self.idle():
+            raise RuntimeError("an engine with requests in it cannot be resized")
+        if max_rows != self.max_rows:
+            self.executor = None
+        self.scheduler.resize(max_rows, kv_budget_bytes)
+        if self._prefix_share is not None:
+            self.prefixes.limit_bytes = kv_budget_bytes // self._prefix_share
+            self.prefixes.shrink_to(self.prefixes.limit_bytes)
 
     # ---- from any thread ----------------------------------------------------------------------
 
@@ -300,6 +348,8 @@ class Engine:
                 item()
 
     def step(self) -> None:
+        if self.executor is None:  # released after the last call
+            self.refresh()
         self.steps += 1
         tune_threads()  # the CPUs this process may use, less those others keep busy
         started = self._step_started_s = time.monotonic()
@@ -356,28 +406,24 @@ class Engine:
             self._add_rows(request, count)
 
     def _add_rows(self, request: EngineRequest, count: int) -> None:
+        """Start ``count`` of ``request``'s rows (the scheduler allocates their slots) and sample their first
+        tokens from the prompt's last logits."""
         state = self.scheduler.states[request]
-        lane = self.scheduler.lane_for(request)
-        cache, length = lane.cache, lane.slot_length(request)
-        rows_needed = len(lane.rows) + count
-        if rows_needed > cache.capacity_rows or length > cache.capacity_length:
-            cache.resize(self.scheduler.slot_capacity(lane, rows_needed, length, request), length, state.cache.layers[0].keys)
-            self.scheduler.make_room()
-        slots = cache.add_rows(state.cache, count)
-        samples = self.scheduler.admit(request, count)
-        new_rows = []
-        for sample in samples:
-            generator = row_generator(request.seed, request.prompt_index, sample, request.temperature(sample))
-            driver = EpisodeDriver(request.environment, self.tokenizer, self.token_texts) if drives_episodes(request.environment) else None
-            if driver is not None:
-                request.tool_calls[sample] = driver.calls
-            new_rows.append(Row(request, sample, generator, driver))
-        lane.rows += new_rows
+        rows = [self._new_row(request, sample) for sample in range(state.next_sample, state.next_sample + count)]
+        lane, slots = self.scheduler.start_rows(request, rows)
         if request.first_token_s is None:
             request.first_token_s = time.monotonic()
-        self.outputs.first_tokens(lane, list(slots), state.last_logits)
+        tokens, logprobs = self.executor.sample(state.last_logits.expand(count, -1), [row.sampling for row in rows])
+        self.outputs.first_tokens(lane, slots, tokens, logprobs)
         if not state.pending_rows:
             self._release_prompt(request)
+
+    def _new_row(self, request: EngineRequest, sample: int) -> Row:
+        generator = row_generator(request.seed, request.prompt_index, sample, request.temperature(sample))
+        driver = EpisodeDriver(request.environment, self.tokenizer, self.token_texts) if drives_episodes(request.environment) else None
+        if driver is not None:
+            request.tool_calls[sample] = driver.calls
+        return Row(request, sample, generator, driver)
 
     def _release_prompt(self, request: EngineRequest) -> None:
         if self.scheduler.release(request):
@@ -385,9 +431,8 @@ class Engine:
 
     def _forward(self) -> tuple[int, int]:
         """One forward of the model over the scheduler's plan (every lane's running rows, one token each,
-        and the prompt chunks it picks; ``rlvr.generation.executor``); then each lane's rows sample and
-        record their tokens, and each prompt that is now whole keeps its last logits for its rows' first
-        tokens. Returns the tokens it ran and the prompt tokens among them."""
+        and the prompt chunks it picks), its rows' next tokens sampled (``rlvr.generation.executor``); the
+        output processor applies the result. Returns the tokens it ran and the prompt tokens among them."""
         for lane in self.lanes:
             self.outputs.resume_parked(lane)
         plan = self.scheduler.schedule()
@@ -395,17 +440,10 @@ class Engine:
         self._step_estimate_s = (self.decode_step_seconds if plan.decode else 0.0) + (self._prompt_steps.at(prompt_tokens) if prompt_tokens else 0.0)
         self._publish_backlog({chunk.request: chunk.end for chunk in plan.prefill})
         states = self.scheduler.states
-        output = self.executor.execute(plan, {request: states[request].cache for request, _, _ in plan.prefill})
+        output = self.executor.execute(plan, [lane.cache for lane in self.lanes], {chunk.request: states[chunk.request].cache for chunk in plan.prefill})
         if output.decode:
             self._note_neighbours()
-        for lane, live, logits in output.decode:
-            self.outputs.next_tokens(lane, live, logits)
-        for request, end, logits in output.prefill:
-            state = states[request]
-            state.prefilled = end
-            if state.whole_prompt:
-                state.last_logits = logits
-                self.prefixes.store(request.prompt_ids, state.cache, self.scheduler.room_bytes())
+        self.outputs.update_from_output(output)
         return output.tokens, prompt_tokens
 
     def _note_neighbours(self) -> None:
@@ -441,6 +479,11 @@ class MovingLine:
 
     def at(self, x: float) -> float:
         return self.intercept + self.slope * x
+
+
+def _weight_state(model: Any) -> list[tuple[torch.Tensor, int]]:
+    """Each weight tensor and its version counter: another tensor or an in-place write is a change."""
+    return [(p, p._version) for p in model.parameters()]
 
 
 def _moving_average(average: float, value: float) -> float:

@@ -1,15 +1,15 @@
 """The executor: a step's plan run as one forward over a flat batch, and the rows' next tokens sampled.
 
-:meth:`StepExecutor.execute` takes the scheduler's :class:`~rlvr.generation.scheduler.StepPlan`: every
-lane's running rows (one token each) and the prompt chunks, flattened so the weights are read once per
-step; each segment's attention goes where its keys live (a lane's slots, a prompt's cache). A decode-only
-step of one lane runs from a CUDA graph where the plan built them. :meth:`StepExecutor.draw_tokens`
-samples each row from its own generator.
+:meth:`StepExecutor.execute` takes the scheduler's :class:`~rlvr.generation.scheduler.StepPlan` (plain
+data: every lane's rows, one token each, and the prompt chunks), flattens it so the weights are read once
+per step, with each segment's attention where its keys live (a lane's slots, a prompt's cache), samples
+the live rows (:meth:`StepExecutor.sample`, each row from its own generator) and returns a
+:class:`~rlvr.generation.scheduler.StepOutput`; the scheduler's side applies it. A decode-only step of
+one lane runs from a CUDA graph where the plan built them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,17 +23,7 @@ from rlvr.generation.kv_cache import SlotCache
 from rlvr.generation.model_runner import model_runner
 from rlvr.generation.request import EngineRequest
 from rlvr.generation.sampler import draw_uniforms, sample_tokens
-from rlvr.generation.scheduler import Lane, Row, StepPlan
-
-
-@dataclass
-class StepOutput:
-    """What a step computed: each decoding lane's live row slots with their logits, each prompt chunk's
-    request, its end and (for a whole prompt) its last logits, and the tokens the forward ran."""
-
-    decode: list[tuple[Lane, list[int], torch.Tensor]] = field(default_factory=list)
-    prefill: list[tuple[EngineRequest, int, torch.Tensor]] = field(default_factory=list)
-    tokens: int = 0
+from rlvr.generation.scheduler import LaneOutput, PrefillOutput, RowSampling, StepOutput, StepPlan
 
 
 class StepExecutor:
@@ -47,22 +37,23 @@ class StepExecutor:
         self.graphed = GraphedDecode(self.runner, self.device, graphs=True, float32_attention=plan.float32_attention) if plan.cuda_graphs else None
         self.slot_kernel = plan.slot_attention  # decode attention to each row's own length
 
-    def execute(self, plan: StepPlan, prompt_caches: dict[EngineRequest, DynamicCache]) -> StepOutput:
-        """One forward over ``plan``: its lanes' rows write their keys and values at their positions and
-        advance (parked rows ride along, their outputs dropped, their lengths kept); each chunk's keys
-        join its prompt's cache (``prompt_caches``)."""
-        if self.graphed is not None and not plan.prefill and (graphed := self._graphed_step(plan)) is not None:
+    def execute(self, plan: StepPlan, lane_caches: list[SlotCache], prompt_caches: dict[EngineRequest, DynamicCache]) -> StepOutput:
+        """One forward over ``plan``: each lane's rows write their keys and values into its slots
+        (``lane_caches``, by lane index) at their positions, each chunk's keys join its prompt's cache
+        (``prompt_caches``); then the live rows' next tokens are sampled. Advancing the rows' lengths is
+        the caller's (parked rows ride along, their outputs dropped)."""
+        if self.graphed is not None and not plan.prefill and (graphed := self._graphed_step(plan, lane_caches)) is not None:
             return graphed
         tokens, positions, segments, logits_at = [], [], [], []
-        for lane, live in plan.decode:
-            start, cache = sum(map(len, tokens)), lane.cache
-            rows = len(lane.rows)
-            cache.step_length = int(cache.lengths[:rows].max()) + 1
-            lane_positions = cache.lengths[:rows].clone()
-            tokens.append(lane.next_tokens)
+        for step in plan.decode:
+            start, cache = sum(map(len, tokens)), lane_caches[step.lane]
+            lane_positions = torch.tensor(step.positions)
+            cache.step_length = max(step.positions) + 1
+            tokens.append(torch.tensor(step.tokens))
             positions.append(lane_positions)
-            segments.append((start, start + rows, _slot_attention(cache, lane_positions, self.device, self.slot_kernel, self.plan.float32_attention)))
-            logits_at += [start + i for i in live]
+            attend = _slot_attention(cache, lane_positions, self.device, self.slot_kernel, self.plan.float32_attention)
+            segments.append((start, start + len(step.tokens), attend))
+            logits_at += [start + i for i in step.live]
         for request, begin, end in plan.prefill:
             start = sum(map(len, tokens))
             tokens.append(torch.tensor(request.prompt_ids[begin:end]))
@@ -75,38 +66,33 @@ class StepExecutor:
             torch.cat(tokens).to(self.device), torch.cat(positions).to(self.device), _segmented(segments), torch.tensor(logits_at, device=self.device)
         )
         output, offset = StepOutput(tokens=sum(map(len, tokens))), 0
-        for lane, live in plan.decode:
-            rows = len(lane.rows)
-            if len(live) < rows:  # parked rows do not advance
-                lane.cache.lengths[live] += 1
-            else:
-                lane.cache.lengths[:rows] += 1
-            output.decode.append((lane, live, logits[offset : offset + len(live)]))
-            offset += len(live)
+        for step in plan.decode:
+            output.decode.append(LaneOutput(step.lane, step.live, *self.sample(logits[offset : offset + len(step.live)], step.sampling)))
+            offset += len(step.live)
         for k, (request, _, end) in enumerate(plan.prefill):
-            output.prefill.append((request, end, logits[offset + k : offset + k + 1]))
+            whole = end == len(request.prompt_ids)
+            output.prefill.append(PrefillOutput(request, end, logits[offset + k : offset + k + 1] if whole else None))
         return output
 
-    def _graphed_step(self, plan: StepPlan) -> StepOutput | None:
+    def _graphed_step(self, plan: StepPlan, lane_caches: list[SlotCache]) -> StepOutput | None:
         """A decode-only step of the one lane with rows, none parked, from a CUDA graph; None where it does not fit."""
         if len(plan.decode) != 1:
             return None
-        lane, live = plan.decode[0]
-        rows = len(lane.rows)
-        if len(live) != rows or any(row.parked is not None for row in lane.rows) or not self.graphed.fits(lane.cache, rows):
+        step = plan.decode[0]
+        cache, rows = lane_caches[step.lane], len(step.tokens)
+        if len(step.live) != rows or not self.graphed.fits(cache, rows):
             return None
-        logits = self.graphed.step(lane.cache, lane.next_tokens.to(self.device), lane.cache.lengths[:rows].to(self.device))
-        lane.cache.lengths[:rows] += 1
-        return StepOutput(decode=[(lane, live, logits)], tokens=rows)
+        logits = self.graphed.step(cache, torch.tensor(step.tokens).to(self.device), torch.tensor(step.positions).to(self.device))
+        return StepOutput(decode=[LaneOutput(step.lane, step.live, *self.sample(logits, step.sampling))], tokens=rows)
 
     @staticmethod
-    def draw_tokens(logits: torch.Tensor, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor]:
+    def sample(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int], list[float]]:
         """Each row's next token and its log-prob, drawn from its own generator at its temperature and top-p."""
-        temperatures = torch.tensor([r.request.temperature(r.sample) for r in rows], dtype=torch.float32)
-        top_p = torch.tensor([r.request.top_p for r in rows], dtype=torch.float32)
+        temperatures = torch.tensor([r.temperature for r in rows], dtype=torch.float32)
+        top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32)
         uniforms = draw_uniforms([r.generator for r in rows])
         tokens, logprobs = sample_tokens(logits, temperatures.to(logits.device), top_p.to(logits.device), None, uniforms=uniforms.to(logits.device))
-        return tokens.cpu(), logprobs.cpu()
+        return tokens.tolist(), logprobs.tolist()
 
 
 def _slot_attention(cache: SlotCache, positions: torch.Tensor, device: torch.device, kernel: bool, upcast: bool) -> Attend:

@@ -2,8 +2,8 @@
 reasons out (:class:`~rlvr.generation.rollouts.Rollouts`); and the trainer's weights in after each update.
 
 Two engines sit behind it, chosen once (``rlvr.generation.engines.choose_engine``) from
-:class:`EngineConfig`: :class:`NativeGenerator` (``rlvr.generation.Engine`` on the trainer's own module,
-its backend planned once for the run) and ``rlvr.generation.vllm_engine.VllmGenerator`` (vLLM in process).
+:class:`EngineConfig`: :class:`NativeGenerator` (one ``rlvr.generation.Engine`` on the trainer's own module
+for the whole run) and ``rlvr.generation.vllm_engine.VllmGenerator`` (vLLM in process).
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ class Generator(Protocol):
 
 class NativeGenerator:
     """Our engine on ``model`` itself: the trainer updates the module in place, so there is nothing to load;
-    its backend is planned once, at the first call (``RolloutBackend``)."""
+    one engine serves every call of the run (``RolloutBackend``), its runner repacking the weights where
+    they changed."""
 
     name = "native"
 

@@ -1,5 +1,6 @@
-"""The output processor: each row's new token recorded, its stop rules and tool episode applied, and
-finished rows retired from their lane.
+"""The output processor: a step's :class:`~rlvr.generation.scheduler.StepOutput` applied, the one place
+progress moves: prompt chunks cached, rows one position on, each row's new token recorded, its stop rules
+and tool episode applied, and finished rows retired from their lane.
 
 A row's sampled token is replaced by its environment's where the episode writes one (log-prob 0); a turn
 end whose tool may run for seconds is observed on a thread pool while the row keeps its slot, parked
@@ -13,48 +14,55 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-import torch
-
 from rlvr.environments.base import Injection
 from rlvr.environments.driver import TokenTexts
 from rlvr.generation.kv_cache import quantized
 from rlvr.generation.request import EngineRequest
-from rlvr.generation.scheduler import Lane, Row, Scheduler
+from rlvr.generation.scheduler import Lane, LaneOutput, Row, Scheduler, StepOutput
 from rlvr.generation.stops import StopChecker
 
 TOOL_WORKERS = 4  # threads observing turn ends (tools that may run for seconds) off the engine's thread
 
-DrawTokens = Callable[[torch.Tensor, list[Row]], tuple[torch.Tensor, torch.Tensor]]
-
 
 class OutputProcessor:
-    """Records what the rows of ``scheduler``'s lanes generate: ``draw_tokens`` samples them, ``stops``
-    ends them, ``wake`` is called (from a tool thread) when a parked row's observation is back."""
+    """Applies what the rows of ``scheduler``'s lanes generate: ``stops`` ends them, ``wake`` is called
+    (from a tool thread) when a parked row's observation is back."""
 
-    def __init__(self, scheduler: Scheduler, stops: StopChecker, token_texts: TokenTexts, draw_tokens: DrawTokens, wake: Callable[[], None]):
-        self.scheduler, self.stops, self.token_texts = scheduler, stops, token_texts
-        self.draw_tokens, self.wake = draw_tokens, wake
+    def __init__(self, scheduler: Scheduler, stops: StopChecker, token_texts: TokenTexts, wake: Callable[[], None]):
+        self.scheduler, self.stops, self.token_texts, self.wake = scheduler, stops, token_texts, wake
         self._tool_pool: ThreadPoolExecutor | None = None
 
-    def first_tokens(self, lane: Lane, slots: list[int], logits: torch.Tensor) -> None:
-        """New rows' first tokens, from their prompt's last ``logits``."""
-        tokens, logprobs = self.draw_tokens(logits.expand(len(slots), -1), [lane.rows[i] for i in slots])
-        lane.next_tokens = torch.cat([lane.next_tokens, tokens])
-        self.record(lane, slots, tokens, logprobs)
+    def update_from_output(self, output: StepOutput) -> None:
+        """Apply a step's ``output``: each lane's live rows one position on, their tokens (or their
+        environment's) recorded; each prompt chunk cached to its end (``Scheduler.prefilled``)."""
+        for lane_output in output.decode:
+            self._next_tokens(lane_output)
+        for request, end, last_logits in output.prefill:
+            self.scheduler.prefilled(request, end, last_logits)
 
-    def next_tokens(self, lane: Lane, live: list[int], logits: torch.Tensor) -> None:
-        """The live rows' next tokens from their ``logits`` (or their environment's), recorded."""
-        tokens, logprobs = self.draw_tokens(logits, [lane.rows[i] for i in live])
+    def first_tokens(self, lane: Lane, slots: range, tokens: list[int], logprobs: list[float]) -> None:
+        """New rows' first tokens (sampled from their prompt's last logits), recorded."""
+        lane.next_tokens += tokens
+        self.record(lane, list(slots), tokens, logprobs)
+
+    def _next_tokens(self, output: LaneOutput) -> None:
+        lane, live = self.scheduler.lanes[output.lane], output.live
+        tokens, logprobs = list(output.tokens), list(output.logprobs)
+        if len(live) < len(lane.rows):  # parked rows do not advance
+            lane.cache.lengths[live] += 1
+        else:
+            lane.cache.lengths[: len(lane.rows)] += 1
         forced = self._force_tokens(lane, live, tokens, logprobs)
-        lane.next_tokens[live] = tokens
+        for slot, token in zip(live, tokens):
+            lane.next_tokens[slot] = token
         self.record(lane, live, tokens, logprobs, forced)
 
-    def record(self, lane: Lane, slots: list[int], tokens: torch.Tensor, logprobs: torch.Tensor, forced: list[bool] | None = None) -> None:
+    def record(self, lane: Lane, slots: list[int], tokens: list[int], logprobs: list[float], forced: list[bool] | None = None) -> None:
         """Append each row's new token (``forced``: the environment's), tell the streams, retire the rows
         that finished."""
         finished: list[tuple[int, str]] = []
         by_request: dict[EngineRequest, list[tuple[int, int]]] = {}
-        for k, (slot, token, logprob) in enumerate(zip(slots, tokens.tolist(), logprobs.tolist())):
+        for k, (slot, token, logprob) in enumerate(zip(slots, tokens, logprobs)):
             row = lane.rows[slot]
             request, sample = row.request, row.sample
             request.token_ids[sample].append(token)
@@ -95,7 +103,7 @@ class OutputProcessor:
         if moved is not None:
             lane.rows[slot] = last
             lane.next_tokens[slot] = lane.next_tokens[moved]
-        lane.next_tokens = lane.next_tokens[: len(lane.rows)]
+        del lane.next_tokens[len(lane.rows) :]
         if self.scheduler.release_row(request, None if reason == "cancelled" else len(request.token_ids[row.sample])):
             finish(request)
         if not lane.rows:
@@ -103,7 +111,7 @@ class OutputProcessor:
         elif (needed := quantized(max(r.request.slot_length for r in lane.rows))) * 2 <= lane.cache.capacity_length:
             lane.cache.resize(lane.cache.capacity_rows, needed, lane.cache.layers[0].keys)
 
-    def _force_tokens(self, lane: Lane, live: list[int], tokens: torch.Tensor, logprobs: torch.Tensor) -> list[bool] | None:
+    def _force_tokens(self, lane: Lane, live: list[int], tokens: list[int], logprobs: list[float]) -> list[bool] | None:
         """Replace each row's sampled token by the next one its environment writes, if any (log-prob 0)."""
         forced = None
         for k, i in enumerate(live):

@@ -17,7 +17,6 @@ import torch
 
 from rlvr.environments.base import Environment, ToolCall
 from rlvr.fastpaths import FastPaths
-from rlvr.fastpaths.plan import BackendPlan
 from rlvr.generation.engine import SHORT_LANE_TOKENS, Engine
 from rlvr.generation.kv_cache import kv_cache_bytes_per_token, quantized
 from rlvr.generation.request import EngineRequest
@@ -124,7 +123,7 @@ def stream_rollouts(
     """Like :func:`generate_rollouts`, yielding the prompts in order as they finish, in chunks of at most
     ``config.max_batch_rows`` rows (at least one prompt's G samples); ``group_index`` counts prompts
     across chunks. The concatenated chunks are the same rollouts whatever the chunk size. ``backend``:
-    the backend plan kept from earlier calls (a trainer's), else one planned for this call."""
+    the engine kept from earlier calls (a trainer's), else one for this call."""
     config = config or SamplingConfig()
     encoded, rules = encode_prompts(tokenizer, prompts, num_samples, config, stops)
     max_rows = max(num_samples, min(len(encoded) * num_samples, config.max_batch_rows or len(encoded) * num_samples))
@@ -144,6 +143,14 @@ def stream_rollouts(
         )
         for i, ids in enumerate(encoded)
     ]
+    try:
+        yield from _stream_chunks(engine, requests, num_samples, prompts_per_chunk, tokenizer)
+    finally:
+        engine.release_buffers()  # nothing of the call is kept through the trainer's update
+
+
+def _stream_chunks(engine: Engine, requests: list[EngineRequest], num_samples: int, prompts_per_chunk: int, tokenizer: Any) -> Iterator[Rollouts]:
+    """``requests`` run on ``engine``, yielded in prompt order as they finish, ``prompts_per_chunk`` prompts a chunk."""
     finished: set[int] = set()
     next_prompt = 0
     with torch.inference_mode():  # the engine's plan packs the linear layers where it says so
@@ -184,22 +191,28 @@ def encode_prompts(
 
 
 class RolloutBackend:
-    """What rollouts keep from call to call (a trainer's whole run): the backend plan, decided at the first
-    call for the model and its settings. Each call gets an engine of its own, sized for it, whose runner
-    packs the weights as they are now (the trainer updates them between calls)."""
+    """What rollouts keep from call to call (a trainer's whole run): one engine for the model and its
+    settings, its backend planned at the first call. Each call sizes it for its prompts and refreshes it
+    (the trainer updates the weights in place between calls: the runner packs them afresh and the prefix
+    cache empties where any changed); after the call it lets go of its KV buffers and packed weights."""
 
     def __init__(self) -> None:
-        self.plan: BackendPlan | None = None
+        self.engine: Engine | None = None
         self._key: tuple | None = None
 
     def engine_for(self, model: Any, tokenizer: Any, encoded: list[list[int]], num_samples: int, max_rows: int, config: SamplingConfig) -> Engine:
-        """An engine for one call: KV room for ``max_rows`` rows of the longest prompt plus the budget, twice
-        over (two lanes), and its prompts' prefill caches."""
+        """The engine for one call, sized for it: KV room for ``max_rows`` rows of the longest prompt plus
+        the budget, twice over (two lanes), and its prompts' prefill caches."""
         longest = max(len(ids) for ids in encoded) + config.max_new_tokens
         per_token = kv_cache_bytes_per_token(model.config, model.dtype)
         budget = per_token * (2 * max_rows * quantized(longest) + sum(len(ids) for ids in encoded[: max(1, max_rows // num_samples)]))
-        key = (id(model), model.dtype, config.fast_paths)
-        engine = Engine(
+        stop_ids = None if config.stop_token_ids is None else tuple(config.stop_token_ids)
+        key = (id(model), id(tokenizer), model.dtype, config.fast_paths, stop_ids)
+        if self.engine is not None and key == self._key and self.engine.idle():
+            self.engine.resize(max_rows, budget)
+            self.engine.refresh()
+            return self.engine
+        self.engine = Engine(
             model,
             tokenizer,
             max_rows=max_rows,
@@ -209,10 +222,10 @@ class RolloutBackend:
             short_lane_tokens=SHORT_LANE_TOKENS,
             fast_paths=config.fast_paths,
             stop_token_ids=config.stop_token_ids,
-            plan=self.plan if key == self._key else None,
+            plan=self.engine.plan if self.engine is not None and key[:4] == self._key[:4] else None,
         )
-        self.plan, self._key = engine.plan, key
-        return engine
+        self._key = key
+        return self.engine
 
 
 def _rollouts(requests: list[EngineRequest], first_prompt: int, group: int, tokenizer: Any) -> Rollouts:

@@ -1,12 +1,12 @@
 """The engine's scheduler: who runs each step and how many tokens each (vLLM v1's split of the engine).
 
 It owns the waiting and running requests, the lanes of running rows and the KV budget, behind one gate
-(:meth:`Scheduler.fits`, :meth:`Scheduler.reserve`, :meth:`Scheduler.release`). Each step it hands the
-engine a :class:`StepPlan` and the rows each prefilled request may start (:meth:`Scheduler.admissions`).
-Requests start in arrival order within a lookahead of rows, and the oldest with no row yet (the head)
-is never overtaken for the KV budget (docs/architecture.md, "The generation engine"). It reads request
-metadata only and keeps each request's progress (:class:`RequestState`) itself, so it is tested without
-a model (tests/test_engine_scheduler.py).
+(:meth:`Scheduler.fits`, :meth:`Scheduler.reserve`, :meth:`Scheduler.release`), and allocates the KV of
+the rows it admits (:meth:`Scheduler.start_rows`). Each step it hands the executor a :class:`StepPlan` of
+plain data and takes back a :class:`StepOutput` (applied by ``rlvr.generation.outputs``). Requests start
+in arrival order within a lookahead of rows; the oldest with no row yet (the head) is never overtaken for
+the KV budget (docs/architecture.md, "The generation engine"). It reads request metadata only and keeps
+each request's progress (:class:`RequestState`), so it is tested without a model (tests/test_engine_scheduler.py).
 """
 
 from __future__ import annotations
@@ -29,6 +29,14 @@ if TYPE_CHECKING:
     from rlvr.generation.request import EngineRequest
 
 
+class RowSampling(NamedTuple):
+    """How a row draws its next token: its temperature and top-p, from its own generator (None: greedy)."""
+
+    temperature: float
+    top_p: float
+    generator: torch.Generator | None
+
+
 @dataclass
 class Row:
     request: EngineRequest
@@ -37,6 +45,10 @@ class Row:
     driver: EpisodeDriver | None = None  # its episode (requests with an environment)
     parked: Future | None = None  # a turn end being observed off the engine thread
     parked_reason: str | None = None  # how the row finishes if that observation injects nothing
+
+    @property
+    def sampling(self) -> RowSampling:
+        return RowSampling(self.request.temperature(self.sample), self.request.top_p, self.generator)
 
 
 class Lane:
@@ -48,7 +60,7 @@ class Lane:
         self.num_layers, self.max_length = num_layers, max_length
         self.cache = SlotCache(num_layers)
         self.rows: list[Row] = []
-        self.next_tokens = torch.zeros(0, dtype=torch.long)
+        self.next_tokens: list[int] = []  # each row's token for the next step
 
     def takes(self, request: EngineRequest) -> bool:
         return self.max_length is None or request.slot_length <= self.max_length
@@ -58,7 +70,7 @@ class Lane:
         return max(self.cache.capacity_length if self.rows else 0, quantized(request.slot_length))
 
     def clear(self) -> None:
-        self.cache, self.rows, self.next_tokens = SlotCache(self.num_layers), [], torch.zeros(0, dtype=torch.long)
+        self.cache, self.rows, self.next_tokens = SlotCache(self.num_layers), [], []
 
     def capacity(self, trimmed: bool = False) -> tuple[int, int]:
         """The slots and positions the lane's buffers hold (``trimmed``: would hold after :meth:`trim`)."""
@@ -103,12 +115,49 @@ class PrefillChunk(NamedTuple):
     end: int
 
 
+class LaneStep(NamedTuple):
+    """One lane's decode in a step: its ``lane`` index, every row's next token and position (its cache
+    length; parked rows ride along), the ``live`` (not parked) row slots whose tokens are sampled, and how."""
+
+    lane: int
+    tokens: list[int]
+    positions: list[int]
+    live: list[int]
+    sampling: list[RowSampling]  # of the live rows
+
+
 @dataclass
 class StepPlan:
-    """One step's work: each lane's live (not parked) row slots decode one token, then the prompt chunks."""
+    """One step's work, as plain data: each lane's rows decode one token, then the prompt chunks."""
 
-    decode: list[tuple[Lane, list[int]]]
+    decode: list[LaneStep]
     prefill: list[PrefillChunk]
+
+
+class LaneOutput(NamedTuple):
+    """A lane's sampled tokens and their log-probs, one per live row slot."""
+
+    lane: int
+    live: list[int]
+    tokens: list[int]
+    logprobs: list[float]
+
+
+class PrefillOutput(NamedTuple):
+    """A prompt chunk run: its ``request``, the prompt tokens now cached, and the whole prompt's last logits (None: not whole yet)."""
+
+    request: EngineRequest
+    end: int
+    last_logits: torch.Tensor | None
+
+
+@dataclass
+class StepOutput:
+    """What the executor computed for a :class:`StepPlan`: each lane's sampled tokens, each chunk's end, and the tokens the forward ran."""
+
+    decode: list[LaneOutput] = field(default_factory=list)
+    prefill: list[PrefillOutput] = field(default_factory=list)
+    tokens: int = 0
 
 
 class QueuedWork(NamedTuple):
@@ -268,6 +317,11 @@ class Scheduler:
     def rows(self) -> list[Row]:
         """Every running row (all lanes)."""
         return [row for lane in self.lanes for row in lane.rows]
+
+    def resize(self, max_rows: int, kv_budget_bytes: int) -> None:
+        """``max_rows`` rows at once within ``kv_budget_bytes`` (an idle engine's, sized for its next call)."""
+        self.max_rows, self.kv_budget_bytes = max_rows, kv_budget_bytes
+        self.lookahead_rows = max_rows + max_rows // 4
 
     def add(self, request: EngineRequest) -> None:
         self.waiting.append(request)
@@ -447,10 +501,11 @@ class Scheduler:
         (None: :meth:`prefill_budget` once the prompts that may start have started)."""
         prefill = self._prefill_chunks(prefill_budget)
         decode = []
-        for lane in self.lanes:
+        for index, lane in enumerate(self.lanes):
             live = [i for i, row in enumerate(lane.rows) if row.parked is None]
             if live:
-                decode.append((lane, live))
+                positions = lane.cache.lengths[: len(lane.rows)].tolist()
+                decode.append(LaneStep(index, list(lane.next_tokens), positions, live, [lane.rows[i].sampling for i in live]))
         return StepPlan(decode, prefill)
 
     def _prefill_chunks(self, budget: int | None) -> list[PrefillChunk]:
@@ -485,7 +540,7 @@ class Scheduler:
     def admissions(self) -> Iterator[tuple[EngineRequest, int]]:
         """(request, rows to start) for the prefilled requests, the head first, then short requests (for
         their wait so far), each within a fair share of ``max_rows`` and the KV budget. Lazy: the caller starts each request's rows (see
-        :meth:`admit`) before the next is weighed."""
+        :meth:`start_rows`) before the next is weighed."""
         ready = [self.states[q] for q in self._active(list(self.waiting))]
         ready = [s for s in ready if s.whole_prompt and s.pending_rows]
         if not ready:
@@ -504,6 +559,33 @@ class Scheduler:
                 yield state.request, count
                 if state is head:
                     head = self.head()
+
+    def start_rows(self, request: EngineRequest, rows: list[Row]) -> tuple[Lane, range]:
+        """Start ``rows``, ``request``'s next samples (as :meth:`admissions` allows): their lane grows where it
+        must (:meth:`slot_capacity`), each new slot takes the prompt's keys and values, and they count as
+        running. Returns the lane and their slots."""
+        state, count = self.states[request], len(rows)
+        if [row.sample for row in rows] != list(range(state.next_sample, state.next_sample + count)):
+            raise ValueError(f"rows of samples {[row.sample for row in rows]}: the request's next {count} start from {state.next_sample}")
+        lane = self.lane_for(request)
+        cache, length = lane.cache, lane.slot_length(request)
+        rows_needed = len(lane.rows) + count
+        if rows_needed > cache.capacity_rows or length > cache.capacity_length:
+            cache.resize(self.slot_capacity(lane, rows_needed, length, request), length, state.cache.layers[0].keys)
+            self.make_room()
+        slots = cache.add_rows(state.cache, count)
+        self.admit(request, count)
+        lane.rows += rows
+        return lane, slots
+
+    def prefilled(self, request: EngineRequest, end: int, last_logits: torch.Tensor | None) -> None:
+        """``request``'s prompt is cached up to ``end``; once whole, its ``last_logits`` are kept for its rows'
+        first tokens and its blocks offered to the prefix cache."""
+        state = self.states[request]
+        state.prefilled = end
+        if state.whole_prompt:
+            state.last_logits = last_logits
+            self.prefixes.store(request.prompt_ids, state.cache, self.room_bytes())
 
     def admit(self, request: EngineRequest, count: int) -> range:
         """Count ``count`` more of ``request``'s rows as running; returns their samples."""
