@@ -29,6 +29,7 @@ args = json.loads(sys.argv[1])
 from rlvr.generation import SamplingConfig, generate_rollouts
 from rlvr.policy import load_policy
 model, tokenizer = load_policy(args["checkpoint"], "cpu", torch.float32)
+model.requires_grad_(False)  # served, not trained: its packed weights are kept from the warm-up on
 config = SamplingConfig(max_new_tokens=args["new_tokens"], temperatures=[0.0], stop_token_ids=[])
 generate_rollouts(model, tokenizer, [args["ids"]], 1, SamplingConfig(max_new_tokens=8, temperatures=[0.0], stop_token_ids=[]))
 started = time.perf_counter()

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from rlvr.fastpaths import FastPaths, jit
+from rlvr.fastpaths import FastPaths, jit, row_kernels
 from rlvr.fastpaths.attention import LOW_PRECISION
 from rlvr.fastpaths.packed_linear import packing_dtypes
 
@@ -78,6 +78,12 @@ def use_layer_kernels(fast: FastPaths, device: torch.device, dtype: torch.dtype,
     ``rlvr.fastpaths.layer_kernels``: float32 on CPU, numba importable (a few rows' work: one thread serves
     any thread count)."""
     return fast.layer_kernels and fused and _float32_cpu_kernels(device, dtype)
+
+
+def use_row_kernels(fast: FastPaths, device: torch.device, dtype: torch.dtype, fused: bool) -> bool:
+    """The fused decoder's (``fused``: the runner) steps of a few token rows through
+    ``rlvr.fastpaths.row_kernels``: float32 on CPU, the kernel built here (a C++ compiler; built at the first ask)."""
+    return fast.row_kernels and fused and device.type == "cpu" and dtype == torch.float32 and row_kernels.available()
 
 
 def _float32_cpu_kernels(device: torch.device, dtype: torch.dtype) -> bool:

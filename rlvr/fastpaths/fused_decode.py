@@ -2,7 +2,8 @@
 
 :class:`FusedDecoder` computes what the model's forward computes for a decode step (RMSNorm, rotary
 embedding, grouped-query attention over the cache, SiLU-gated MLP) in fewer, larger operations: fused
-projections on weights packed once per rollout, attention in float32 for bf16 / fp16 where the plan says.
+projections on weights packed once per rollout (steps of a few float32 rows on the model's own weights through
+``rlvr.fastpaths.row_kernels``), attention in float32 for bf16 / fp16 where the plan says.
 ``llama``, ``qwen2``, ``qwen3`` and ``mistral`` models with plain linear layers qualify (the plan's
 ``runner``, ``rlvr.fastpaths.plan``); for any other :func:`fused_decoder` returns None and the engine runs
 the model's own forward. ``bench/cpu_kernels.py`` times it against that forward (docs/architecture.md, "Fast paths").
@@ -19,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from rlvr.fastpaths import FastPaths, layer_kernels
+from rlvr.fastpaths import FastPaths, layer_kernels, row_kernels
 from rlvr.fastpaths.attention import LOW_PRECISION
-from rlvr.fastpaths.packed_linear import fused_linear
+from rlvr.fastpaths.packed_linear import fused_bias, fused_linear
 from rlvr.fastpaths.plan import BackendPlan, plan_backend
 
 
@@ -35,20 +36,21 @@ def fused_decoder(model: Any, rows: int, plan: BackendPlan | FastPaths = FastPat
         plan = plan_backend(model, plan)
     if not plan.fused:
         return None
-    kernels = plan.layer_kernels
+    kernels, few_rows = plan.layer_kernels, plan.row_kernels
     parameters = list(model.parameters())
     if any(p.requires_grad for p in parameters):
-        return FusedDecoder(model, rows, kernels)
+        return FusedDecoder(model, rows, kernels, few_rows)
     state = [(p, p._version) for p in parameters]  # the tensors themselves: a swapped-in module is a change
     kept = _FROZEN.get(model)
-    if kept is None or len(kept[0]) != len(state) or any(a is not b or u != v for (a, u), (b, v) in zip(kept[0], state)):
+    stale = kept is None or len(kept[0]) != len(state) or any(a is not b or u != v for (a, u), (b, v) in zip(kept[0], state))
+    if stale or few_rows and kept[1].head.weights is None:
         # packed for at least 8 rows: it serves later rollouts of any size, and a float32 weight
         # packed for 1 row (a service's warm-up) runs markedly slower on 4 or more
-        kept = _FROZEN[model] = (state, FusedDecoder(model, max(rows, 8), kernels))
+        kept = _FROZEN[model] = (state, FusedDecoder(model, max(rows, 8), kernels, few_rows))
     decoder = kept[1]
-    if decoder.kernels != kernels:  # the same packed weights, the other switch
+    if (decoder.kernels, decoder.row_kernels) != (kernels, few_rows):  # the same packed weights, other switches
         decoder = copy.copy(decoder)
-        decoder.kernels = kernels
+        decoder.kernels, decoder.row_kernels = kernels, few_rows
     return decoder
 
 
@@ -59,15 +61,15 @@ class FusedDecoder:
     """``decoder(tokens, positions, attention_mask, cache)`` -> the next-token logits [rows, vocab],
     for one new token per row; the cache gets that token's keys and values, as the model's own
     forward would add them. ``kernels``: its RMSNorms and rotary embeddings through
-    ``rlvr.fastpaths.layer_kernels`` (float32 CPU models only)."""
+    ``rlvr.fastpaths.layer_kernels``; ``few_rows``: steps of at most ``row_kernels.MAX_ROWS`` token rows
+    through ``rlvr.fastpaths.row_kernels`` (float32 CPU models only)."""
 
-    def __init__(self, model: Any, rows: int, kernels: bool = False):
-        self.kernels = kernels
+    def __init__(self, model: Any, rows: int, kernels: bool = False, few_rows: bool = False):
+        self.kernels, self.row_kernels = kernels, few_rows
         config, decoder = model.config, model.model
         self.embed, self.rotary, self.final_norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.intermediate = config.intermediate_size
         self.layers = []
         for layer in decoder.layers:
             attention, mlp = layer.self_attn, layer.mlp
@@ -76,15 +78,15 @@ class FusedDecoder:
                     getattr(attention, "q_norm", None),  # Qwen3: each head's query and key RMS-normed before rotary
                     getattr(attention, "k_norm", None),
                     layer.input_layernorm,
-                    fused_linear([attention.q_proj, attention.k_proj, attention.v_proj], rows),
-                    fused_linear([attention.o_proj], rows),
+                    Projection([attention.q_proj, attention.k_proj, attention.v_proj], rows, few_rows),
+                    Projection([attention.o_proj], rows, few_rows),
                     attention.scaling,
                     layer.post_attention_layernorm,
-                    fused_linear([mlp.gate_proj, mlp.up_proj], rows),
-                    fused_linear([mlp.down_proj], rows),
+                    Projection([mlp.gate_proj, mlp.up_proj], rows, few_rows),
+                    Projection([mlp.down_proj], rows, few_rows),
                 )
             )
-        self.head = fused_linear([model.lm_head], rows)
+        self.head = Projection([model.lm_head], rows, few_rows)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         """``tokens`` and ``positions`` [rows]; ``attention_mask`` [rows, cached + 1] (0 on padding)."""
@@ -103,8 +105,9 @@ class FusedDecoder:
         cos, sin = self.rotary(hidden, positions.unsqueeze(1))  # [rows, 1, head_dim], broadcast over heads
         half, qk_width = head_dim // 2, (heads + kv_heads) * head_dim
         norm = _compiled_rms_norm if self.kernels else _rms_norm
+        few = self.row_kernels and rows <= row_kernels.MAX_ROWS
         for index, (q_norm, k_norm, norm1, qkv_proj, o_proj, scaling, norm2, gate_up_proj, down_proj) in enumerate(self.layers):
-            qkv = qkv_proj(norm(hidden, norm1))
+            qkv = qkv_proj(norm(hidden, norm1), few)
             if q_norm is not None:
                 qk = qkv[:, :qk_width].reshape(rows, heads + kv_heads, head_dim)
                 qk = torch.cat([_rms_norm(qk[:, :heads], q_norm), _rms_norm(qk[:, heads:], k_norm)], dim=1)
@@ -116,12 +119,35 @@ class FusedDecoder:
                 qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # rotate_half
             values = qkv[:, qk_width:].view(rows, kv_heads, head_dim)
             attended = attend(index, qk[:, :heads], qk[:, heads:], values, scaling)
-            hidden = hidden + o_proj(attended.to(hidden.dtype))
-            gate_up = gate_up_proj(norm(hidden, norm2))
-            hidden = hidden + down_proj(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])
+            hidden = o_proj(attended.to(hidden.dtype), few, residual=hidden)
+            gate_up = gate_up_proj(norm(hidden, norm2), few)
+            hidden = down_proj(gate_up, few, residual=hidden, gated=True)
         if logits_at is not None:
             hidden = hidden[logits_at]
-        return self.head(norm(hidden, self.final_norm))
+        return self.head(norm(hidden, self.final_norm), self.row_kernels and len(hidden) <= row_kernels.MAX_ROWS)
+
+
+class Projection:
+    """The linear ``layers`` on one input, their outputs side by side: on a weight packed for ``rows`` rows
+    (``rlvr.fastpaths.packed_linear``), or, asked ``few`` and built with ``few_rows``, through
+    ``rlvr.fastpaths.row_kernels`` on the layers' own weights. ``residual``: added to the output (in place
+    on the row kernels' path: the caller's to overwrite); ``gated``: the input is a SiLU-gated MLP's gate
+    and up side by side, taken as ``silu(gate) * up``."""
+
+    def __init__(self, layers: list[nn.Linear], rows: int, few_rows: bool = False):
+        self.packed = fused_linear(layers, rows)
+        self.weights = row_kernels.weights(layers) if few_rows else None
+        self.bias = fused_bias(layers)
+
+    def __call__(self, inputs: torch.Tensor, few: bool = False, residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+        if few and self.weights is not None:
+            out = row_kernels.linear(self.weights, inputs, residual, gated)
+            return out if self.bias is None else out.add_(self.bias)
+        if gated:
+            half = inputs.shape[-1] // 2
+            inputs = F.silu(inputs[:, :half]) * inputs[:, half:]
+        out = self.packed(inputs)
+        return out if residual is None else residual + out
 
 
 Attend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]

@@ -31,14 +31,17 @@ def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None, inputs: tor
 def fused_linear(layers: list[nn.Linear], rows: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """One linear map computing all of ``layers`` on the same input (their outputs concatenated),
     on a weight packed once for ``rows`` rows where oneDNN packs its dtype. Call without gradients."""
-    weight = _concatenated([layer.weight.detach() for layer in layers])
-    bias = None
-    if any(layer.bias is not None for layer in layers):
-        zeros = weight.new_zeros
-        bias = _concatenated([zeros(layer.out_features) if layer.bias is None else layer.bias.detach() for layer in layers])
+    weight, bias = _concatenated([layer.weight.detach() for layer in layers]), fused_bias(layers)
     if weight.device.type == "cpu" and weight.dtype in packing_dtypes():
         return partial(_packed_forward, torch.ops.mkldnn._reorder_linear_weight(weight, max(1, rows)), bias)
     return partial(nn.functional.linear, weight=weight, bias=bias)
+
+
+def fused_bias(layers: list[nn.Linear]) -> torch.Tensor | None:
+    """The ``layers``' biases side by side (zeros for a layer without), None where none has one."""
+    if all(layer.bias is None for layer in layers):
+        return None
+    return _concatenated([layer.weight.new_zeros(layer.out_features) if layer.bias is None else layer.bias.detach() for layer in layers])
 
 
 def _concatenated(tensors: list[torch.Tensor]) -> torch.Tensor:

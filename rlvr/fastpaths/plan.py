@@ -32,6 +32,7 @@ class BackendPlan:
     threads: int  # torch threads the plan was decided at
     runner: str  # the engine's decode runner: FUSED_DECODER or MODEL_FORWARD
     layer_kernels: bool  # the fused decoder's RMSNorms and rotary through rlvr.fastpaths.layer_kernels
+    row_kernels: bool  # the fused decoder's steps of a few rows through rlvr.fastpaths.row_kernels
     packed_linears: bool  # the model's own forward on oneDNN-packed linear weights
     slot_attention: bool  # the engine's decode attention through rlvr.fastpaths.slot_attention
     float32_attention: bool  # the engine's attention (gqa_attention) in float32 for bf16/fp16 on CPU
@@ -83,6 +84,7 @@ def plan_backend(
         threads=threads,
         runner=FUSED_DECODER if fused else MODEL_FORWARD,
         layer_kernels=eligibility.use_layer_kernels(fast, device, dtype, fused),
+        row_kernels=eligibility.use_row_kernels(fast, device, dtype, fused),
         packed_linears=eligibility.use_packed_linears(fast, device, fused),
         slot_attention=eligibility.use_slot_attention(fast, device, dtype, threads),
         float32_attention=eligibility.use_float32_attention(fast, device, dtype),
