@@ -22,7 +22,7 @@ from transformers import DynamicCache
 
 from rlvr.fastpaths import FastPaths, layer_kernels, row_kernels
 from rlvr.fastpaths.attention import LOW_PRECISION
-from rlvr.fastpaths.packed_linear import fused_bias, fused_linear
+from rlvr.fastpaths.packed_linear import WeightVersions, fused_bias, fused_linear
 from rlvr.fastpaths.plan import BackendPlan, plan_backend
 
 
@@ -40,13 +40,11 @@ def fused_decoder(model: Any, rows: int, plan: BackendPlan | FastPaths = FastPat
     parameters = list(model.parameters())
     if any(p.requires_grad for p in parameters):
         return FusedDecoder(model, rows, kernels, few_rows)
-    state = [(p, p._version) for p in parameters]  # the tensors themselves: a swapped-in module is a change
     kept = _FROZEN.get(model)
-    stale = kept is None or len(kept[0]) != len(state) or any(a is not b or u != v for (a, u), (b, v) in zip(kept[0], state))
-    if stale or few_rows and kept[1].head.weights is None:
+    if kept is None or not kept[0].current(model) or few_rows and kept[1].head.weights is None:
         # packed for at least 8 rows: it serves later rollouts of any size, and a float32 weight
         # packed for 1 row (a service's warm-up) runs markedly slower on 4 or more
-        kept = _FROZEN[model] = (state, FusedDecoder(model, max(rows, 8), kernels, few_rows))
+        kept = _FROZEN[model] = (WeightVersions(model), FusedDecoder(model, max(rows, 8), kernels, few_rows))
     decoder = kept[1]
     if (decoder.kernels, decoder.row_kernels) != (kernels, few_rows):  # the same packed weights, other switches
         decoder = copy.copy(decoder)
@@ -54,7 +52,7 @@ def fused_decoder(model: Any, rows: int, plan: BackendPlan | FastPaths = FastPat
     return decoder
 
 
-_FROZEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # frozen model -> ((parameter, version)s, decoder)
+_FROZEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # frozen model -> (WeightVersions, decoder)
 
 
 class FusedDecoder:
@@ -137,7 +135,7 @@ class Projection:
     def __init__(self, layers: list[nn.Linear], rows: int, few_rows: bool = False):
         self.packed = fused_linear(layers, rows)
         self.weights = row_kernels.weights(layers) if few_rows else None
-        self.bias = fused_bias(layers)
+        self.bias = fused_bias(layers) if few_rows else None  # the packed path adds its own
 
     def __call__(self, inputs: torch.Tensor, few: bool = False, residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
         if few and self.weights is not None:

@@ -37,6 +37,19 @@ def fused_linear(layers: list[nn.Linear], rows: int) -> Callable[[torch.Tensor],
     return partial(nn.functional.linear, weight=weight, bias=bias)
 
 
+class WeightVersions:
+    """A model's weights as they were when packed: each parameter tensor and its version counter, so another
+    tensor (a swapped-in module) or an in-place write (an optimizer step) shows as a change."""
+
+    def __init__(self, model: nn.Module):
+        self.state = [(p, p._version) for p in model.parameters()]
+
+    def current(self, model: nn.Module) -> bool:
+        """Whether ``model``'s weights are still these."""
+        now = list(model.parameters())
+        return len(now) == len(self.state) and all(p is q and p._version == v for p, (q, v) in zip(now, self.state))
+
+
 def fused_bias(layers: list[nn.Linear]) -> torch.Tensor | None:
     """The ``layers``' biases side by side (zeros for a layer without), None where none has one."""
     if all(layer.bias is None for layer in layers):

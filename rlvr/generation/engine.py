@@ -23,6 +23,7 @@ from rlvr.cpu_threads import tune_threads
 from rlvr.environments.driver import EpisodeDriver, TokenTexts, drives_episodes
 from rlvr.fastpaths import FastPaths
 from rlvr.fastpaths.eligibility import attention_window
+from rlvr.fastpaths.packed_linear import WeightVersions
 from rlvr.fastpaths.plan import BackendPlan, log_plan, plan_backend
 from rlvr.generation.executor import StepExecutor
 from rlvr.generation.kv_cache import kv_cache_bytes_per_token, quantized
@@ -82,7 +83,7 @@ class Engine:
             log_plan(plan, "engine")
         self.plan = plan
         self.executor: StepExecutor | None = StepExecutor(model, max_rows, plan)
-        self._weights = _weight_state(model)  # the weights the runner packed (see weights_changed)
+        self._packed = WeightVersions(model)  # the weights the runner packed (see weights_changed)
         self.window = attention_window(model.config)
         self.context_tokens: int | None = getattr(model.config, "max_position_embeddings", None)
         embeddings = getattr(model, "get_input_embeddings", None)
@@ -158,8 +159,7 @@ class Engine:
     def weights_changed(self) -> bool:
         """Whether any of the model's weights changed (another tensor, or one written in place) since the
         runner packed them."""
-        state = _weight_state(self.model)
-        return len(state) != len(self._weights) or any(a is not b or u != v for (a, u), (b, v) in zip(state, self._weights))
+        return not self._packed.current(self.model)
 
     def refresh(self) -> None:
         """Ready the engine for a call after the weights may have changed (a trainer's update): where any
@@ -167,7 +167,7 @@ class Engine:
         them afresh, as it does after :meth:`release_buffers`."""
         if self.weights_changed():
             self.prefixes.shrink_to(0)
-            self.executor, self._weights = None, _weight_state(self.model)
+            self.executor, self._packed = None, WeightVersions(self.model)
         if self.executor is None:
             self.executor = StepExecutor(self.model, self.max_rows, self.plan)
 
@@ -479,11 +479,6 @@ class MovingLine:
 
     def at(self, x: float) -> float:
         return self.intercept + self.slope * x
-
-
-def _weight_state(model: Any) -> list[tuple[torch.Tensor, int]]:
-    """Each weight tensor and its version counter: another tensor or an in-place write is a change."""
-    return [(p, p._version) for p in model.parameters()]
 
 
 def _moving_average(average: float, value: float) -> float:
