@@ -62,8 +62,8 @@ def run(serving: ServingEngine, arrivals) -> list[dict]:
     steps = logged_steps(engine)
     for at, prompt, rows, new_tokens in arrivals:
         time.sleep(max(0.0, at - (time.monotonic() - started)))
-        wait = engine.start_wait(len(prompt))
-        record = {"rows": rows, "new_tokens": new_tokens, "prompt": len(prompt), "estimate_s": serving.start_wait_s(len(prompt)), "parts": wait}
+        wait = engine.start_wait(prompt)
+        record = {"rows": rows, "new_tokens": new_tokens, "prompt": len(prompt), "estimate_s": serving.start_wait_s(prompt), "parts": wait}
         request = EngineRequest(prompt, num_samples=rows, temperatures=(1.0,), max_new_tokens=new_tokens, seed=len(records))
         request.on_tokens = lambda pairs, record=record: record.setdefault("first_step", engine.steps)
         record["submitted_step"], record["future"] = engine.steps, serving.submit(request)

@@ -42,13 +42,14 @@ class RequestCost:
     ``prompt_tokenizer`` and ``environment``). A request's ``max_new_tokens`` bounds its rows' tokens, the
     environment's injected ones included."""
 
-    def _within_timeout(self, names: CostFields, prompt_tokens: int, rows: int, max_new_tokens: int) -> None:
+    def _within_timeout(self, names: CostFields, prompt_ids: list[int], rows: int, max_new_tokens: int) -> None:
         """A 400 naming the new-tokens field when the engine's measured speed cannot finish the request in
         time even alone, its rows making every token of their budget; :class:`FinishesTooLate` when the work
         queued ahead of it would make it finish late, its rows making the share of their budget rows lately
         have (``typical_s``): a request that would likely finish in time is not refused."""
         if not refuse_past_timeout():
             return
+        prompt_tokens = len(prompt_ids)
         timeout_s, estimated_s = request_timeout_s(), self.serving_engine.estimated_s(prompt_tokens, rows, max_new_tokens)
         if estimated_s > timeout_s:
             step_ms = 1000 * self.serving_engine.step_seconds
@@ -60,7 +61,7 @@ class RequestCost:
                 f"timeout of {timeout_s:.0f} s",
             )
         typical_s = self.serving_engine.typical_s(prompt_tokens, rows, max_new_tokens)
-        if (wait_s := self.serving_engine.start_wait_s(prompt_tokens)) + typical_s > timeout_s:
+        if (wait_s := self.serving_engine.start_wait_s(prompt_ids)) + typical_s > timeout_s:
             raise FinishesTooLate(wait_s, typical_s, timeout_s)
 
     def _rendered(self, title: str, text_field: str, question: str, task: Task) -> list[int]:
@@ -96,7 +97,7 @@ class RequestCost:
                 "rows": f"{names.rows} x ({names.prompt} + {names.new_tokens})",
             }[err.part]
             raise invalid_request(title, field_name, f"{what}: {err}") from None
-        self._within_timeout(names, max(len(ids) for ids in prompts), rows * len(prompts), max_new_tokens)
+        self._within_timeout(names, max(prompts, key=len), rows * len(prompts), max_new_tokens)
         for request in requests:
             request.seed = self.serving_engine.next_seed() if seed is None else seed
         return requests

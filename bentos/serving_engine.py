@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from bentos.metrics import (
     GENERATION_SECONDS,
@@ -148,20 +148,23 @@ class ServingEngine:
         return self.engine.typical_seconds(prompt_tokens, rows, max_new_tokens)
 
     def warm_up(self, new_request: Callable[[], EngineRequest]) -> RolloutResult:
-        """Run a request of ``new_request()`` twice on this thread: the first compiles and packs, the
-        second measures the step time the admission estimates start from."""
-        for attempt in range(2):
-            if attempt:
+        """Run a request of ``new_request()`` three times on this thread: the first compiles and packs, the
+        second measures the step times the admission estimates start from, the third (its prompt no longer
+        in the prefix cache) what a prompt token adds to a step."""
+        for attempt in range(3):
+            if attempt == 1:
                 self.engine.reset_step_times()
+            if attempt == 2:
+                self.engine.prefixes.shrink_to(0)
             result = self.submit(new_request())
             while not result.done():
                 self.engine.take_submissions()
                 self.engine.step()
         return result.result()
 
-    def start_wait_s(self, prompt_tokens: int = 0) -> float:
-        """How long a new request (of ``prompt_tokens``) would wait for its first token (``Engine.start_wait_s``)."""
-        wait = self.engine.start_wait_s(prompt_tokens)
+    def start_wait_s(self, prompt_ids: Sequence[int] = ()) -> float:
+        """How long a new request (of ``prompt_ids``) would wait for its first token (``Engine.start_wait_s``)."""
+        wait = self.engine.start_wait_s(prompt_ids)
         START_WAIT_ESTIMATE.set(wait)
         return wait
 

@@ -16,7 +16,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from bentos.serving_engine import ServingEngine
 from rlvr.environments.base import Environment
@@ -120,8 +120,8 @@ class VllmEngine:
 
     typical_seconds = estimated_seconds  # vLLM's rows' use of their budget is not measured: the whole of it
 
-    def start_wait_s(self, prompt_tokens: int = 0) -> float:
-        """How long a new request (of ``prompt_tokens``) would wait to start, at the measured step time: 0
+    def start_wait_s(self, prompt_ids: Sequence[int] = ()) -> float:
+        """How long a new request (of ``prompt_ids``) would wait to start, at the measured step time: 0
         while the running rows and those waiting leave rows and KV cache free; else the new tokens ahead of it
         shared over the running rows, and the prompts ahead of it and its own (one request at a time without
         batching: all the new tokens ahead)."""
@@ -135,7 +135,7 @@ class VllmEngine:
         kv_tokens = sum(slot for _, slot in running) + sum(r * (p + n) for p, r, n in waiting)
         if self.batching and rows < self.max_rows and kv_tokens < self.kv_cache_tokens:
             return 0.0
-        prefill_steps = sum(-(-p // self.step_tokens) for p in (prompt_tokens, *(p for p, _, _ in waiting)))
+        prefill_steps = sum(-(-p // self.step_tokens) for p in (len(prompt_ids), *(p for p, _, _ in waiting)))
         if not self.batching:
             return (max((left for left, _ in running), default=0) + sum(n for _, _, n in waiting) + prefill_steps) * self.step_seconds
         new_tokens = sum(left for left, _ in running) + sum(r * n for _, r, n in waiting)

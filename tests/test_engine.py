@@ -196,16 +196,34 @@ def test_a_requests_typical_time_counts_the_share_of_their_budget_rows_have_made
     assert engine.typical_seconds(10, 4, 100) == pytest.approx((1 + round(100 * engine.row_fill)) * engine.step_seconds)
 
 
-def test_a_new_prompt_is_expected_to_find_the_opening_the_prefix_cache_has_held(model, tokenizer):
-    """Prompts sharing a 36-character opening (a chat template's): the prefix cache holds its two whole
-    blocks (32 tokens) for each after the first, so a new prompt's start wait counts its tokens past
-    them, however long the prompt (not a share of it), and none of a prompt shorter than them."""
+def test_a_new_prompts_start_wait_counts_only_what_the_prefix_cache_holds_none_of(model, tokenizer):
+    """The start wait of a new prompt counts its tokens past the run of blocks the prefix cache holds of
+    it now: a served prompt again all but its last partial block (and last token), a prompt sharing a
+    36-character opening all but the opening's two whole blocks, an unrelated prompt every token."""
     engine = Engine(model, tokenizer, max_rows=4, step_tokens=64, kv_budget_bytes=2**24)
     opening = "you are a careful solver. question: "
-    run_engine(engine, {3 * i: [_request(tokenizer, f"{opening}{i} + {i} = ?", new_tokens=2)] for i in range(40)})
-    assert 30 < engine.scheduler.cached_tokens <= 32
-    assert 1000 - 32 <= engine.start_wait(1000).prompt_tokens <= 1000 - 30
-    assert engine.start_wait(20).prompt_tokens == 0
+    served = [_request(tokenizer, f"{opening}{i} + {i} = ? {'and then some more words' * 2}", new_tokens=2) for i in range(3)]
+    run_engine(engine, {3 * i: [q] for i, q in enumerate(served)})
+    again = served[1].prompt_ids
+    assert len(again) > 64 and engine.start_wait(again).prompt_tokens == len(again) - 16 * ((len(again) - 1) // 16)
+    shared = tokenizer(f"{opening}what is 12 + 30, said slowly? " * 3).input_ids
+    assert engine.start_wait(shared).prompt_tokens == len(shared) - 32
+    unrelated = tokenizer("zebra " * 40).input_ids
+    assert engine.start_wait(unrelated).prompt_tokens == len(unrelated)
+    assert engine.start_wait_steps(again) < engine.start_wait_steps(unrelated)
+
+
+def test_the_services_warm_up_measures_a_decode_step_and_a_prompt_token(model, tokenizer):
+    """The service's first requests are estimated from its warm-up: a step's time and what a prompt token
+    adds (its last run prefills the prompt again, not from the prefix cache), which then holds it again."""
+    from bentos.serving_engine import ServingEngine
+
+    serving = ServingEngine(model, tokenizer, 2**24, seed=0)
+    prompt = _request(tokenizer, "warm up with a prompt of a few dozen tokens, please").prompt_ids
+    serving.warm_up(lambda: EngineRequest(prompt, num_samples=1, temperatures=(0.0,), max_new_tokens=4))
+    engine = serving.engine
+    assert engine.decode_step_seconds > 0 and engine.prompt_token_seconds > 0
+    assert engine.start_wait(prompt).prompt_tokens < len(prompt)
 
 
 def test_a_steps_prompt_time_is_split_into_a_fixed_part_and_a_part_per_token():
@@ -274,7 +292,7 @@ def _estimated_and_measured_steps(engine: Engine, arrivals: dict[int, list[Engin
     engine.start_wait_steps()  # asked from the start, as the service does
     for step in range(500):
         for request in arrivals.get(step, []):
-            estimates[request] = engine.start_wait_steps(len(request.prompt_ids))
+            estimates[request] = engine.start_wait_steps(request.prompt_ids)
             submitted_at[request] = engine.steps
             engine.submit(request)
         engine.take_submissions()

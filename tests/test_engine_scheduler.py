@@ -305,10 +305,23 @@ def test_a_new_request_starts_when_the_rows_ahead_of_it_free_a_slot():
     # one request at a time: after the waiting one's two rows, run one after the other (its fair share beside the new one)
 
 
+def test_a_new_prompt_waits_for_the_prompts_its_steps_carry_beside_it():
+    """Prompts prefill shortest first, but a step fills its budget with whatever waits: a short prompt
+    arriving behind longer ones whose rest fits the next step waits for all of them; where they do not
+    fit, the steps up to its own carry a budget each."""
+    waiting = (QueuedWork((), 1, 10, True, False, 300), QueuedWork((), 1, 10, True, False, 100))
+    assert Backlog(waiting).prefill_before(50) == 50 + 50  # budget not known: each as far as its length
+    assert Backlog(waiting, prefill_budget=1000).prefill_before(50) == 400  # one step carries all
+    assert Backlog(waiting, prefill_budget=120).prefill_before(50) == 2 * 120 - 50  # 150 tokens to its end: two full steps
+    assert Backlog(waiting, prefill_budget=1000).prefill_before(0) == 0  # no prompt: no prompt step
+    free = Backlog(waiting, rows=8, max_rows=8, lookahead_rows=8, prefill_budget=1000)  # a slot free: the prompts decide
+    assert free.start_steps(step_tokens=128, prompt_tokens=50) == 1 + 450 / 1000
+
+
 def test_requests_posted_since_the_backlog_was_built_queue_behind_it():
     backlog = Backlog((QueuedWork((9, 5), 0, 20, True, True), QueuedWork((), 2, 10, False, False, 64)), rows=2, max_rows=2, lookahead_rows=4)
-    posted = backlog.with_posted([_request(64, samples=1, max_new_tokens=40)], row_fill=0.5, cached_tokens=16)
-    assert posted.requests[2] == QueuedWork((), 1, 20, False, False, 48)  # its opening 16 tokens expected from the prefix cache
+    posted = backlog.with_posted([_request(64, samples=1, max_new_tokens=40)], row_fill=0.5, uncached=lambda ids: len(ids) - 16)
+    assert posted.requests[2] == QueuedWork((), 1, 20, False, False, 48)  # its opening 16 tokens held by the prefix cache
     # the waiting request's first row takes the slot freed at 5, the posted one's the slot freed at 9, a new
     # one the slot its first row frees at 15 (before its second row: the oldest without a row goes first), then its own step
     assert posted.start_steps(step_tokens=128) == 1 + 15
@@ -336,7 +349,8 @@ def test_the_backlog_counts_rows_at_the_share_of_their_budget_rows_have_used():
     waiting = _request(40, samples=3, max_new_tokens=100)
     scheduler.add(waiting)
     backlog = scheduler.backlog()
-    assert backlog == Backlog((QueuedWork((70, 100), 0, 100, True, True), QueuedWork((), 3, 100, False, False, 40)), 2, 2, 2, 0.5)
+    work = (QueuedWork((70, 100), 0, 100, True, True), QueuedWork((), 3, 100, False, False, 40))
+    assert backlog == Backlog(work, 2, 2, 2, 0.5, prefill_budget=128 - 2)  # the step's tokens less a token for each running row
     for _ in range(200):  # rows have lately stopped at a fifth of their budget
         scheduler.row_fill = 0.95 * scheduler.row_fill + 0.05 * 0.2
     assert scheduler.backlog().requests[0].running == (max(1, 20 - 30), 20)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -31,7 +31,7 @@ from rlvr.generation.outputs import OutputProcessor, finish
 from rlvr.generation.prefix_cache import PrefixCache
 from rlvr.generation.request import EngineRequest, RequestDoesNotFit
 from rlvr.generation.sampler import row_generator
-from rlvr.generation.scheduler import Backlog, Lane, Row, Scheduler, expected_tokens, uncached_tokens
+from rlvr.generation.scheduler import Backlog, Lane, Row, Scheduler, expected_tokens
 from rlvr.generation.stops import StopChecker
 
 SHORT_LANE_TOKENS = 512  # rows of at most this many tokens (prompt + new) decode in a lane of their own
@@ -268,35 +268,31 @@ class Engine:
         """The share of their token budget finished rows have lately used (1 until one finishes)."""
         return self.scheduler.row_fill
 
-    def start_wait_steps(self, prompt_tokens: int = 0) -> float:
-        """How many steps a new request of ``prompt_tokens`` would wait for its first token (its own step
+    def start_wait_steps(self, prompt_ids: Sequence[int] = ()) -> float:
+        """How many steps a new request of ``prompt_ids`` would wait for its first token (its own step
         included): the work in the engine as of the last step (:class:`~rlvr.generation.scheduler.Backlog`;
         each step builds it from the first call on) and the requests submitted since."""
-        return self._backlog().start_steps(self.step_tokens, self._uncached(prompt_tokens))
+        return self._backlog().start_steps(self.step_tokens, self.prefixes.uncached_tokens(prompt_ids))
 
-    def start_wait_s(self, prompt_tokens: int = 0) -> float:
-        """How long a new request of ``prompt_tokens`` would wait for its first token (:meth:`start_wait`)."""
-        return self.start_wait(prompt_tokens).seconds
+    def start_wait_s(self, prompt_ids: Sequence[int] = ()) -> float:
+        """How long a new request of ``prompt_ids`` would wait for its first token (:meth:`start_wait`)."""
+        return self.start_wait(prompt_ids).seconds
 
-    def start_wait(self, prompt_tokens: int = 0) -> StartWait:
+    def start_wait(self, prompt_ids: Sequence[int] = ()) -> StartWait:
         """A new request's wait for its first token, in parts at the measured times: the decode steps until
-        a slot takes it, its prompt and those prefilled before it (beside the decoding), what is left of the
-        step under way and its own."""
-        backlog, own = self._backlog(), self._uncached(prompt_tokens)
+        a slot takes it, its prompt (what the prefix cache does not hold of it) and those prefilled before
+        it (beside the decoding), what is left of the step under way and its own."""
+        backlog, own = self._backlog(), self.prefixes.uncached_tokens(prompt_ids)
         under_way_s = max(0.0, self._step_estimate_s - (time.monotonic() - self._step_started_s)) if self._step_started_s else 0.0
         decode_s = self.decode_step_seconds or self.step_seconds
         prompt_tokens = backlog.prefill_before(own) + own
         prompt_step_s = self.prompt_step_seconds if prompt_tokens else 0.0
         return StartWait(under_way_s, backlog.slot_steps(), decode_s, prompt_tokens, self.prompt_token_seconds, prompt_step_s)
 
-    def _uncached(self, prompt_tokens: int) -> int:
-        """Of a new prompt's tokens, those the prefix cache is not expected to hold (its opening tokens held lately)."""
-        return uncached_tokens(prompt_tokens, self.scheduler.cached_tokens)
-
     def _backlog(self) -> Backlog:
         with self._wakeup:
             self._backlog_asked = True
-            backlog = self.backlog.with_posted(list(self._since_backlog), self.scheduler.row_fill, self.scheduler.cached_tokens)
+            backlog = self.backlog.with_posted(list(self._since_backlog), self.scheduler.row_fill, self.prefixes.uncached_tokens)
         return backlog.live()  # a request cancelled during the step under way holds no one up
 
     # ---- on the engine's thread ---------------------------------------------------------------

@@ -63,6 +63,13 @@ class PrefixCache:
         for key in reversed(keys):  # the first block most recent: evicted after every block that continues it
             self._blocks.move_to_end(key)
 
+    def uncached_tokens(self, ids: Sequence[int]) -> int:
+        """Of a prompt not started, the tokens it would prefill: all but the run of its blocks held now
+        (read only, safe from any thread: the estimates ask it beside the engine's steps)."""
+        if not self.limit_bytes:
+            return len(ids)
+        return len(ids) - self.block_tokens * sum(block is not None for _, block in self._cached_chain(ids))
+
     def lookup(self, ids: Sequence[int], config: Any) -> tuple[int, DynamicCache | None]:
         """(tokens of ``ids`` found, a prompt cache holding their keys and values), (0, None) on a miss."""
         if not self.limit_bytes:

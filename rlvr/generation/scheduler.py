@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -198,6 +198,7 @@ class Backlog:
     max_share: float = 1.0  # of the rows the others leave, the most a request's rows take (the KV budget's share)
     max_requests: int | None = None  # the oldest this many requests run (None: any number)
     cancels: tuple[threading.Event, ...] = field(default=(), compare=False, repr=False)  # each request's, where known
+    prefill_budget: int = 0  # prompt tokens a step carries now (0: not known, see prefill_before)
 
     def live(self) -> Backlog:
         """This backlog without the requests cancelled since it was built (their rows go at the next step)."""
@@ -209,13 +210,21 @@ class Backlog:
     def start_steps(self, step_tokens: int, prompt_tokens: int = 0) -> float:
         """Steps until a new request of ``prompt_tokens`` has its first token: until a slot takes it
         (:meth:`slot_steps`) or its prompt and those prefilled before it (:meth:`prefill_before`) have
-        prefilled at ``step_tokens`` a step, whichever is later, then its own step."""
-        return 1 + max(self.slot_steps(), (self.prefill_before(prompt_tokens) + prompt_tokens) / step_tokens)
+        prefilled at ``prefill_budget`` (where known, else ``step_tokens``) a step, whichever is later, then
+        its own step."""
+        prompt_steps = (self.prefill_before(prompt_tokens) + prompt_tokens) / (self.prefill_budget or step_tokens)
+        return 1 + max(self.slot_steps(), prompt_steps)
 
     def prefill_before(self, prompt_tokens: int) -> int:
-        """Prompt tokens prefilled before a new prompt of ``prompt_tokens``: prompts prefill shortest first
-        (:meth:`Scheduler.schedule`), so the shorter ones whole and the longer ones as far as its length."""
-        return sum(min(q.prompt_left, prompt_tokens) for q in self.requests)
+        """Prompt tokens the steps up to a new prompt's last chunk carry beside it. Prompts prefill shortest
+        first (:meth:`Scheduler.schedule`), so the shorter ones whole and the longer ones as far as its
+        length; and each step fills its ``prefill_budget`` with whatever prompts wait, so a prompt that
+        would fit a step's spare room waits for the others in that step too."""
+        ahead = sum(min(q.prompt_left, prompt_tokens) for q in self.requests)
+        if not self.prefill_budget:
+            return ahead
+        steps = -(-(ahead + prompt_tokens) // self.prefill_budget)
+        return min(sum(q.prompt_left for q in self.requests), steps * self.prefill_budget - prompt_tokens)
 
     def slot_steps(self) -> int:
         """Decode steps until a new one-row request's first row would start, replaying
@@ -256,16 +265,13 @@ class Backlog:
             while ends and ends[0][0] == now:  # every row ending at this step frees its slot
                 queue[heapq.heappop(ends)[1]].running.remove(now)
 
-    def with_posted(self, requests: list[EngineRequest], row_fill: float, cached_tokens: float = 0.0) -> Backlog:
+    def with_posted(self, requests: list[EngineRequest], row_fill: float, uncached: Callable[[Sequence[int]], int] = len) -> Backlog:
         """This backlog with ``requests`` queued behind it: those posted since the step that built it, so
-        a burst arriving between two steps sees each other's rows and prompts (less the ``cached_tokens``
-        of each, :func:`uncached_tokens`)."""
+        a burst arriving between two steps sees each other's rows and prompts (each prompt's ``uncached``
+        tokens: what the prefix cache does not hold of it)."""
         if not requests:
             return self
-        posted = tuple(
-            QueuedWork((), q.num_samples, expected_tokens(q.max_new_tokens, row_fill), False, False, uncached_tokens(len(q.prompt_ids), cached_tokens))
-            for q in requests
-        )
+        posted = tuple(QueuedWork((), q.num_samples, expected_tokens(q.max_new_tokens, row_fill), False, False, uncached(q.prompt_ids)) for q in requests)
         cancels = self.cancels + tuple(q.cancelled for q in requests) if len(self.cancels) == len(self.requests) else ()
         return replace(self, requests=self.requests + posted, cancels=cancels)
 
@@ -273,12 +279,6 @@ class Backlog:
 def expected_tokens(max_new_tokens: int, row_fill: float) -> int:
     """The tokens a row of ``max_new_tokens`` is expected to make: ``row_fill``, the share of their budget finished rows have lately used."""
     return max(1, round(row_fill * max_new_tokens))
-
-
-def uncached_tokens(prompt_tokens: int, cached_tokens: float) -> int:
-    """Of a prompt not started, the tokens to prefill: all but the ``cached_tokens`` the prefix cache has
-    lately held of a prompt (its shared opening: a chat template, a task's instructions), at most all."""
-    return max(0, prompt_tokens - round(cached_tokens))
 
 
 class Scheduler:
@@ -309,7 +309,6 @@ class Scheduler:
         self.running: set[EngineRequest] = set()  # some rows running
         self.states: dict[EngineRequest, RequestState] = {}  # every request in the engine
         self.row_fill = 1.0  # a moving average of the share of its token budget a finished row used
-        self.cached_tokens = 0.0  # a moving average of the tokens of a started prompt the prefix cache held
         self.reserved_tokens = 0  # the whole prompts of the requests whose prompt caches are started
         self.lookahead_rows = max_rows + max_rows // 4  # rows running or about to start, past which no request starts
 
@@ -394,7 +393,6 @@ class Scheduler:
         state = self.states[request]
         state.prefilled, cache = self.prefixes.lookup(request.prompt_ids, self.model_config)
         request.cached_prompt_tokens = state.prefilled
-        self.cached_tokens = 0.9 * self.cached_tokens + 0.1 * state.prefilled
         state.cache = cache if cache is not None else DynamicCache(config=self.model_config)
         self.make_room()
         return True
@@ -469,13 +467,14 @@ class Scheduler:
         lengths += [quantized(q.slot_length) for q in self.waiting if not q.cancelled.is_set() and self.states[q].pending_rows]
         fit = self.kv_budget_bytes * len(lengths) // (self.bytes_per_token * sum(lengths)) if lengths else self.max_rows
         rows = max(1, min(self.max_rows, fit))
-        return Backlog(requests, rows, self.max_rows, self.lookahead_rows, self.max_share, self.max_requests, tuple(q.cancelled for q in live))
+        cancels = tuple(q.cancelled for q in live)
+        return Backlog(requests, rows, self.max_rows, self.lookahead_rows, self.max_share, self.max_requests, cancels, self.prefill_budget())
 
     def _queued_work(self, request: EngineRequest, running: list[int], fill: float, planned_end: int = 0) -> QueuedWork:
         state = self.states[request]
         prefilled = max(state.prefilled, planned_end)
         started = state.cache is not None or state.whole_prompt
-        prompt_left = len(request.prompt_ids) - prefilled if started else uncached_tokens(len(request.prompt_ids), self.cached_tokens)
+        prompt_left = len(request.prompt_ids) - prefilled if started else self.prefixes.uncached_tokens(request.prompt_ids)
         return QueuedWork(tuple(running), state.pending_rows, expected_tokens(request.max_new_tokens, fill), started, state.next_sample > 0, prompt_left)
 
     # ---- each step's plan ---------------------------------------------------------------------
