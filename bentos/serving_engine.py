@@ -155,7 +155,7 @@ class ServingEngine:
             if attempt == 1:
                 self.engine.reset_step_times()
             if attempt == 2:
-                self.engine.prefixes.shrink_to(0)
+                self.engine.reset_prefix_cache()
             result = self.submit(new_request())
             while not result.done():
                 self.engine.take_submissions()

@@ -48,7 +48,7 @@ class VllmServingEngine(ServingEngine):
 
 class VllmEngine:
     """``EngineRequest``s on an in-process vLLM ``LLMEngine``, with the interface of ``rlvr.generation.Engine``
-    that ``ServingEngine`` uses: :meth:`check`, :meth:`submit`, :meth:`call`, :meth:`estimated_seconds`,
+    that ``ServingEngine`` uses: :meth:`check`, :meth:`submit`, :meth:`call`, :meth:`estimated_seconds`, :meth:`reset_prefix_cache`,
     :meth:`start_wait_s` and ``step_seconds`` from any thread; :meth:`run` (or :meth:`take_submissions` and
     :meth:`step`) on the model thread. ``batching`` off: one request at a time."""
 
@@ -146,6 +146,10 @@ class VllmEngine:
     def reset_step_times(self) -> None:
         """Forget the measured step time (0: none measured yet), e.g. that of a warm-up's first steps."""
         self.step_seconds = 0.0
+
+    def reset_prefix_cache(self) -> None:
+        """Empty vLLM's prefix cache (the warm-up's last run prefills its prompt afresh)."""
+        self.llm.reset_prefix_cache()
 
     def run(self, stop: threading.Event | None = None) -> None:
         """Steps for as long as the process lives (waiting for work in between); a failing step fails every

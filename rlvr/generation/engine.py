@@ -166,10 +166,14 @@ class Engine:
         did, the prefix cache empties (its keys and values came from the old weights) and the runner packs
         them afresh, as it does after :meth:`release_buffers`."""
         if self.weights_changed():
-            self.prefixes.shrink_to(0)
+            self.reset_prefix_cache()
             self.executor, self._packed = None, WeightVersions(self.model)
         if self.executor is None:
             self.executor = StepExecutor(self.model, self.max_rows, self.plan)
+
+    def reset_prefix_cache(self) -> None:
+        """Empty the prefix cache (its keys and values came from other weights, or a measurement wants a prompt prefilled)."""
+        self.prefixes.shrink_to(0)
 
     def release_buffers(self) -> None:
         """After a call: forget any request left in the engine (an abandoned call's) and drop the lanes'
