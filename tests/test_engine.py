@@ -213,6 +213,28 @@ def test_a_new_prompts_start_wait_counts_only_what_the_prefix_cache_holds_none_o
     assert engine.start_wait_steps(again) < engine.start_wait_steps(unrelated)
 
 
+def test_the_executor_keeps_each_sampling_rows_generator_until_its_request_is_done(model, tokenizer):
+    """Generators live in the executor by (request id, sample), made from the plan's seeds: one per
+    sampled row while its request runs (greedy rows have none), none once the plan says it is done."""
+    engine = Engine(model, tokenizer, max_rows=8, step_tokens=64, kv_budget_bytes=2**24)
+    engine.stops.stop_ids = set()
+    sampled = _request(tokenizer, PROMPTS[0], samples=3, new_tokens=6, temperatures=(1.0,), seed=5)
+    greedy = _request(tokenizer, PROMPTS[1], samples=2, new_tokens=20)
+    for request in (sampled, greedy):
+        engine.submit(request)
+    engine.take_submissions()
+    for _ in range(3):  # a few steps in: both running
+        engine.step()
+    assert sampled.done_s is None and set(engine.executor.generators) == {(sampled.request_id, k) for k in range(3)}
+    while greedy.done_s is None:
+        engine.step()
+    engine.step()  # the next plan names them done
+    assert engine.executor.generators == {}
+    again = _request(tokenizer, PROMPTS[0], samples=3, new_tokens=6, temperatures=(1.0,), seed=5)
+    run_engine(engine, {0: [again]})
+    assert again.token_ids == sampled.token_ids  # the same seeds, the same draws
+
+
 def test_the_services_warm_up_measures_a_decode_step_and_a_prompt_token(model, tokenizer):
     """The service's first requests are estimated from its warm-up: a step's time and what a prompt token
     adds (its last run prefills the prompt again, not from the prefix cache), which then holds it again."""

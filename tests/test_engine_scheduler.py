@@ -31,6 +31,11 @@ from rlvr.generation.stops import StopChecker
 from support.tiny_models import char_tokenizer
 
 
+def _chunk(request: EngineRequest, begin: int, end: int) -> PrefillChunk:
+    """The plan's chunk of ``request``'s prompt tokens ``begin`` .. ``end`` - 1, as plain data."""
+    return PrefillChunk(request.request_id, request.prompt_ids[begin:end], begin, end, end == len(request.prompt_ids))
+
+
 def _scheduler(kv_budget_bytes: int = 10_000, max_rows: int = 8, step_tokens: int = 128, **kwargs) -> Scheduler:
     return Scheduler(
         [Lane(2, None)],
@@ -85,7 +90,7 @@ def test_a_prompt_starts_only_when_its_whole_cache_fits_and_those_after_it_wait(
     scheduler.lanes[0].rows.clear()
     assert scheduler.release_row(running, 10) is False and scheduler.release(running) is True
     plan = scheduler.schedule()
-    assert plan.prefill == [PrefillChunk(short, 0, 40), PrefillChunk(too_long, 0, 41)]  # both started; the shorter prefills first
+    assert plan.prefill == [_chunk(short, 0, 40), _chunk(too_long, 0, 41)]  # both started; the shorter prefills first
 
 
 def test_a_long_prompt_prefills_in_chunks_of_the_step_token_budget():
@@ -138,7 +143,7 @@ def test_running_rows_decode_first_and_prompts_get_the_rest_of_the_step():
     scheduler.add(prompt)
     plan = scheduler.schedule()
     assert [(step.lane, step.live) for step in plan.decode] == [(0, [0, 1, 2])]
-    assert plan.prefill == [PrefillChunk(prompt, 0, 61)]
+    assert plan.prefill == [_chunk(prompt, 0, 61)]
     _start_rows(scheduler, running, 60 - 3)
     assert scheduler.prefill_budget() == 64 // 8  # never less than an eighth
 
@@ -184,7 +189,7 @@ def test_short_requests_do_not_take_the_kv_the_oldest_waiting_prompt_needs():
         assert scheduler.release_row(running, 10) is False
         if finished == 1:  # 4 x 128 + 356 is still past 860: no copy for nothing
             assert scheduler.schedule().prefill == [] and scheduler.lanes[0].cache.capacity_rows == 6
-    assert scheduler.schedule().prefill == [PrefillChunk(short, 0, 5), PrefillChunk(long, 0, 100)]
+    assert scheduler.schedule().prefill == [_chunk(short, 0, 5), _chunk(long, 0, 100)]
     assert scheduler.lanes[0].cache.capacity_rows == 3 and scheduler.held_bytes() == 3 * 128 + 105
     scheduler.states[long].prefilled, scheduler.states[short].prefilled = 100, 5
     assert [request for request, _ in scheduler.admissions()] == [long]  # the head's row first; the short one's would leave it no room
@@ -195,7 +200,7 @@ def test_free_slots_give_way_only_when_that_lets_the_oldest_prompt_start():
     scheduler.add(long := _request(100, max_new_tokens=100, submitted_s=1.0))
     scheduler.make_way_for_head(scheduler.head())
     assert scheduler.lanes[0].cache.capacity_rows == 6  # 7 x 128 + 356 > 1,200; 6 x 128 + 356 fits
-    assert scheduler.schedule().prefill == [PrefillChunk(long, 0, 100)]
+    assert scheduler.schedule().prefill == [_chunk(long, 0, 100)]
     scheduler, _ = _two_lanes(kv_budget_bytes=1_000, running_rows=6, capacity_rows=7)
     scheduler.add(_request(100, max_new_tokens=100, submitted_s=1.0))
     scheduler.make_way_for_head(scheduler.head())
@@ -218,7 +223,7 @@ def test_requests_start_while_the_rows_ahead_are_within_the_lookahead():
     for _ in range(6):
         scheduler.release_row(running, 10)
     # 2 running + 2 waiting to start: two more requests of two rows fit in the lookahead of 10
-    assert [chunk.request for chunk in scheduler.schedule().prefill] == later
+    assert [scheduler.ids[chunk.request_id] for chunk in scheduler.schedule().prefill] == later
 
 
 def test_prefilled_requests_share_the_rows_fairly_the_oldest_then_short_ones_first():
@@ -262,7 +267,7 @@ def test_only_the_oldest_max_requests_are_scheduled():
     old, new = _request(10, submitted_s=1.0), _request(3, submitted_s=2.0)
     scheduler.add(new)
     scheduler.add(old)
-    assert [chunk.request for chunk in scheduler.schedule().prefill] == [old]
+    assert [scheduler.ids[chunk.request_id] for chunk in scheduler.schedule().prefill] == [old]
 
 
 def test_release_frees_the_prompt_and_the_last_row_finishes_the_request():
@@ -366,7 +371,7 @@ def test_the_backlog_built_during_a_step_counts_the_prompt_chunks_it_prefills_as
     [chunk] = scheduler.schedule().prefill
     assert (chunk.begin, chunk.end) == (0, 64)
     assert scheduler.backlog().requests[0].prompt_left == 200
-    assert scheduler.backlog({request: chunk.end}).requests[0].prompt_left == 136
+    assert scheduler.backlog({chunk.request_id: chunk.end}).requests[0].prompt_left == 136
 
 
 def test_the_backlog_runs_as_many_rows_as_the_kv_budget_holds_at_their_lengths():
@@ -432,14 +437,16 @@ def test_a_steps_output_moves_prompts_and_rows_on_in_one_place():
     scheduler.add(waiting)
     assert scheduler.reserve(waiting)
     plan = scheduler.schedule(prefill_budget=20)
-    assert plan.decode == [LaneStep(0, [4, 5, 6], [5, 5, 5], [0, 2], [RowSampling(0.0, 1.0, None)] * 2)] and plan.prefill == [PrefillChunk(waiting, 0, 20)]
+    assert plan.decode == [
+        LaneStep(0, [4, 5, 6], [5, 5, 5], [0, 2], [RowSampling((request.request_id, k), 0.0, 1.0, None) for k in (0, 2)])
+    ] and plan.prefill == [_chunk(waiting, 0, 20)]
 
-    outputs.update_from_output(StepOutput([LaneOutput(0, [0, 2], [7, 8], [-0.5, -0.25])], [PrefillOutput(waiting, 20, None)], tokens=23))
+    outputs.update_from_output(StepOutput([LaneOutput(0, [0, 2], [7, 8], [-0.5, -0.25])], [PrefillOutput(waiting.request_id, 20, None)], tokens=23))
     assert request.token_ids == [[4, 7], [5], [6, 8]] and request.logprobs[2] == [-3.0, -0.25]
     assert request.finish_reasons[0] == request.finish_reasons[2] == "length"  # their budget spent: retired, the parked row moved to slot 0
     assert lane.rows[0].sample == 1 and lane.next_tokens == [5] and lane.cache.lengths[:1].tolist() == [5]  # parked: not advanced
     assert scheduler.states[waiting].prefilled == 20 and scheduler.states[waiting].last_logits is None
 
     logits = torch.zeros(1, 8)
-    outputs.update_from_output(StepOutput(prefill=[PrefillOutput(waiting, 50, logits)]))
+    outputs.update_from_output(StepOutput(prefill=[PrefillOutput(waiting.request_id, 50, logits)]))
     assert scheduler.states[waiting].whole_prompt and scheduler.states[waiting].last_logits is logits

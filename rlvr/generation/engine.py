@@ -30,7 +30,7 @@ from rlvr.generation.kv_cache import kv_cache_bytes_per_token, quantized
 from rlvr.generation.outputs import OutputProcessor, finish
 from rlvr.generation.prefix_cache import PrefixCache
 from rlvr.generation.request import EngineRequest, RequestDoesNotFit
-from rlvr.generation.sampler import row_generator
+from rlvr.generation.sampler import row_seed
 from rlvr.generation.scheduler import Backlog, Lane, Row, Scheduler, expected_tokens
 from rlvr.generation.stops import StopChecker
 
@@ -362,7 +362,7 @@ class Engine:
         self._step_started_s = 0.0
         self._measure(time.monotonic() - started, tokens, prompt_tokens)
 
-    def _publish_backlog(self, planned: dict[EngineRequest, int] | None = None) -> None:
+    def _publish_backlog(self, planned: dict[int, int] | None = None) -> None:
         """The backlog other threads read (once asked): as of now, the prompt chunks ``planned`` for the step
         under way counted as prefilled (its time is counted apart, as what is left of it)."""
         if self._backlog_asked:
@@ -419,11 +419,11 @@ class Engine:
             self._release_prompt(request)
 
     def _new_row(self, request: EngineRequest, sample: int) -> Row:
-        generator = row_generator(request.seed, request.prompt_index, sample, request.temperature(sample))
+        seed = row_seed(request.seed, request.prompt_index, sample, request.temperature(sample))
         driver = EpisodeDriver(request.environment, self.tokenizer, self.token_texts) if drives_episodes(request.environment) else None
         if driver is not None:
             request.tool_calls[sample] = driver.calls
-        return Row(request, sample, generator, driver)
+        return Row(request, sample, seed, driver)
 
     def _release_prompt(self, request: EngineRequest) -> None:
         if self.scheduler.release(request):
@@ -438,9 +438,10 @@ class Engine:
         plan = self.scheduler.schedule()
         prompt_tokens = sum(chunk.end - chunk.begin for chunk in plan.prefill)
         self._step_estimate_s = (self.decode_step_seconds if plan.decode else 0.0) + (self._prompt_steps.at(prompt_tokens) if prompt_tokens else 0.0)
-        self._publish_backlog({chunk.request: chunk.end for chunk in plan.prefill})
-        states = self.scheduler.states
-        output = self.executor.execute(plan, [lane.cache for lane in self.lanes], {chunk.request: states[chunk.request].cache for chunk in plan.prefill})
+        self._publish_backlog({chunk.request_id: chunk.end for chunk in plan.prefill})
+        states, requests = self.scheduler.states, self.scheduler.ids
+        prompt_caches = {chunk.request_id: states[requests[chunk.request_id]].cache for chunk in plan.prefill}
+        output = self.executor.execute(plan, [lane.cache for lane in self.lanes], prompt_caches)
         if output.decode:
             self._note_neighbours()
         self.outputs.update_from_output(output)

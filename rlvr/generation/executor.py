@@ -3,7 +3,7 @@
 :meth:`StepExecutor.execute` takes the scheduler's :class:`~rlvr.generation.scheduler.StepPlan` (plain
 data: every lane's rows, one token each, and the prompt chunks), flattens it so the weights are read once
 per step, with each segment's attention where its keys live (a lane's slots, a prompt's cache), samples
-the live rows (:meth:`StepExecutor.sample`, each row from its own generator) and returns a
+the live rows (:meth:`StepExecutor.sample`, each row from its own generator, kept here by row) and returns a
 :class:`~rlvr.generation.scheduler.StepOutput`; the scheduler's side applies it. A decode-only step of
 one lane runs from a CUDA graph where the plan built them.
 """
@@ -21,7 +21,6 @@ from rlvr.fastpaths.slot_attention import slot_attention
 from rlvr.generation.cuda_graphs import GraphedDecode
 from rlvr.generation.kv_cache import SlotCache
 from rlvr.generation.model_runner import model_runner
-from rlvr.generation.request import EngineRequest
 from rlvr.generation.sampler import draw_uniforms, sample_tokens
 from rlvr.generation.scheduler import LaneOutput, PrefillOutput, RowSampling, StepOutput, StepPlan
 
@@ -36,12 +35,14 @@ class StepExecutor:
         self.device = next(model.parameters()).device
         self.graphed = GraphedDecode(self.runner, self.device, graphs=True, float32_attention=plan.float32_attention) if plan.cuda_graphs else None
         self.slot_kernel = plan.slot_attention  # decode attention to each row's own length
+        self.generators: dict[tuple[int, int], torch.Generator] = {}  # each sampling row's, by (request id, sample)
 
-    def execute(self, plan: StepPlan, lane_caches: list[SlotCache], prompt_caches: dict[EngineRequest, DynamicCache]) -> StepOutput:
+    def execute(self, plan: StepPlan, lane_caches: list[SlotCache], prompt_caches: dict[int, DynamicCache]) -> StepOutput:
         """One forward over ``plan``: each lane's rows write their keys and values into its slots
         (``lane_caches``, by lane index) at their positions, each chunk's keys join its prompt's cache
-        (``prompt_caches``); then the live rows' next tokens are sampled. Advancing the rows' lengths is
+        (``prompt_caches``, by request id); then the live rows' next tokens are sampled. Advancing the rows' lengths is
         the caller's (parked rows ride along, their outputs dropped)."""
+        self.forget(plan.finished)
         if self.graphed is not None and not plan.prefill and (graphed := self._graphed_step(plan, lane_caches)) is not None:
             return graphed
         tokens, positions, segments, logits_at = [], [], [], []
@@ -54,11 +55,12 @@ class StepExecutor:
             attend = _slot_attention(cache, lane_positions, self.device, self.slot_kernel, self.plan.float32_attention)
             segments.append((start, start + len(step.tokens), attend))
             logits_at += [start + i for i in step.live]
-        for request, begin, end in plan.prefill:
-            start = sum(map(len, tokens))
-            tokens.append(torch.tensor(request.prompt_ids[begin:end]))
+        for chunk in plan.prefill:
+            start, begin, end = sum(map(len, tokens)), chunk.begin, chunk.end
+            tokens.append(torch.tensor(chunk.tokens))
             positions.append(torch.arange(begin, end))
-            segments.append((start, start + end - begin, _prompt_attention(prompt_caches[request], begin, end, self.device, self.plan.float32_attention)))
+            attend = _prompt_attention(prompt_caches[chunk.request_id], begin, end, self.device, self.plan.float32_attention)
+            segments.append((start, start + end - begin, attend))
             logits_at.append(start + end - begin - 1)
         if not segments:
             return StepOutput()
@@ -69,9 +71,8 @@ class StepExecutor:
         for step in plan.decode:
             output.decode.append(LaneOutput(step.lane, step.live, *self.sample(logits[offset : offset + len(step.live)], step.sampling)))
             offset += len(step.live)
-        for k, (request, _, end) in enumerate(plan.prefill):
-            whole = end == len(request.prompt_ids)
-            output.prefill.append(PrefillOutput(request, end, logits[offset + k : offset + k + 1] if whole else None))
+        for k, chunk in enumerate(plan.prefill):
+            output.prefill.append(PrefillOutput(chunk.request_id, chunk.end, logits[offset + k : offset + k + 1] if chunk.last else None))
         return output
 
     def _graphed_step(self, plan: StepPlan, lane_caches: list[SlotCache]) -> StepOutput | None:
@@ -85,14 +86,29 @@ class StepExecutor:
         logits = self.graphed.step(cache, torch.tensor(step.tokens).to(self.device), torch.tensor(step.positions).to(self.device))
         return StepOutput(decode=[LaneOutput(step.lane, step.live, *self.sample(logits, step.sampling))], tokens=rows)
 
-    @staticmethod
-    def sample(logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int], list[float]]:
-        """Each row's next token and its log-prob, drawn from its own generator at its temperature and top-p."""
+    def sample(self, logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int], list[float]]:
+        """Each row's next token and its log-prob, drawn from its own generator (made from its seed the first
+        time its key is seen, kept until its request is done) at its temperature and top-p."""
         temperatures = torch.tensor([r.temperature for r in rows], dtype=torch.float32)
         top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32)
-        uniforms = draw_uniforms([r.generator for r in rows])
+        uniforms = draw_uniforms([self._generator(r) for r in rows])
         tokens, logprobs = sample_tokens(logits, temperatures.to(logits.device), top_p.to(logits.device), None, uniforms=uniforms.to(logits.device))
         return tokens.tolist(), logprobs.tolist()
+
+    def forget(self, request_ids: list[int]) -> None:
+        """Let go of the generators of the rows of ``request_ids`` (done)."""
+        if request_ids and self.generators:
+            done = set(request_ids)
+            for key in [key for key in self.generators if key[0] in done]:
+                del self.generators[key]
+
+    def _generator(self, row: RowSampling) -> torch.Generator | None:
+        if row.seed is None:
+            return None
+        generator = self.generators.get(row.key)
+        if generator is None:
+            generator = self.generators[row.key] = torch.Generator().manual_seed(row.seed)
+        return generator
 
 
 def _slot_attention(cache: SlotCache, positions: torch.Tensor, device: torch.device, kernel: bool, upcast: bool) -> Attend:

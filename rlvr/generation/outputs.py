@@ -37,8 +37,8 @@ class OutputProcessor:
         environment's) recorded; each prompt chunk cached to its end (``Scheduler.prefilled``)."""
         for lane_output in output.decode:
             self._next_tokens(lane_output)
-        for request, end, last_logits in output.prefill:
-            self.scheduler.prefilled(request, end, last_logits)
+        for request_id, end, last_logits in output.prefill:
+            self.scheduler.prefilled(request_id, end, last_logits)
 
     def first_tokens(self, lane: Lane, slots: range, tokens: list[int], logprobs: list[float]) -> None:
         """New rows' first tokens (sampled from their prompt's last logits), recorded."""

@@ -4,12 +4,15 @@ scheduler's (``rlvr.generation.scheduler.RequestState``)."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
 from rlvr.environments.base import Environment, ToolCall
 from rlvr.generation.stops import NO_STOP_RULE, StopRule
+
+_REQUEST_IDS = itertools.count()
 
 
 class RequestDoesNotFit(ValueError):
@@ -40,6 +43,7 @@ class EngineRequest:
     on_done: Callable[[EngineRequest], None] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     environment: Environment | None = None
+    request_id: int = field(default_factory=lambda: next(_REQUEST_IDS))  # what a step's plan and output name it by
     # filled by the engine
     token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[float]] = field(default_factory=list)

@@ -1,7 +1,7 @@
 """The sampler: one token per row from its logits, each row drawing from its own generator.
 
 A row's generator is seeded by its request's seed, the prompt's index in its call and the row's sample
-index (:func:`row_generator`), so a seeded row samples the same tokens alone, beside other requests,
+index (:func:`row_seed`), so a seeded row samples the same tokens alone, beside other requests,
 in training and in serving.
 """
 
@@ -18,11 +18,10 @@ def derive_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([int(p) % 2**64 for p in parts]).generate_state(2, np.uint64)[0] >> np.uint64(1))
 
 
-def row_generator(seed: int, prompt: int, sample: int, temperature: float) -> torch.Generator | None:
-    """The generator of sample ``sample`` of prompt ``prompt`` (its index in the call) under ``seed``; None when greedy."""
-    if is_greedy(temperature):
-        return None
-    return torch.Generator().manual_seed(derive_seed(seed, prompt, sample))
+def row_seed(seed: int, prompt: int, sample: int, temperature: float) -> int | None:
+    """The seed of the generator of sample ``sample`` of prompt ``prompt`` (its index in the call) under
+    ``seed``; None when greedy (no generator)."""
+    return None if is_greedy(temperature) else derive_seed(seed, prompt, sample)
 
 
 def is_greedy(temperature: float) -> bool:

@@ -30,25 +30,27 @@ if TYPE_CHECKING:
 
 
 class RowSampling(NamedTuple):
-    """How a row draws its next token: its temperature and top-p, from its own generator (None: greedy)."""
+    """How a row draws its next token: its ``key`` (request id, sample), temperature and top-p, and the
+    seed of its own generator (None: greedy), which the executor keeps by key."""
 
+    key: tuple[int, int]
     temperature: float
     top_p: float
-    generator: torch.Generator | None
+    seed: int | None
 
 
 @dataclass
 class Row:
     request: EngineRequest
     sample: int
-    generator: torch.Generator | None  # None: greedy
+    seed: int | None  # its generator's (None: greedy)
     driver: EpisodeDriver | None = None  # its episode (requests with an environment)
     parked: Future | None = None  # a turn end being observed off the engine thread
     parked_reason: str | None = None  # how the row finishes if that observation injects nothing
 
     @property
     def sampling(self) -> RowSampling:
-        return RowSampling(self.request.temperature(self.sample), self.request.top_p, self.generator)
+        return RowSampling((self.request.request_id, self.sample), self.request.temperature(self.sample), self.request.top_p, self.seed)
 
 
 class Lane:
@@ -108,11 +110,13 @@ class RequestState:
 
 
 class PrefillChunk(NamedTuple):
-    """Prompt tokens ``begin`` .. ``end`` - 1 of ``request``, prefilled this step."""
+    """A request's prompt tokens ``begin`` .. ``end`` - 1 (``tokens``), prefilled this step; ``last``: the prompt's last chunk."""
 
-    request: EngineRequest
+    request_id: int
+    tokens: list[int]
     begin: int
     end: int
+    last: bool
 
 
 class LaneStep(NamedTuple):
@@ -128,10 +132,12 @@ class LaneStep(NamedTuple):
 
 @dataclass
 class StepPlan:
-    """One step's work, as plain data: each lane's rows decode one token, then the prompt chunks."""
+    """One step's work, as plain data: each lane's rows decode one token, then the prompt chunks; and the
+    requests done since the last plan (their rows' generators go)."""
 
     decode: list[LaneStep]
     prefill: list[PrefillChunk]
+    finished: list[int] = field(default_factory=list)
 
 
 class LaneOutput(NamedTuple):
@@ -144,9 +150,9 @@ class LaneOutput(NamedTuple):
 
 
 class PrefillOutput(NamedTuple):
-    """A prompt chunk run: its ``request``, the prompt tokens now cached, and the whole prompt's last logits (None: not whole yet)."""
+    """A prompt chunk run: its request's id, the prompt tokens now cached, and the whole prompt's last logits (None: not whole yet)."""
 
-    request: EngineRequest
+    request_id: int
     end: int
     last_logits: torch.Tensor | None
 
@@ -308,6 +314,8 @@ class Scheduler:
         self.waiting: list[EngineRequest] = []  # submitted, some rows not yet running
         self.running: set[EngineRequest] = set()  # some rows running
         self.states: dict[EngineRequest, RequestState] = {}  # every request in the engine
+        self.ids: dict[int, EngineRequest] = {}  # the same, by request id (a step's plan and output name them so)
+        self.finished_ids: list[int] = []  # requests forgotten since the last plan (its ``finished``)
         self.row_fill = 1.0  # a moving average of the share of its token budget a finished row used
         self.reserved_tokens = 0  # the whole prompts of the requests whose prompt caches are started
         self.lookahead_rows = max_rows + max_rows // 4  # rows running or about to start, past which no request starts
@@ -325,6 +333,7 @@ class Scheduler:
     def add(self, request: EngineRequest) -> None:
         self.waiting.append(request)
         self.states[request] = RequestState(request)
+        self.ids[request.request_id] = request
 
     def has_work(self) -> bool:
         """Whether a step now would do anything but wait for parked rows."""
@@ -333,7 +342,8 @@ class Scheduler:
     def drop_all(self) -> set[EngineRequest]:
         """Forget every request (a step failed under them); returns them."""
         requests = {*self.waiting, *(row.request for row in self.rows)}
-        self.waiting, self.running, self.states, self.reserved_tokens = [], set(), {}, 0
+        self.finished_ids += list(self.ids)
+        self.waiting, self.running, self.states, self.ids, self.reserved_tokens = [], set(), {}, {}, 0
         for lane in self.lanes:
             lane.clear()
         return requests
@@ -433,6 +443,8 @@ class Scheduler:
         if state.running or state.pending_rows or state.request in self.waiting:
             return False
         del self.states[state.request]
+        del self.ids[state.request.request_id]
+        self.finished_ids.append(state.request.request_id)
         return True
 
     def slot_capacity(self, lane: Lane, rows_needed: int, length: int, request: EngineRequest) -> int:
@@ -451,8 +463,8 @@ class Scheduler:
         """The prefix cache gives way to what requests hold (after a prompt cache started or a lane grew)."""
         self.prefixes.shrink_to(self.room_bytes())
 
-    def backlog(self, planned: dict[EngineRequest, int] | None = None) -> Backlog:
-        """The work in the engine now (see :class:`Backlog`), the prompts ``planned`` as far as the end of their chunk."""
+    def backlog(self, planned: dict[int, int] | None = None) -> Backlog:
+        """The work in the engine now (see :class:`Backlog`), the prompts ``planned`` (by request id) as far as the end of their chunk."""
         fill, running = self.row_fill, {}
         for row in self.rows:
             left = max(1, expected_tokens(row.request.max_new_tokens, fill) - len(row.request.token_ids[row.sample]))
@@ -462,7 +474,7 @@ class Scheduler:
         live = [q for q in in_engine if not q.cancelled.is_set() and q in self.states]
         planned = planned or {}
         live.sort(key=lambda q: q.submitted_s)  # stable
-        requests = tuple(self._queued_work(q, running.get(q, ()), fill, planned.get(q, 0)) for q in live)
+        requests = tuple(self._queued_work(q, running.get(q, ()), fill, planned.get(q.request_id, 0)) for q in live)
         lengths = [quantized(row.request.slot_length) for row in self.rows]
         lengths += [quantized(q.slot_length) for q in self.waiting if not q.cancelled.is_set() and self.states[q].pending_rows]
         fit = self.kv_budget_bytes * len(lengths) // (self.bytes_per_token * sum(lengths)) if lengths else self.max_rows
@@ -505,7 +517,8 @@ class Scheduler:
             if live:
                 positions = lane.cache.lengths[: len(lane.rows)].tolist()
                 decode.append(LaneStep(index, list(lane.next_tokens), positions, live, [lane.rows[i].sampling for i in live]))
-        return StepPlan(decode, prefill)
+        finished, self.finished_ids = self.finished_ids, []
+        return StepPlan(decode, prefill, finished)
 
     def _prefill_chunks(self, budget: int | None) -> list[PrefillChunk]:
         """Prompt chunks of the started requests, shortest remaining first (for its wait so far), within
@@ -521,7 +534,8 @@ class Scheduler:
             if budget <= 0:
                 break
             end = min(len(state.request.prompt_ids), state.prefilled + budget)
-            chunks.append(PrefillChunk(state.request, state.prefilled, end))
+            prompt = state.request.prompt_ids
+            chunks.append(PrefillChunk(state.request.request_id, prompt[state.prefilled : end], state.prefilled, end, end == len(prompt)))
             budget -= end - state.prefilled
         return chunks
 
@@ -577,9 +591,10 @@ class Scheduler:
         lane.rows += rows
         return lane, slots
 
-    def prefilled(self, request: EngineRequest, end: int, last_logits: torch.Tensor | None) -> None:
-        """``request``'s prompt is cached up to ``end``; once whole, its ``last_logits`` are kept for its rows'
-        first tokens and its blocks offered to the prefix cache."""
+    def prefilled(self, request_id: int, end: int, last_logits: torch.Tensor | None) -> None:
+        """The request's prompt is cached up to ``end``; once whole, its ``last_logits`` are kept for its
+        rows' first tokens and its blocks offered to the prefix cache."""
+        request = self.ids[request_id]
         state = self.states[request]
         state.prefilled = end
         if state.whole_prompt:
