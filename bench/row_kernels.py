@@ -3,9 +3,9 @@
     python bench/row_kernels.py .rlvr/models/base_policy/<version> --rows 1 2 3 4 6 8
 
 On the checkpoint's config (random weights: timings depend on shapes only), float32, this process's
-threads: every linear layer of the decoder layers once on ``rows`` token rows (one decode step's
-projections, the output head left out), grouped as the fused decoder runs them (q/k/v side by side, o,
-gate/up side by side, down with its SiLU gate), through ``row_kernels.linear`` and through oneDNN's
+threads: every linear layer once on ``rows`` token rows (one decode step's projections, the output head
+included), grouped as the fused decoder runs them (q/k/v side by side, o, gate/up side by side, down
+with its SiLU gate), through ``row_kernels.linear`` and through oneDNN's
 packed weights (``packed_linears``, the gate applied apart); median ms of ``--repeats`` runs of
 ``--steps`` steps, and the ratio.
 """
@@ -27,14 +27,14 @@ from rlvr.fastpaths.packed_linear import packed_linears  # noqa: E402
 
 
 def groups(model) -> list[tuple[list[torch.nn.Linear], bool]]:
-    """Each decoder layer's projections as the fused decoder groups them, and whether the group takes the
-    SiLU-gated input (down: gate and up side by side): q/k/v, o, gate/up, down."""
+    """A step's projections as the fused decoder groups them, and whether the group takes the SiLU-gated
+    input (down: gate and up side by side): each layer's q/k/v, o, gate/up and down, then the output head."""
     out = []
     for layer in model.model.layers:
         attention, mlp = layer.self_attn, layer.mlp
         out += [([attention.q_proj, attention.k_proj, attention.v_proj], False), ([attention.o_proj], False)]
         out += [([mlp.gate_proj, mlp.up_proj], False), ([mlp.down_proj], True)]
-    return out
+    return out + [([model.lm_head], False)]
 
 
 def step(model, rows: int, steps: int, kernels: bool):
@@ -70,7 +70,7 @@ def main() -> int:
     if not row_kernels.available():
         raise SystemExit("the row kernels are not built here (no C++ compiler?): see `python -m rlvr.fastpaths.row_kernels`")
     model = random_weights_model(args.model, torch.float32).eval().requires_grad_(False)
-    print(f"float32, {torch.get_num_threads()} threads; ms per step's decoder-layer projections, median of {args.repeats} x {args.steps} steps")
+    print(f"float32, {torch.get_num_threads()} threads; ms per step's projections, median of {args.repeats} x {args.steps} steps")
     print(f"the engine's MAX_ROWS: {row_kernels.MAX_ROWS}\n")
     print("| rows | row kernels ms | oneDNN packed ms | row kernels speed |")
     print("|---|---|---|---|")

@@ -36,7 +36,7 @@ def test_linear_is_the_layers_side_by_side_plus_the_residual_and_takes_a_gated_i
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("rows", [1, 3, row_kernels.MAX_ROWS, row_kernels.MAX_ROWS + 2])
 def test_the_fused_decoder_steps_equal_with_and_without_them(rows):
     model = tiny_llama(40, seed=3).requires_grad_(False)
     with torch.inference_mode():

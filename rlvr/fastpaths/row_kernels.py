@@ -21,7 +21,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 3  # steps of up to this many token rows; from 4, oneDNN's packed GEMM is as fast or faster
+MAX_ROWS = 4  # steps of up to this many token rows; from 5, oneDNN's packed GEMM is as fast or faster (bench/row_kernels.py)
 
 SOURCE = r"""
 #include <torch/extension.h>
