@@ -10,9 +10,10 @@ out (docs/architecture.md, "The generation engine"); the engine evicts them befo
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -40,24 +41,28 @@ class PrefixCache:
     def bytes(self) -> int:
         return len(self._blocks) * self.block_bytes
 
-    def _chain(self, ids: Sequence[int]) -> list[tuple[int, tuple[int, ...]]]:
-        """(key, tokens) of each whole block of ``ids`` but the last token (always prefilled)."""
-        chain, parent = [], None
+    def _chain(self, ids: Sequence[int]) -> Iterator[tuple[int, tuple[int, ...]]]:
+        """(key, tokens) of each whole block of ``ids`` but the last token (always prefilled), lazily."""
+        parent = None
         for start in range(0, len(ids) - 1 - self.block_tokens + 1, self.block_tokens):
             tokens = tuple(ids[start : start + self.block_tokens])
             parent = hash((parent, tokens))
-            chain.append((parent, tokens))
-        return chain
+            yield parent, tokens
+
+    def _held(self, ids: Sequence[int]) -> Iterator[tuple[int, _Block]]:
+        """(key, block) of the run of ``ids``'s blocks held, from its first (a hash collision is a miss)."""
+        parent = None
+        for key, tokens in self._chain(ids):
+            block = self._blocks.get(key)
+            if block is None or block.tokens != tokens or block.parent != parent:
+                return
+            yield key, block
+            parent = key
 
     def _cached_chain(self, ids: Sequence[int]) -> list[tuple[int, _Block | None]]:
-        """The chain of ``ids`` with the cached block of each key (None past the first miss)."""
-        chain, parent, found = [], None, True
-        for key, tokens in self._chain(ids):
-            block = self._blocks.get(key) if found else None
-            found = block is not None and block.tokens == tokens and block.parent == parent  # a hash collision is a miss
-            chain.append((key, block if found else None))
-            parent = key
-        return chain
+        """The whole chain of ``ids`` with the cached block of each key (None past the first miss)."""
+        held: list[tuple[int, _Block | None]] = list(self._held(ids))
+        return held + [(key, None) for key, _ in itertools.islice(self._chain(ids), len(held), None)]
 
     def _touch(self, keys: list[int]) -> None:
         for key in reversed(keys):  # the first block most recent: evicted after every block that continues it
@@ -68,13 +73,13 @@ class PrefixCache:
         (read only, safe from any thread: the estimates ask it beside the engine's steps)."""
         if not self.limit_bytes:
             return len(ids)
-        return len(ids) - self.block_tokens * sum(block is not None for _, block in self._cached_chain(ids))
+        return len(ids) - self.block_tokens * sum(1 for _ in self._held(ids))
 
     def lookup(self, ids: Sequence[int], config: Any) -> tuple[int, DynamicCache | None]:
         """(tokens of ``ids`` found, a prompt cache holding their keys and values), (0, None) on a miss."""
         if not self.limit_bytes:
             return 0, None
-        hits = [(key, block) for key, block in self._cached_chain(ids) if block is not None]
+        hits = list(self._held(ids))
         if not hits:
             return 0, None
         self._touch([key for key, _ in hits])
