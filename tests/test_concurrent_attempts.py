@@ -19,6 +19,7 @@ from dagster import DagsterInstance, Failure, execute_job
 from resources import MLflowResource
 from resources.launcher import LOCK_FILE, SCRATCH_ENV, attempt_lock, stop_abandoned_training
 from resources.tracking import DAGSTER_RUN_TAG, TRAINING_RUN_TAG
+from rlvr.training_run import start_training_process
 from support.training_jobs import HOLD_REWARDS, rows, training_job, two_process_config
 from support.waiting import wait_for
 
@@ -30,11 +31,13 @@ def python_env() -> dict:
 
 
 def fake_training(scratch: Path) -> subprocess.Popen:
-    """A process as the launcher starts torchrun: its command line names torch.distributed.run, its environment the scratch folder."""
+    """A process as the launcher starts torchrun: its command line names torch.distributed.run, its environment the scratch folder,
+    and it starts as a training process (SIGTERM's default action, whatever this process's)."""
     return subprocess.Popen(
         [sys.executable, "-c", "import time; time.sleep(600)", "torch.distributed.run"],
         start_new_session=True,
         env={**os.environ, SCRATCH_ENV: str(scratch.resolve())},
+        preexec_fn=start_training_process,
     )
 
 

@@ -138,6 +138,23 @@ def test_a_parent_already_gone_sends_the_signal_at_once(parent, survives):
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
 @pytest.mark.parametrize("inherited", ["ignored", "blocked"])
+def test_the_parent_death_signal_acts_though_it_was_inherited_ignored_or_blocked(inherited):
+    """A process started with SIGTERM ignored (a background launcher's SIGINT, to which Dagster maps
+    SIGTERM) or blocked still dies by it once it asks for it on its parent's death."""
+
+    def inherit() -> None:
+        if inherited == "ignored":
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        else:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+
+    code = ARMED.format(call="die_with_parent(signal.SIGTERM, parent=os.getppid() + 100000)").replace("time.sleep(60)", "sys.exit(0)")
+    child = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, timeout=60, preexec_fn=inherit)
+    assert (child.returncode, child.stdout) == (-signal.SIGTERM, "")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(PR_SET_PDEATHSIG) is Linux's")
+@pytest.mark.parametrize("inherited", ["ignored", "blocked"])
 def test_a_training_process_can_always_be_stopped(inherited):
     """A launcher's ignored or blocked SIGTERM is inherited across fork and exec; a training process
     (:func:`start_training_process`) restores it, so a stop reaches it; without it, the stop is lost."""
