@@ -73,7 +73,6 @@ class VllmEngine:
         self._held: deque[EngineRequest] = deque()  # taken in, not yet given to vLLM (batching off: one at a time)
         self._samples: dict[str, tuple[EngineRequest, int]] = {}  # vLLM request id -> (request, sample), unfinished
         self._running: dict[EngineRequest, set[str]] = {}  # request -> its unfinished samples' vLLM ids
-        self._ids = itertools.count()
         self._backlog: tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int, int], ...]] = ((), ())
 
     # ---- from any thread ----------------------------------------------------------------------
@@ -204,7 +203,7 @@ class VllmEngine:
     def _start(self, request: EngineRequest) -> None:
         ids = set()
         for sample in range(request.num_samples):
-            request_id = f"{next(self._ids)}-{sample}"
+            request_id = f"{request.request_id}-{sample}"
             self.llm.add_request(request_id, {"prompt_token_ids": list(request.prompt_ids)}, self._sampling(request, sample))
             self._samples[request_id] = (request, sample)
             ids.add(request_id)

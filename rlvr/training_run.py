@@ -20,7 +20,7 @@ import pandas as pd
 from rlvr.costs import Usage
 from rlvr.grpo import GRPOConfig, GRPOTrainer, export_merged
 from rlvr.policy import load_policy, write_environment, write_tasks
-from rlvr.process_lifetime import die_with_parent
+from rlvr.process_lifetime import die_with_parent, let_signal_act
 from rlvr.rewards import RewardPool
 from rlvr.tasks import DEFAULT_TASK, TaskMixture, get_task
 from rlvr.tasks.mixture import training_records
@@ -89,8 +89,7 @@ def start_training_process(parent: int | None = None) -> None:
     """What every training process (torchrun, each rank) runs first: SIGTERM's default action, unblocked
     (a launcher's ignored or blocked SIGTERM is inherited across fork and exec, and a stop must reach the
     training), and SIGKILL when its parent dies (:func:`~rlvr.process_lifetime.die_with_parent`)."""
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+    let_signal_act(signal.SIGTERM)
     die_with_parent(signal.SIGKILL, parent)
 
 

@@ -10,10 +10,9 @@ out (docs/architecture.md, "The generation engine"); the engine evicts them befo
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -49,10 +48,10 @@ class PrefixCache:
             parent = hash((parent, tokens))
             yield parent, tokens
 
-    def _held(self, ids: Sequence[int]) -> Iterator[tuple[int, _Block]]:
-        """(key, block) of the run of ``ids``'s blocks held, from its first (a hash collision is a miss)."""
+    def _held(self, chain: Iterable[tuple[int, tuple[int, ...]]]) -> Iterator[tuple[int, _Block]]:
+        """(key, block) of the run of a ``chain``'s blocks held, from its first (a hash collision is a miss)."""
         parent = None
-        for key, tokens in self._chain(ids):
+        for key, tokens in chain:
             block = self._blocks.get(key)
             if block is None or block.tokens != tokens or block.parent != parent:
                 return
@@ -61,8 +60,9 @@ class PrefixCache:
 
     def _cached_chain(self, ids: Sequence[int]) -> list[tuple[int, _Block | None]]:
         """The whole chain of ``ids`` with the cached block of each key (None past the first miss)."""
-        held: list[tuple[int, _Block | None]] = list(self._held(ids))
-        return held + [(key, None) for key, _ in itertools.islice(self._chain(ids), len(held), None)]
+        chain = list(self._chain(ids))
+        held: list[tuple[int, _Block | None]] = list(self._held(chain))
+        return held + [(key, None) for key, _ in chain[len(held) :]]
 
     def _touch(self, keys: list[int]) -> None:
         for key in reversed(keys):  # the first block most recent: evicted after every block that continues it
@@ -73,13 +73,13 @@ class PrefixCache:
         (read only, safe from any thread: the estimates ask it beside the engine's steps)."""
         if not self.limit_bytes:
             return len(ids)
-        return len(ids) - self.block_tokens * sum(1 for _ in self._held(ids))
+        return len(ids) - self.block_tokens * sum(1 for _ in self._held(self._chain(ids)))
 
     def lookup(self, ids: Sequence[int], config: Any) -> tuple[int, DynamicCache | None]:
         """(tokens of ``ids`` found, a prompt cache holding their keys and values), (0, None) on a miss."""
         if not self.limit_bytes:
             return 0, None
-        hits = list(self._held(ids))
+        hits = list(self._held(self._chain(ids)))
         if not hits:
             return 0, None
         self._touch([key for key, _ in hits])
