@@ -213,6 +213,21 @@ def test_a_new_prompts_start_wait_counts_only_what_the_prefix_cache_holds_none_o
     assert engine.start_wait_steps(again) < engine.start_wait_steps(unrelated)
 
 
+def test_a_whole_prompts_first_tokens_come_back_in_its_steps_output_for_rows_that_start_later(model, tokenizer):
+    """The executor samples every row's first token in the step that completes the prompt and returns them
+    as data; rows waiting for a slot (one slot here) start later with the token drawn then."""
+    engine = Engine(model, tokenizer, max_rows=1, step_tokens=8, kv_budget_bytes=2**24)
+    request = _request(tokenizer, PROMPTS[2], samples=3, new_tokens=4)
+    outputs, apply = [], engine.outputs.update_from_output
+    engine.outputs.update_from_output = lambda output: (outputs.append(output), apply(output))
+    run_engine(engine, {0: [request]})
+    prefills = [p for output in outputs for p in output.prefill]
+    assert [p.end for p in prefills] == [8, 16, len(request.prompt_ids)] and [len(p.tokens) for p in prefills] == [0, 0, 3]
+    whole = model(torch.tensor([request.prompt_ids])).logits[0, -1]
+    assert prefills[-1].tokens == [int(whole.argmax())] * 3 and [ids[0] for ids in request.token_ids] == prefills[-1].tokens
+    assert prefills[-1].logprobs == pytest.approx([float(whole.log_softmax(-1).max())] * 3, abs=1e-5)
+
+
 def test_the_executor_keeps_each_sampling_rows_generator_until_its_request_is_done(model, tokenizer):
     """Generators live in the executor by (request id, sample), made from the plan's seeds: one per
     sampled row while its request runs (greedy rows have none), none once the plan says it is done."""

@@ -13,7 +13,7 @@ import torch
 from rlvr.environments.driver import TokenTexts
 from rlvr.generation.outputs import OutputProcessor
 from rlvr.generation.prefix_cache import PrefixCache
-from rlvr.generation.request import EngineRequest
+from rlvr.generation.request import EngineRequest, RowSampling
 from rlvr.generation.scheduler import (
     Backlog,
     Lane,
@@ -23,7 +23,6 @@ from rlvr.generation.scheduler import (
     PrefillOutput,
     QueuedWork,
     Row,
-    RowSampling,
     Scheduler,
     StepOutput,
 )
@@ -33,7 +32,8 @@ from support.tiny_models import char_tokenizer
 
 def _chunk(request: EngineRequest, begin: int, end: int) -> PrefillChunk:
     """The plan's chunk of ``request``'s prompt tokens ``begin`` .. ``end`` - 1, as plain data."""
-    return PrefillChunk(request.request_id, request.prompt_ids[begin:end], begin, end, end == len(request.prompt_ids))
+    sampling = tuple(map(request.sampling, range(request.num_samples))) if end == len(request.prompt_ids) else ()
+    return PrefillChunk(request.request_id, request.prompt_ids[begin:end], begin, end, sampling)
 
 
 def _scheduler(kv_budget_bytes: int = 10_000, max_rows: int = 8, step_tokens: int = 128, **kwargs) -> Scheduler:
@@ -65,7 +65,7 @@ def _prefilled(scheduler: Scheduler, request: EngineRequest) -> EngineRequest:
 
 def _start_rows(scheduler: Scheduler, request: EngineRequest, count: int) -> None:
     """What the engine does with an admission: the rows join their lane (slots unallocated here)."""
-    scheduler.lane_for(request).rows += [Row(request, sample, None) for sample in scheduler.admit(request, count)]
+    scheduler.lane_for(request).rows += [Row(request, sample) for sample in scheduler.admit(request, count)]
 
 
 def test_the_gate_counts_prefilled_prompt_tokens_and_refuses_past_the_budget():
@@ -223,7 +223,7 @@ def test_requests_start_while_the_rows_ahead_are_within_the_lookahead():
     for _ in range(6):
         scheduler.release_row(running, 10)
     # 2 running + 2 waiting to start: two more requests of two rows fit in the lookahead of 10
-    assert [scheduler.ids[chunk.request_id] for chunk in scheduler.schedule().prefill] == later
+    assert [scheduler.by_id[chunk.request_id].request for chunk in scheduler.schedule().prefill] == later
 
 
 def test_prefilled_requests_share_the_rows_fairly_the_oldest_then_short_ones_first():
@@ -267,7 +267,7 @@ def test_only_the_oldest_max_requests_are_scheduled():
     old, new = _request(10, submitted_s=1.0), _request(3, submitted_s=2.0)
     scheduler.add(new)
     scheduler.add(old)
-    assert [scheduler.ids[chunk.request_id] for chunk in scheduler.schedule().prefill] == [old]
+    assert [scheduler.by_id[chunk.request_id].request for chunk in scheduler.schedule().prefill] == [old]
 
 
 def test_release_frees_the_prompt_and_the_last_row_finishes_the_request():
@@ -415,7 +415,7 @@ def test_starting_rows_allocates_their_slots_from_the_prompts_cache():
     scheduler = _scheduler()
     request = _prefilled(scheduler, _request(5, samples=3))
     _prompt_cache(scheduler, request)
-    rows = [Row(request, sample, None) for sample in range(2)]
+    rows = [Row(request, sample) for sample in range(2)]
     lane, slots = scheduler.start_rows(request, rows)
     assert lane is scheduler.lanes[0] and list(slots) == [0, 1] and lane.rows == rows
     assert lane.cache.capacity_rows >= 2 and lane.cache.capacity_length == 128 and lane.cache.lengths[:2].tolist() == [5, 5]
@@ -423,7 +423,7 @@ def test_starting_rows_allocates_their_slots_from_the_prompts_cache():
     assert scheduler.states[request].running == 2 and scheduler.states[request].pending_rows == 1
     assert scheduler.held_bytes() == lane.cache.capacity_rows * 128 + 5  # the slots and the prompt of the row still waiting
     with pytest.raises(ValueError, match="start from 2"):
-        scheduler.start_rows(request, [Row(request, 0, None)])
+        scheduler.start_rows(request, [Row(request, 0)])
 
 
 def test_a_steps_output_moves_prompts_and_rows_on_in_one_place():
@@ -431,7 +431,7 @@ def test_a_steps_output_moves_prompts_and_rows_on_in_one_place():
     _prefilled(scheduler, request)
     _prompt_cache(scheduler, request)
     outputs = _outputs(scheduler)
-    lane, slots = scheduler.start_rows(request, [Row(request, sample, None) for sample in range(3)])
+    lane, slots = scheduler.start_rows(request, [Row(request, sample) for sample in range(3)])
     outputs.first_tokens(lane, slots, [4, 5, 6], [-1.0, -2.0, -3.0])
     lane.rows[1].parked = Future()
     scheduler.add(waiting)
@@ -441,12 +441,12 @@ def test_a_steps_output_moves_prompts_and_rows_on_in_one_place():
         LaneStep(0, [4, 5, 6], [5, 5, 5], [0, 2], [RowSampling((request.request_id, k), 0.0, 1.0, None) for k in (0, 2)])
     ] and plan.prefill == [_chunk(waiting, 0, 20)]
 
-    outputs.update_from_output(StepOutput([LaneOutput(0, [0, 2], [7, 8], [-0.5, -0.25])], [PrefillOutput(waiting.request_id, 20, None)], tokens=23))
+    outputs.update_from_output(StepOutput([LaneOutput(0, [0, 2], [7, 8], [-0.5, -0.25])], [PrefillOutput(waiting.request_id, 20, [], [])], tokens=23))
     assert request.token_ids == [[4, 7], [5], [6, 8]] and request.logprobs[2] == [-3.0, -0.25]
     assert request.finish_reasons[0] == request.finish_reasons[2] == "length"  # their budget spent: retired, the parked row moved to slot 0
     assert lane.rows[0].sample == 1 and lane.next_tokens == [5] and lane.cache.lengths[:1].tolist() == [5]  # parked: not advanced
-    assert scheduler.states[waiting].prefilled == 20 and scheduler.states[waiting].last_logits is None
+    assert scheduler.states[waiting].prefilled == 20 and scheduler.states[waiting].first_tokens == []
 
-    logits = torch.zeros(1, 8)
-    outputs.update_from_output(StepOutput(prefill=[PrefillOutput(waiting.request_id, 50, logits)]))
-    assert scheduler.states[waiting].whole_prompt and scheduler.states[waiting].last_logits is logits
+    outputs.update_from_output(StepOutput(prefill=[PrefillOutput(waiting.request_id, 50, [9], [-0.125])]))
+    state = scheduler.states[waiting]
+    assert state.whole_prompt and (state.first_tokens, state.first_logprobs) == ([9], [-0.125]) and waiting.token_ids == [[]]

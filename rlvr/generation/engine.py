@@ -30,7 +30,6 @@ from rlvr.generation.kv_cache import kv_cache_bytes_per_token, quantized
 from rlvr.generation.outputs import OutputProcessor, finish
 from rlvr.generation.prefix_cache import PrefixCache
 from rlvr.generation.request import EngineRequest, RequestDoesNotFit
-from rlvr.generation.sampler import row_seed
 from rlvr.generation.scheduler import Backlog, Lane, Row, Scheduler, expected_tokens
 from rlvr.generation.stops import StopChecker
 
@@ -406,24 +405,23 @@ class Engine:
             self._add_rows(request, count)
 
     def _add_rows(self, request: EngineRequest, count: int) -> None:
-        """Start ``count`` of ``request``'s rows (the scheduler allocates their slots) and sample their first
-        tokens from the prompt's last logits."""
+        """Start ``count`` of ``request``'s rows (the scheduler allocates their slots) with the first tokens
+        sampled when its prompt was whole."""
         state = self.scheduler.states[request]
-        rows = [self._new_row(request, sample) for sample in range(state.next_sample, state.next_sample + count)]
+        samples = slice(state.next_sample, state.next_sample + count)
+        rows = [self._new_row(request, sample) for sample in range(samples.start, samples.stop)]
         lane, slots = self.scheduler.start_rows(request, rows)
         if request.first_token_s is None:
             request.first_token_s = time.monotonic()
-        tokens, logprobs = self.executor.sample(state.last_logits.expand(count, -1), [row.sampling for row in rows])
-        self.outputs.first_tokens(lane, slots, tokens, logprobs)
+        self.outputs.first_tokens(lane, slots, state.first_tokens[samples], state.first_logprobs[samples])
         if not state.pending_rows:
             self._release_prompt(request)
 
     def _new_row(self, request: EngineRequest, sample: int) -> Row:
-        seed = row_seed(request.seed, request.prompt_index, sample, request.temperature(sample))
         driver = EpisodeDriver(request.environment, self.tokenizer, self.token_texts) if drives_episodes(request.environment) else None
         if driver is not None:
             request.tool_calls[sample] = driver.calls
-        return Row(request, sample, seed, driver)
+        return Row(request, sample, driver)
 
     def _release_prompt(self, request: EngineRequest) -> None:
         if self.scheduler.release(request):
@@ -439,8 +437,7 @@ class Engine:
         prompt_tokens = sum(chunk.end - chunk.begin for chunk in plan.prefill)
         self._step_estimate_s = (self.decode_step_seconds if plan.decode else 0.0) + (self._prompt_steps.at(prompt_tokens) if prompt_tokens else 0.0)
         self._publish_backlog({chunk.request_id: chunk.end for chunk in plan.prefill})
-        states, requests = self.scheduler.states, self.scheduler.ids
-        prompt_caches = {chunk.request_id: states[requests[chunk.request_id]].cache for chunk in plan.prefill}
+        prompt_caches = {chunk.request_id: self.scheduler.by_id[chunk.request_id].cache for chunk in plan.prefill}
         output = self.executor.execute(plan, [lane.cache for lane in self.lanes], prompt_caches)
         if output.decode:
             self._note_neighbours()

@@ -3,9 +3,9 @@
 :meth:`StepExecutor.execute` takes the scheduler's :class:`~rlvr.generation.scheduler.StepPlan` (plain
 data: every lane's rows, one token each, and the prompt chunks), flattens it so the weights are read once
 per step, with each segment's attention where its keys live (a lane's slots, a prompt's cache), samples
-the live rows (:meth:`StepExecutor.sample`, each row from its own generator, kept here by row) and returns a
-:class:`~rlvr.generation.scheduler.StepOutput`; the scheduler's side applies it. A decode-only step of
-one lane runs from a CUDA graph where the plan built them.
+the live rows and a whole prompt's rows' first tokens (each row from its own generator, kept here by
+row) and returns a :class:`~rlvr.generation.scheduler.StepOutput`; the scheduler's side applies it. A
+decode-only step of one lane runs from a CUDA graph where the plan built them.
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from rlvr.fastpaths.slot_attention import slot_attention
 from rlvr.generation.cuda_graphs import GraphedDecode
 from rlvr.generation.kv_cache import SlotCache
 from rlvr.generation.model_runner import model_runner
+from rlvr.generation.request import RowSampling
 from rlvr.generation.sampler import draw_uniforms, sample_tokens
-from rlvr.generation.scheduler import LaneOutput, PrefillOutput, RowSampling, StepOutput, StepPlan
+from rlvr.generation.scheduler import LaneOutput, PrefillOutput, StepOutput, StepPlan
 
 
 class StepExecutor:
@@ -40,7 +41,8 @@ class StepExecutor:
     def execute(self, plan: StepPlan, lane_caches: list[SlotCache], prompt_caches: dict[int, DynamicCache]) -> StepOutput:
         """One forward over ``plan``: each lane's rows write their keys and values into its slots
         (``lane_caches``, by lane index) at their positions, each chunk's keys join its prompt's cache
-        (``prompt_caches``, by request id); then the live rows' next tokens are sampled. Advancing the rows' lengths is
+        (``prompt_caches``, by request id); then the live rows' next tokens are sampled, and where a prompt
+        is whole, its rows' first tokens. Advancing the rows' lengths is
         the caller's (parked rows ride along, their outputs dropped)."""
         self.forget(plan.finished)
         if self.graphed is not None and not plan.prefill and (graphed := self._graphed_step(plan, lane_caches)) is not None:
@@ -69,10 +71,11 @@ class StepExecutor:
         )
         output, offset = StepOutput(tokens=sum(map(len, tokens))), 0
         for step in plan.decode:
-            output.decode.append(LaneOutput(step.lane, step.live, *self.sample(logits[offset : offset + len(step.live)], step.sampling)))
+            output.decode.append(LaneOutput(step.lane, step.live, *self._sample(logits[offset : offset + len(step.live)], step.sampling)))
             offset += len(step.live)
-        for k, chunk in enumerate(plan.prefill):
-            output.prefill.append(PrefillOutput(chunk.request_id, chunk.end, logits[offset + k : offset + k + 1] if chunk.last else None))
+        for k, chunk in enumerate(plan.prefill):  # a whole prompt: each of its rows' first token
+            first = self._sample(logits[offset + k].expand(len(chunk.sampling), -1), list(chunk.sampling)) if chunk.last else ([], [])
+            output.prefill.append(PrefillOutput(chunk.request_id, chunk.end, *first))
         return output
 
     def _graphed_step(self, plan: StepPlan, lane_caches: list[SlotCache]) -> StepOutput | None:
@@ -84,9 +87,9 @@ class StepExecutor:
         if len(step.live) != rows or not self.graphed.fits(cache, rows):
             return None
         logits = self.graphed.step(cache, torch.tensor(step.tokens).to(self.device), torch.tensor(step.positions).to(self.device))
-        return StepOutput(decode=[LaneOutput(step.lane, step.live, *self.sample(logits, step.sampling))], tokens=rows)
+        return StepOutput(decode=[LaneOutput(step.lane, step.live, *self._sample(logits, step.sampling))], tokens=rows)
 
-    def sample(self, logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int], list[float]]:
+    def _sample(self, logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int], list[float]]:
         """Each row's next token and its log-prob, drawn from its own generator (made from its seed the first
         time its key is seen, kept until its request is done) at its temperature and top-p."""
         temperatures = torch.tensor([r.temperature for r in rows], dtype=torch.float32)

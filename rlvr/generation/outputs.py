@@ -37,11 +37,11 @@ class OutputProcessor:
         environment's) recorded; each prompt chunk cached to its end (``Scheduler.prefilled``)."""
         for lane_output in output.decode:
             self._next_tokens(lane_output)
-        for request_id, end, last_logits in output.prefill:
-            self.scheduler.prefilled(request_id, end, last_logits)
+        for prefill in output.prefill:
+            self.scheduler.prefilled(prefill)
 
     def first_tokens(self, lane: Lane, slots: range, tokens: list[int], logprobs: list[float]) -> None:
-        """New rows' first tokens (sampled from their prompt's last logits), recorded."""
+        """New rows' first tokens (sampled when their prompt was whole), recorded."""
         lane.next_tokens += tokens
         self.record(lane, list(slots), tokens, logprobs)
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from rlvr.environments.base import Environment, ToolCall
+from rlvr.generation.sampler import row_seed
 from rlvr.generation.stops import NO_STOP_RULE, StopRule
 
 _REQUEST_IDS = itertools.count()
@@ -22,6 +23,16 @@ class RequestDoesNotFit(ValueError):
     def __init__(self, message: str, part: str):
         super().__init__(message)
         self.part = part
+
+
+class RowSampling(NamedTuple):
+    """How a row draws its tokens: its ``key`` (request id, sample), temperature and top-p, and the
+    seed of its own generator (None: greedy), which the executor keeps by key."""
+
+    key: tuple[int, int]
+    temperature: float
+    top_p: float
+    seed: int | None
 
 
 @dataclass(eq=False)
@@ -70,3 +81,8 @@ class EngineRequest:
 
     def temperature(self, sample: int) -> float:
         return self.temperatures[sample % len(self.temperatures)]
+
+    def sampling(self, sample: int) -> RowSampling:
+        """How sample ``sample``'s row draws: its generator seeded by (``seed``, ``prompt_index``, ``sample``)."""
+        temperature = self.temperature(sample)
+        return RowSampling((self.request_id, sample), temperature, self.top_p, row_seed(self.seed, self.prompt_index, sample, temperature))

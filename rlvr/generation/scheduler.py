@@ -18,39 +18,28 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterator, NamedTuple, Sequence
 
-import torch
 from transformers import DynamicCache
 
 from rlvr.generation.kv_cache import SlotCache, quantized
 from rlvr.generation.prefix_cache import PrefixCache
+from rlvr.generation.request import RowSampling
 
 if TYPE_CHECKING:
     from rlvr.environments.driver import EpisodeDriver
     from rlvr.generation.request import EngineRequest
 
 
-class RowSampling(NamedTuple):
-    """How a row draws its next token: its ``key`` (request id, sample), temperature and top-p, and the
-    seed of its own generator (None: greedy), which the executor keeps by key."""
-
-    key: tuple[int, int]
-    temperature: float
-    top_p: float
-    seed: int | None
-
-
 @dataclass
 class Row:
     request: EngineRequest
     sample: int
-    seed: int | None  # its generator's (None: greedy)
     driver: EpisodeDriver | None = None  # its episode (requests with an environment)
     parked: Future | None = None  # a turn end being observed off the engine thread
     parked_reason: str | None = None  # how the row finishes if that observation injects nothing
 
     @property
     def sampling(self) -> RowSampling:
-        return RowSampling((self.request.request_id, self.sample), self.request.temperature(self.sample), self.request.top_p, self.seed)
+        return self.request.sampling(self.sample)
 
 
 class Lane:
@@ -96,7 +85,8 @@ class RequestState:
     request: EngineRequest
     prefilled: int = 0  # prompt tokens whose keys and values are cached
     cache: DynamicCache | None = None  # the prompt's, while rows wait to start from it
-    last_logits: torch.Tensor | None = None  # the whole prompt's next-token logits: its rows' first tokens
+    first_tokens: list[int] = field(default_factory=list)  # each row's first token (sampled once the prompt is whole)
+    first_logprobs: list[float] = field(default_factory=list)
     next_sample: int = 0  # the next row to start
     running: int = 0  # rows running
 
@@ -110,13 +100,18 @@ class RequestState:
 
 
 class PrefillChunk(NamedTuple):
-    """A request's prompt tokens ``begin`` .. ``end`` - 1 (``tokens``), prefilled this step; ``last``: the prompt's last chunk."""
+    """A request's prompt tokens ``begin`` .. ``end`` - 1 (``tokens``), prefilled this step; on the prompt's
+    last chunk, how each of its rows draws its first token (``sampling``, every sample's; empty before)."""
 
     request_id: int
     tokens: list[int]
     begin: int
     end: int
-    last: bool
+    sampling: tuple[RowSampling, ...] = ()
+
+    @property
+    def last(self) -> bool:
+        return bool(self.sampling)
 
 
 class LaneStep(NamedTuple):
@@ -150,11 +145,13 @@ class LaneOutput(NamedTuple):
 
 
 class PrefillOutput(NamedTuple):
-    """A prompt chunk run: its request's id, the prompt tokens now cached, and the whole prompt's last logits (None: not whole yet)."""
+    """A prompt chunk run: its request's id, the prompt tokens now cached, and once the prompt is whole its
+    rows' first tokens and their log-probs (one per sample; empty before)."""
 
     request_id: int
     end: int
-    last_logits: torch.Tensor | None
+    tokens: list[int]
+    logprobs: list[float]
 
 
 @dataclass
@@ -314,7 +311,7 @@ class Scheduler:
         self.waiting: list[EngineRequest] = []  # submitted, some rows not yet running
         self.running: set[EngineRequest] = set()  # some rows running
         self.states: dict[EngineRequest, RequestState] = {}  # every request in the engine
-        self.ids: dict[int, EngineRequest] = {}  # the same, by request id (a step's plan and output name them so)
+        self.by_id: dict[int, RequestState] = {}  # the same, by request id (a step's plan and output name them so)
         self.finished_ids: list[int] = []  # requests forgotten since the last plan (its ``finished``)
         self.row_fill = 1.0  # a moving average of the share of its token budget a finished row used
         self.reserved_tokens = 0  # the whole prompts of the requests whose prompt caches are started
@@ -333,7 +330,7 @@ class Scheduler:
     def add(self, request: EngineRequest) -> None:
         self.waiting.append(request)
         self.states[request] = RequestState(request)
-        self.ids[request.request_id] = request
+        self.by_id[request.request_id] = self.states[request]
 
     def has_work(self) -> bool:
         """Whether a step now would do anything but wait for parked rows."""
@@ -342,8 +339,8 @@ class Scheduler:
     def drop_all(self) -> set[EngineRequest]:
         """Forget every request (a step failed under them); returns them."""
         requests = {*self.waiting, *(row.request for row in self.rows)}
-        self.finished_ids += list(self.ids)
-        self.waiting, self.running, self.states, self.ids, self.reserved_tokens = [], set(), {}, {}, 0
+        self.finished_ids += list(self.by_id)
+        self.waiting, self.running, self.states, self.by_id, self.reserved_tokens = [], set(), {}, {}, 0
         for lane in self.lanes:
             lane.clear()
         return requests
@@ -413,7 +410,7 @@ class Scheduler:
         state = self.states[request]
         if state.cache is not None:
             self.reserved_tokens -= len(request.prompt_ids)
-        state.cache = state.last_logits = None
+        state.cache, state.first_tokens, state.first_logprobs = None, [], []
         if state.pending_rows:
             return False
         self.waiting.remove(request)
@@ -443,7 +440,7 @@ class Scheduler:
         if state.running or state.pending_rows or state.request in self.waiting:
             return False
         del self.states[state.request]
-        del self.ids[state.request.request_id]
+        del self.by_id[state.request.request_id]
         self.finished_ids.append(state.request.request_id)
         return True
 
@@ -534,8 +531,9 @@ class Scheduler:
             if budget <= 0:
                 break
             end = min(len(state.request.prompt_ids), state.prefilled + budget)
-            prompt = state.request.prompt_ids
-            chunks.append(PrefillChunk(state.request.request_id, prompt[state.prefilled : end], state.prefilled, end, end == len(prompt)))
+            request = state.request
+            sampling = tuple(map(request.sampling, range(request.num_samples))) if end == len(request.prompt_ids) else ()
+            chunks.append(PrefillChunk(request.request_id, request.prompt_ids[state.prefilled : end], state.prefilled, end, sampling))
             budget -= end - state.prefilled
         return chunks
 
@@ -591,14 +589,13 @@ class Scheduler:
         lane.rows += rows
         return lane, slots
 
-    def prefilled(self, request_id: int, end: int, last_logits: torch.Tensor | None) -> None:
-        """The request's prompt is cached up to ``end``; once whole, its ``last_logits`` are kept for its
-        rows' first tokens and its blocks offered to the prefix cache."""
-        request = self.ids[request_id]
-        state = self.states[request]
-        state.prefilled = end
+    def prefilled(self, output: PrefillOutput) -> None:
+        """A chunk's ``output``: the request's prompt is cached up to its end; once whole, its rows' first
+        tokens are kept for when they start and its blocks offered to the prefix cache."""
+        state = self.by_id[output.request_id]
+        request, state.prefilled = state.request, output.end
         if state.whole_prompt:
-            state.last_logits = last_logits
+            state.first_tokens, state.first_logprobs = output.tokens, output.logprobs
             self.prefixes.store(request.prompt_ids, state.cache, self.room_bytes())
 
     def admit(self, request: EngineRequest, count: int) -> range:
