@@ -1,7 +1,8 @@
 """Traffic retention: the monitoring assets materialized on a real DuckDB file and real log files of several
 days, written as the service writes them (``TrafficLog``); expired days' files and rows go, the rest stays."""
 
-from datetime import datetime, timedelta, timezone
+from datetime import date, datetime, timedelta, timezone
+from typing import NamedTuple
 
 import duckdb
 import pandas as pd
@@ -14,9 +15,19 @@ from rlvr.monitoring.traffic import RETENTION_DAYS_ENV, TrafficLog, delete_expir
 from rlvr_assets import monitoring
 from sensors import traffic_sensor
 
-TODAY = datetime.now(timezone.utc).date()
-EXPIRED = [(TODAY - timedelta(days=n)).isoformat() for n in (6, 4)]  # past a 3-day retention, within the partitions
-KEPT = [(TODAY - timedelta(days=n)).isoformat() for n in (3, 1)]  # the first day kept, and yesterday
+
+class Calendar(NamedTuple):
+    """The days a test writes, from today as the test starts (not as the module loads: a run may cross midnight)."""
+
+    today: date
+    expired: list[str]  # past a 3-day retention, within the partitions
+    kept: list[str]  # the first day kept, and yesterday
+
+
+@pytest.fixture
+def calendar() -> Calendar:
+    today = datetime.now(timezone.utc).date()
+    return Calendar(today, [(today - timedelta(days=n)).isoformat() for n in (6, 4)], [(today - timedelta(days=n)).isoformat() for n in (3, 1)])
 
 
 def at(day: str, hour: int = 10) -> int:
@@ -89,91 +100,91 @@ def stored(env) -> tuple[dict[str, int], set[str]]:
 
 
 @pytest.mark.slow  # materializes Dagster partitions
-def test_expired_days_files_and_rows_are_deleted_and_the_rest_stays(env, monkeypatch):
-    for day in EXPIRED + KEPT:
+def test_expired_days_files_and_rows_are_deleted_and_the_rest_stays(env, monkeypatch, calendar):
+    for day in calendar.expired + calendar.kept:
         write_day(env["traffic"], day, 5)
-    write_day(env["traffic"], EXPIRED[0], 12, max_bytes=1024)  # a busy day: several files
+    write_day(env["traffic"], calendar.expired[0], 12, max_bytes=1024)  # a busy day: several files
     today_log = TrafficLog(env["traffic"])  # today's file, as the running service writes it (the real clock)
-    today = TODAY.isoformat()
+    today = calendar.today.isoformat()
     for i in range(3):
         today_log.append(record(today, i))
-    for day in [*EXPIRED, *KEPT, today]:
+    for day in [*calendar.expired, *calendar.kept, today]:
         assert monitor(env, day)["expired_files_deleted"] == 0  # the default retention (30 days) keeps them all
     rows_before, cursor_before = stored(env)
-    assert rows_before == {EXPIRED[0]: 17, EXPIRED[1]: 5, KEPT[0]: 5, KEPT[1]: 5, today: 3}
+    assert rows_before == {calendar.expired[0]: 17, calendar.expired[1]: 5, calendar.kept[0]: 5, calendar.kept[1]: 5, today: 3}
     files_before = days_on_disk(env)
-    assert files_before[EXPIRED[0]] > 2
+    assert files_before[calendar.expired[0]] > 2
     sensor = build_sensor_context(instance=env["instance"])
     sensor_cursor = traffic_sensor(sensor).cursor
 
     monkeypatch.setenv(RETENTION_DAYS_ENV, "3")
-    meta = monitor(env, KEPT[1])
+    meta = monitor(env, calendar.kept[1])
     assert meta["retention_days"] == 3 and meta["expired_rows_deleted"] == 22 and meta["expired_files_not_deleted"] == []
-    assert meta["expired_files_deleted"] == files_before[EXPIRED[0]] + files_before[EXPIRED[1]]
-    assert days_on_disk(env) == {day: files_before[day] for day in [*KEPT, today]}
+    assert meta["expired_files_deleted"] == files_before[calendar.expired[0]] + files_before[calendar.expired[1]]
+    assert days_on_disk(env) == {day: files_before[day] for day in [*calendar.kept, today]}
     rows_after, cursor_after = stored(env)
-    assert rows_after == {KEPT[0]: 5, KEPT[1]: 5, today: 3}
-    assert cursor_after == {name for name in cursor_before if file_day(name) not in EXPIRED}
+    assert rows_after == {calendar.kept[0]: 5, calendar.kept[1]: 5, today: 3}
+    assert cursor_after == {name for name in cursor_before if file_day(name) not in calendar.expired}
     with duckdb.connect(env["duckdb"].snapshot_path, read_only=True) as conn:  # SQL sessions' copy: gone there too
-        assert conn.execute(f"SELECT count(*) FROM serving_traffic WHERE prompt LIKE '%of {EXPIRED[1]}'").fetchone() == (0,)
+        assert conn.execute(f"SELECT count(*) FROM serving_traffic WHERE prompt LIKE '%of {calendar.expired[1]}'").fetchone() == (0,)
 
-    again = monitor(env, KEPT[1])  # a re-run deletes nothing more
+    again = monitor(env, calendar.kept[1])  # a re-run deletes nothing more
     assert (again["expired_files_deleted"], again["expired_rows_deleted"]) == (0, 0) and stored(env) == (rows_after, cursor_after)
 
     # ingestion goes on: the service appends to today's file and writes yesterday's late lines; nothing is read twice
     for i in range(3, 7):
         today_log.append(record(today, i))
-    write_day(env["traffic"], KEPT[1], 2)
+    write_day(env["traffic"], calendar.kept[1], 2)
     grown = traffic_sensor(build_sensor_context(instance=env["instance"], cursor=sensor_cursor)).run_requests
-    assert sorted(r.partition_key for r in grown) == [KEPT[1], today]  # deleted files are no reason to run
-    assert monitor(env, today)["new_rows"] == 4 and monitor(env, KEPT[1])["new_rows"] == 2
-    assert stored(env)[0] == {KEPT[0]: 5, KEPT[1]: 7, today: 7}
+    assert sorted(r.partition_key for r in grown) == [calendar.kept[1], today]  # deleted files are no reason to run
+    assert monitor(env, today)["new_rows"] == 4 and monitor(env, calendar.kept[1])["new_rows"] == 2
+    assert stored(env)[0] == {calendar.kept[0]: 5, calendar.kept[1]: 7, today: 7}
 
 
 @pytest.mark.slow  # materializes Dagster partitions
-def test_a_day_past_retention_is_not_ingested(env):
-    write_day(env["traffic"], EXPIRED[1], 4)
-    write_day(env["traffic"], KEPT[0], 2)
-    meta = monitor(env, EXPIRED[1], retention_days=3)  # a backfill of an expired day
+def test_a_day_past_retention_is_not_ingested(env, calendar):
+    write_day(env["traffic"], calendar.expired[1], 4)
+    write_day(env["traffic"], calendar.kept[0], 2)
+    meta = monitor(env, calendar.expired[1], retention_days=3)  # a backfill of an expired day
     assert meta["new_rows"] == 0 and meta["dagster/row_count"] == 0 and meta["expired_files_deleted"] == 1
-    assert list(days_on_disk(env)) == [KEPT[0]]
-    assert monitor(env, KEPT[0], retention_days=3)["new_rows"] == 2
+    assert list(days_on_disk(env)) == [calendar.kept[0]]
+    assert monitor(env, calendar.kept[0], retention_days=3)["new_rows"] == 2
 
 
 @pytest.mark.parametrize("days", [0, -5])
 @pytest.mark.slow  # materializes Dagster partitions
-def test_a_retention_of_no_days_is_refused_in_run_config(env, days):
-    write_day(env["traffic"], EXPIRED[0], 2)
-    assert f"retention_days must be a whole number of days, at least 1; got {days}" in failure_message(env, KEPT[1], retention_days=days)
-    assert list(days_on_disk(env)) == [EXPIRED[0]]  # nothing deleted
+def test_a_retention_of_no_days_is_refused_in_run_config(env, days, calendar):
+    write_day(env["traffic"], calendar.expired[0], 2)
+    assert f"retention_days must be a whole number of days, at least 1; got {days}" in failure_message(env, calendar.kept[1], retention_days=days)
+    assert list(days_on_disk(env)) == [calendar.expired[0]]  # nothing deleted
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "thirty", "1.5"])
 @pytest.mark.slow  # materializes Dagster partitions
-def test_a_bad_retention_variable_is_refused_naming_it(env, monkeypatch, value):
-    write_day(env["traffic"], EXPIRED[0], 2)
+def test_a_bad_retention_variable_is_refused_naming_it(env, monkeypatch, value, calendar):
+    write_day(env["traffic"], calendar.expired[0], 2)
     monkeypatch.setenv(RETENTION_DAYS_ENV, value)
-    assert f"{RETENTION_DAYS_ENV} must be a whole number of days, at least 1; got {value!r}" in failure_message(env, KEPT[1])
-    assert list(days_on_disk(env)) == [EXPIRED[0]]
+    assert f"{RETENTION_DAYS_ENV} must be a whole number of days, at least 1; got {value!r}" in failure_message(env, calendar.kept[1])
+    assert list(days_on_disk(env)) == [calendar.expired[0]]
 
 
-def test_first_kept_day_keeps_today_and_yesterday_at_least():
-    assert first_kept_day(TODAY, 1) == (TODAY - timedelta(days=1)).isoformat()
-    assert first_kept_day(TODAY, 30) == (TODAY - timedelta(days=30)).isoformat()
+def test_first_kept_day_keeps_today_and_yesterday_at_least(calendar):
+    assert first_kept_day(calendar.today, 1) == (calendar.today - timedelta(days=1)).isoformat()
+    assert first_kept_day(calendar.today, 30) == (calendar.today - timedelta(days=30)).isoformat()
     with pytest.raises(ValueError, match="at least 1"):
-        first_kept_day(TODAY, 0)
+        first_kept_day(calendar.today, 0)
 
 
 @pytest.mark.slow  # materializes Dagster partitions
-def test_a_file_that_cannot_be_deleted_is_reported_and_other_names_are_left_alone(env):
-    write_day(env["traffic"], EXPIRED[0], 3)
-    write_day(env["traffic"], EXPIRED[1], 3)
-    stuck = env["traffic"] / f"traffic-{EXPIRED[1].replace('-', '')}T000000.000000000-1-stuck.jsonl"
+def test_a_file_that_cannot_be_deleted_is_reported_and_other_names_are_left_alone(env, calendar):
+    write_day(env["traffic"], calendar.expired[0], 3)
+    write_day(env["traffic"], calendar.expired[1], 3)
+    stuck = env["traffic"] / f"traffic-{calendar.expired[1].replace('-', '')}T000000.000000000-1-stuck.jsonl"
     stuck.mkdir()  # unlink fails on a directory, whoever runs the test
     others = [env["traffic"] / "notes.jsonl", env["traffic"] / "traffic-19990101-unnamed.jsonl"]
     for path in others:
         path.write_text("{}\n")
-    deleted, failed = delete_expired_files(env["traffic"], KEPT[0])
+    deleted, failed = delete_expired_files(env["traffic"], calendar.kept[0])
     assert len(deleted) == 2 and [f.split(":")[0] for f in failed] == [stuck.name]
     assert all(path.exists() for path in [stuck, *others])
 
