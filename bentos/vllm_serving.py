@@ -24,7 +24,6 @@ from rlvr.environments.driver import drives_episodes
 from rlvr.generation import EngineRequest
 from rlvr.generation.outputs import finish
 from rlvr.generation.request import RequestDoesNotFit
-from rlvr.generation.sampler import derive_seed
 from rlvr.generation.stops import StopChecker
 from rlvr.generation.vllm_engine import VllmSettings, sampling_params, starting_vllm
 
@@ -211,10 +210,8 @@ class VllmEngine:
 
     def _sampling(self, request: EngineRequest, sample: int) -> Any:
         """vLLM's sampling parameters of one sample, as ours draws it; each step's new tokens."""
-        seed, stop_ids = derive_seed(request.seed, request.prompt_index, sample), sorted(self.stops.stop_ids)
-        return sampling_params(
-            request.temperature(sample), request.top_p, seed, request.max_new_tokens, stop_ids, request.stop.strings, output_kind=self._delta
-        )
+        row, stop_ids = request.sampling(sample), sorted(self.stops.stop_ids)
+        return sampling_params(row.temperature, row.top_p, row.seed, request.max_new_tokens, stop_ids, request.stop.strings, output_kind=self._delta)
 
     def _record(self, output: Any, tokens: dict[EngineRequest, list[tuple[int, int]]], done: list[EngineRequest]) -> None:
         """One sample's new tokens, each checked by our stop rules; a sample they end is aborted in vLLM."""

@@ -108,7 +108,7 @@ class VllmGenerator:
         one chunk: vLLM schedules every row at once). Tool environments run on the native engine only."""
         from rlvr.environments.driver import drives_episodes
         from rlvr.generation.rollouts import encode_prompts, rows_to_rollouts
-        from rlvr.generation.sampler import derive_seed
+        from rlvr.generation.sampler import row_seed
 
         if drives_episodes(config.environment):
             raise ValueError("tool-calling environments run on the native engine: set rollout.engine to native")
@@ -119,7 +119,7 @@ class VllmGenerator:
             for j in range(num_samples):
                 temperature = config.temperatures[j % len(config.temperatures)]
                 inputs.append({"prompt_token_ids": ids})
-                seed = derive_seed(config.seed, i, j)
+                seed = row_seed(config.seed, i, j, temperature)
                 params.append(
                     sampling_params(temperature, config.top_p, seed, config.max_new_tokens, stop_ids, rules[i].strings, detokenize=bool(rules[i].strings))
                 )
@@ -182,10 +182,10 @@ def starting_vllm() -> Iterator[None]:
 
 
 def sampling_params(
-    temperature: float, top_p: float, seed: int, max_tokens: int, stop_token_ids: list[int], stop_strings: tuple[str, ...], **extra: Any
+    temperature: float, top_p: float, seed: int | None, max_tokens: int, stop_token_ids: list[int], stop_strings: tuple[str, ...], **extra: Any
 ) -> Any:
     """vLLM's sampling parameters of one row as ours samples it: greedy below ``GREEDY_BELOW_TEMPERATURE``,
-    else seeded (``seed``: the row's, from (seed, prompt, sample)); stop strings kept in the text (our stop rules
+    else seeded (``seed``: the row's, ``rlvr.generation.sampler.row_seed``); stop strings kept in the text (our stop rules
     end the row); the sampled token's log-prob. ``extra``: more of ``SamplingParams``' fields."""
     from vllm import SamplingParams
 
@@ -196,7 +196,7 @@ def sampling_params(
         n=1,
         temperature=0.0 if greedy else temperature,
         top_p=1.0 if greedy else top_p,
-        seed=None if greedy else seed,
+        seed=seed,
         max_tokens=max_tokens,
         stop_token_ids=stop_token_ids,
         ignore_eos=not stop_token_ids,
