@@ -6,7 +6,8 @@ affinity mask, caps them by the cgroup CPU quota, and leaves out the CPUs other 
 over a short interval (``/proc/stat`` less this process's own CPU time). A user's choice wins:
 ``$RLVR_THREADS`` (this project's; ``auto`` measures even when ``$OMP_NUM_THREADS`` is set), else
 ``$OMP_NUM_THREADS``. :class:`ThreadPolicy` applies the pick to torch and re-measures at most every
-``refresh_s`` seconds, from the CPU time between its calls, so a server adapts to other jobs.
+``refresh_s`` seconds, from the CPU time between its calls, so a server adapts to other jobs (and warns
+once where a user's count takes CPUs others keep busy).
 """
 
 from __future__ import annotations
@@ -209,10 +210,12 @@ class ThreadPolicy:
         self.threads: int | None = None
         self.requested = requested_threads()
         self._since: CpuSample | None = None
+        self._warned = False
 
     def apply(self) -> int:
         """Measure for ``interval_s`` (none if the user chose), set torch's threads, and return them."""
         if self.requested is not None:
+            self._since = sample_cpu()  # what a refresh checks the user's count against
             return self._set(self.requested)
         before = sample_cpu()
         time.sleep(self.interval_s)
@@ -221,13 +224,24 @@ class ThreadPolicy:
 
     def maybe_refresh(self) -> int | None:
         """If ``refresh_s`` passed since the last measurement: re-pick from the CPU time since then, without
-        waiting. Returns the new thread count when it changed, else None."""
-        if self.requested is not None or self._since is None or time.monotonic() - self._since.at_s < self.refresh_s:
+        waiting. Returns the new thread count when it changed, else None. A user's count stays; the first
+        time it is more than the CPUs others leave free, a warning says so."""
+        if self._since is None or time.monotonic() - self._since.at_s < self.refresh_s:
             return None
         before, self._since = self._since, sample_cpu()
         if self._since.cpus != before.cpus:  # affinity changed: measure afresh from now
             return None
         threads = self._threads_since(before, self._since)
+        if self.requested is not None:
+            if self.requested > threads and not self._warned:
+                self._warned = True
+                logger.warning(
+                    "torch runs %d threads as $RLVR_THREADS or $OMP_NUM_THREADS asks, but other processes keep CPUs busy: %d fit. "
+                    "OpenMP threads that share a busy CPU slow every step several-fold; unset the variable or set RLVR_THREADS=auto",
+                    self.requested,
+                    threads,
+                )
+            return None
         if threads == self.threads:
             return None
         logger.info("torch threads %s -> %s (CPUs busy elsewhere changed)", self.threads, threads)

@@ -185,6 +185,25 @@ def test_policy_keeps_the_users_choice(monkeypatch, torch_threads):
     assert policy.maybe_refresh() is None
 
 
+def test_a_users_count_past_the_free_cpus_is_kept_and_warned_about_once(monkeypatch, torch_threads, caplog):
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.delenv("RLVR_THREADS", raising=False)
+    monkeypatch.setattr(cpu_threads, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(cpu_threads, "affinity_cpus", lambda: {0, 1})
+    busy = iter([0.0, 1.0, 1.0])
+    monkeypatch.setattr(cpu_threads, "busy_elsewhere_between", lambda before, after: next(busy))
+    policy = ThreadPolicy(refresh_s=0.0)
+    with caplog.at_level("WARNING", logger=cpu_threads.__name__):
+        assert policy.apply() == 2
+        assert policy.maybe_refresh() is None and not caplog.records  # both CPUs free
+        for _ in range(2):  # another job takes a CPU: the count stays, one warning
+            assert policy.maybe_refresh() is None and torch.get_num_threads() == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "torch runs 2 threads as $RLVR_THREADS or $OMP_NUM_THREADS asks, but other processes keep CPUs busy: 1 fit. "
+        "OpenMP threads that share a busy CPU slow every step several-fold; unset the variable or set RLVR_THREADS=auto"
+    ]
+
+
 def cpu_time_s(pid: int) -> float:
     """utime + stime of a process, from /proc/<pid>/stat."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
