@@ -3,9 +3,10 @@
     OMP_NUM_THREADS=1 python bench/serve_mixed.py /tmp/smol --duration-s 120 --rate 0.6 --configs continuous,vllm --vllm-python /tmp/vllm-venv/bin/python
 
 Every server gets the same seeded arrivals and token ids (``/v1/completions``, greedy, streamed) and
-runs alone, after a warm-up. Reports per server: requests answered, completion tokens/s, short
-requests' TTFT and end-to-end p50/p99, long requests' end-to-end p50 and the servers' peak resident
-memory; ``--repeats N`` sends the load N times (a peak that grows is memory the server keeps).
+runs alone, after a warm-up. Reports per server: requests answered (the rest refused at once or timed
+out), completion tokens/s, short requests' TTFT and end-to-end p50/p99, long requests' end-to-end p50
+and the servers' peak resident memory; ``--repeats N`` sends the load N times (a peak that grows is
+memory the server keeps). ``--threads auto`` lets ours pick its threads (a shared host).
 """
 
 from __future__ import annotations
@@ -153,6 +154,8 @@ def summarize(name: str, results: list[dict], wall_s: float, peak_rss: int) -> d
     return {
         "server": name,
         "ok": f"{len(ok)}/{len(results)}",
+        "refused": sum(1 for r in results if r["status"] == 503),  # at once, before any work
+        "timed_out": sum(1 for r in results if r["status"] in (504, "stream error")),
         "completion_tokens_per_s": round(sum(r["tokens"] for r in ok) / wall_s, 1),
         "short_ttft_p50_s": round(percentile([r["ttft_s"] for r in short], 50), 2),
         "short_ttft_p99_s": round(percentile([r["ttft_s"] for r in short], 99), 2),
@@ -175,7 +178,7 @@ def main() -> int:
     parser.add_argument("--long-prompt-tokens", type=int, default=1500)
     parser.add_argument("--long-new-tokens", type=int, default=256)
     parser.add_argument("--short-new-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the server")
+    parser.add_argument("--threads", default="1", help="OMP_NUM_THREADS of the server; auto: ours picks its own (vLLM takes every usable CPU)")
     parser.add_argument("--timeout-s", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1, help="the same load this many times per server, one run after another")
@@ -183,6 +186,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
+    threads = None if args.threads == "auto" else int(args.threads)
     tokenizer = load_tokenizer(args.checkpoint)
     arrivals = schedule(args, tokenizer)
     kinds = [a["kind"] for a in arrivals]
@@ -195,11 +199,11 @@ def main() -> int:
         for name in args.configs.split(","):
             log = work / f"serve-{name}.log"
             if name == "vllm":
-                server = ServedVllm(args.vllm_python, args.checkpoint, args.threads, log, max_rows=64)
+                server = ServedVllm(args.vllm_python, args.checkpoint, threads or len(os.sched_getaffinity(0)), log, max_rows=64)
             else:
                 if built is None:
                     built = build_served_bento(args.checkpoint, home, MODEL)
-                server = ServedBento(built.tag, home, work / f"traffic-{name}", True, args.threads, log)
+                server = ServedBento(built.tag, home, work / f"traffic-{name}", True, threads, log)
             with server:
                 server.wait_ready(600)
                 stream_request(server.port, {"prompt": arrivals[0]["prompt"], "max_tokens": 4}, args.timeout_s)  # warm-up
