@@ -5,7 +5,7 @@ fused decoder takes it by its switch for steps of at most MAX_ROWS rows."""
 import pytest
 import torch
 
-from rlvr.fastpaths import FastPaths, row_kernels
+from rlvr.fastpaths import FastPaths, jit, row_kernels
 from rlvr.fastpaths.fused_decode import fused_decoder
 from rlvr.fastpaths.plan import plan_backend
 from rlvr.generation import SamplingConfig, generate_rollouts
@@ -68,7 +68,7 @@ def test_they_apply_to_float32_cpu_fused_decoders_by_their_switch():
 
 
 def test_without_a_compiler_they_stay_off_and_say_why(monkeypatch, caplog):
-    monkeypatch.setattr(row_kernels.shutil, "which", lambda name: None)
-    with caplog.at_level("INFO", logger="rlvr.fastpaths.row_kernels"):
-        assert row_kernels._module.__wrapped__() is None
-    assert "no C++ compiler" in caplog.text
+    monkeypatch.setattr(jit.shutil, "which", lambda name: None)
+    with caplog.at_level("INFO", logger=jit.__name__):
+        assert jit.cpp_module.__wrapped__("row kernels", "rlvr_row_kernels_", row_kernels.SOURCE, ("rows_linear",)) is None
+    assert "row kernels off: no C++ compiler" in caplog.text

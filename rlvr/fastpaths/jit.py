@@ -1,11 +1,23 @@
-"""CPU kernels compiled from Python by numba (no C compiler needed), where numba is installed."""
+"""CPU kernels compiled from Python by numba (no C compiler needed), where numba is installed; and C++
+ones built for this machine by PyTorch's extension builder (:func:`cpp_module`), where a compiler is."""
 
 from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
 
 try:
     import numba
 except ImportError:  # the kernels' callers keep their PyTorch paths
     numba = None
+
+log = logging.getLogger(__name__)
 
 
 def available() -> bool:
@@ -23,3 +35,22 @@ def compiled(fn):
         return numba.njit(fastmath=True, cache=True, nogil=True)(fn)
     except RuntimeError:  # numba: "cannot cache function ...: no locator available"
         return numba.njit(fastmath=True, nogil=True)(fn)
+
+
+@functools.cache
+def cpp_module(what: str, prefix: str, source: str, functions: tuple[str, ...], flags: tuple[str, ...] = ()) -> Any:
+    """``source``'s ``functions`` built with ``-O3 -march=native -fopenmp`` and ``flags`` under a name from
+    ``prefix`` and a hash of the source, ``flags``, this CPU's and torch's version (so the build on disk is
+    reused); None, logged naming ``what``, where no C++ compiler is or the build fails."""
+    if shutil.which("c++") is None:
+        log.info("%s off: no C++ compiler", what)
+        return None
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+        name = prefix + hashlib.sha256((source + " ".join(flags) + cpu + torch.__version__).encode()).hexdigest()[:12]
+        return load_inline(name, cpp_sources=source, functions=list(functions), extra_cflags=["-O3", "-march=native", "-fopenmp", *flags])
+    except Exception as err:  # noqa: BLE001 - any build failure leaves the callers' other path
+        log.warning("%s off: the build failed (%s)", what, str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return None

@@ -10,16 +10,12 @@ same pass. The kernel is built once per machine with PyTorch's extension builder
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import shutil
-from functools import cache
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-log = logging.getLogger(__name__)
+from rlvr.fastpaths.jit import cpp_module
 
 MAX_ROWS = 4  # steps of up to this many token rows; from 5, oneDNN's packed GEMM is as fast or faster (bench/row_kernels.py)
 
@@ -76,20 +72,8 @@ def available() -> bool:
     return _module() is not None
 
 
-@cache
 def _module() -> Any:
-    if shutil.which("c++") is None:
-        log.info("row kernels off: no C++ compiler")
-        return None
-    try:
-        from torch.utils.cpp_extension import load_inline
-
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-        name = "rlvr_row_kernels_" + hashlib.sha256((SOURCE + flags + torch.__version__).encode()).hexdigest()[:12]
-        return load_inline(name, cpp_sources=SOURCE, functions=["rows_linear"], extra_cflags=["-O3", "-march=native", "-fopenmp"])
-    except Exception as err:  # noqa: BLE001 - any build failure leaves oneDNN's path
-        log.warning("row kernels off: their build failed (%s)", str(err).splitlines()[0] if str(err) else type(err).__name__)
-        return None
+    return cpp_module("row kernels", "rlvr_row_kernels_", SOURCE, ("rows_linear",))
 
 
 class Weights(NamedTuple):

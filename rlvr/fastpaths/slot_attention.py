@@ -2,18 +2,98 @@
 
 :func:`slot_attention` writes each row's new key and value into its slot and streams its keys and values
 once each (its query heads together), to the row's own length, where SDPA reads every row of a lane to
-its longest row under a mask: float32, compiled by numba (``rlvr.fastpaths.jit``), one thread, the GIL
-released. ``bench/cpu_kernels.py`` times it against SDPA (docs/architecture.md, "Fast paths").
+its longest row under a mask: float32, a C++ kernel whose (row, KV head) tasks run on PyTorch's threads
+where it builds here (``rlvr.fastpaths.jit.cpp_module``), else numba's on one thread, the GIL released.
+``bench/cpu_kernels.py`` times it against SDPA (docs/architecture.md, "Fast paths").
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
-from rlvr.fastpaths.jit import available, compiled
+from rlvr.fastpaths.jit import available, compiled, cpp_module
 
 __all__ = ["available", "slot_attention"]
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+// Row r's new key and value go into slot r of k and v [slots, KV heads, positions, dim] at positions[r];
+// its query heads q[r] [heads, dim] attend over the slot's positions 0 .. positions[r] (query head h reads
+// KV head h / (heads / KV heads)) into out[r]. One (row, KV head) a task: its keys and values read once.
+void slot_attention(const torch::Tensor& q, const torch::Tensor& new_k, const torch::Tensor& new_v, torch::Tensor& k, torch::Tensor& v,
+                    const torch::Tensor& positions, double scale, torch::Tensor& out) {
+  const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k.size(1), group = heads / kv_heads;
+  TORCH_CHECK(q.is_contiguous() && new_k.is_contiguous() && new_v.is_contiguous() && out.is_contiguous(), "contiguous q, new_k, new_v, out");
+  TORCH_CHECK(k.stride(3) == 1 && k.strides() == v.strides() && k.sizes() == v.sizes(), "k and v alike, each head vector contiguous");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == rows, "int64 positions, one a row");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, pos[r] + 1);
+  TORCH_CHECK(rows <= k.size(0) && longest <= k.size(2), "rows and positions within the slots");
+  const int64_t s0 = k.stride(0), s1 = k.stride(1), s2 = k.stride(2);
+  const float *qp = q.data_ptr<float>(), *nk = new_k.data_ptr<float>(), *nv = new_v.data_ptr<float>();
+  float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * longest), acc(group * dim), inverse(group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, h = task % kv_heads, n = pos[r] + 1;
+      float* keys = kp + r * s0 + h * s1;
+      float* values = vp + r * s0 + h * s1;
+      std::copy(nk + task * dim, nk + (task + 1) * dim, keys + (n - 1) * s2);
+      std::copy(nv + task * dim, nv + (task + 1) * dim, values + (n - 1) * s2);
+      const float* query = qp + (r * heads + h * group) * dim;
+      for (int64_t j = 0; j < n; ++j) {
+        const float* key = keys + j * s2;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = query + g * dim;
+          float s = 0.f;
+          #pragma omp simd reduction(+:s)
+          for (int64_t d = 0; d < dim; ++d) s += qg[d] * key[d];
+          scores[g * n + j] = s * fscale;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sg = scores.data() + g * n;
+        const float top = *std::max_element(sg, sg + n);
+        float sum = 0.f;
+        #pragma omp simd reduction(+:sum)
+        for (int64_t j = 0; j < n; ++j) {
+          sg[j] = std::exp(sg[j] - top);
+          sum += sg[j];
+        }
+        inverse[g] = 1.f / sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* value = values + j * s2;
+        for (int64_t g = 0; g < group; ++g) {
+          const float w = scores[g * n + j];
+          float* a = acc.data() + g * dim;
+          #pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) a[d] += w * value[d];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = op + (r * heads + h * group + g) * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] = acc[g * dim + d] * inverse[g];
+      }
+    }
+  });
+}
+"""
+
+
+def _module() -> Any:
+    return cpp_module("slot attention's C++ kernel", "rlvr_slot_attention_", SOURCE, ("slot_attention",), ("-ffast-math",))
 
 
 def slot_attention(
@@ -26,16 +106,19 @@ def slot_attention(
     scale: float,
 ) -> torch.Tensor:
     """Row r's new ``keys``/``values`` [rows, KV heads, head dim] go into slot r of ``key_slots``/
-    ``value_slots`` [slots >= rows, KV heads, positions, head dim] (contiguous float32) at
-    ``positions[r]``, then its ``queries`` [rows, heads, head dim] attend over the slot's positions
+    ``value_slots`` [slots >= rows, KV heads, positions, head dim] (float32, each head vector contiguous)
+    at ``positions[r]``, then its ``queries`` [rows, heads, head dim] attend over the slot's positions
     ``0 .. positions[r]``; query head h reads KV head h // (heads / KV heads). Returns
     [rows, heads x head dim]."""
     rows, heads, head_dim = queries.shape
+    out = torch.empty(rows, heads, head_dim)
+    if (module := _module()) is not None:
+        module.slot_attention(queries.contiguous(), keys.contiguous(), values.contiguous(), key_slots, value_slots, positions.contiguous(), scale, out)
+        return out.view(rows, heads * head_dim)
     positions_np = positions.numpy()
     scores = torch.empty(rows, heads, int(positions.max()) + 1)
     _store_and_score(queries.contiguous().numpy(), keys.contiguous().numpy(), key_slots.numpy(), positions_np, np.float32(scale), scores.numpy())
     weights = torch.softmax(scores, dim=-1)
-    out = torch.empty(rows, heads, head_dim)
     _store_and_weigh(weights.numpy(), values.contiguous().numpy(), value_slots.numpy(), positions_np, out.numpy())
     return out.view(rows, heads * head_dim)
 
@@ -86,3 +169,10 @@ def _store_and_weigh(p, new_v, v, positions, out):  # pragma: no cover - compile
             for g in range(group):
                 for d in range(head_dim):
                     out[r, h * group + g, d] = acc[g, d]
+
+
+if __name__ == "__main__":  # `make setup`: build the C++ kernel once for this machine, or say why numba's runs
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print("slot attention:", "C++ kernel built" if _module() is not None else "numba's kernel (one thread)")
