@@ -64,12 +64,12 @@ def _plain_rms_norms(attention: Any) -> bool:
     return all(hasattr(norm, "variance_epsilon") and hasattr(norm, "weight") for norm in (attention.q_norm, attention.k_norm))
 
 
-SLOT_ATTENTION_MAX_THREADS = 2  # measured faster than SDPA at 1 and 2 threads; SDPA runs rows and heads in parallel beyond
+SLOT_ATTENTION_MAX_THREADS = 2  # measured faster than SDPA at 1 and 2 threads; beyond, not measured (SDPA runs rows and heads in parallel)
 
 
 def use_slot_attention(fast: FastPaths, device: torch.device, dtype: torch.dtype, threads: int) -> bool:
     """The continuous engine's decode attention through ``rlvr.fastpaths.slot_attention``: float32 on
-    CPU, numba importable, at most ``SLOT_ATTENTION_MAX_THREADS`` PyTorch ``threads`` (the kernel runs on one)."""
+    CPU, numba importable (its kernel where the C++ one does not build), at most ``SLOT_ATTENTION_MAX_THREADS`` PyTorch ``threads``."""
     return fast.slot_attention and _float32_cpu_kernels(device, dtype) and threads <= SLOT_ATTENTION_MAX_THREADS
 
 

@@ -408,12 +408,11 @@ class Engine:
         """Start ``count`` of ``request``'s rows (the scheduler allocates their slots) with the first tokens
         sampled when its prompt was whole."""
         state = self.scheduler.states[request]
-        samples = slice(state.next_sample, state.next_sample + count)
-        rows = [self._new_row(request, sample) for sample in range(samples.start, samples.stop)]
-        lane, slots = self.scheduler.start_rows(request, rows)
+        first, last = state.next_sample, state.next_sample + count
+        lane, slots = self.scheduler.start_rows(request, [self._new_row(request, sample) for sample in range(first, last)])
         if request.first_token_s is None:
             request.first_token_s = time.monotonic()
-        self.outputs.first_tokens(lane, slots, state.first_tokens[samples], state.first_logprobs[samples])
+        self.outputs.first_tokens(lane, slots, state.first_tokens[first:last], state.first_logprobs[first:last])
         if not state.pending_rows:
             self._release_prompt(request)
 

@@ -10,7 +10,7 @@ decode-only step of one lane runs from a CUDA graph where the plan built them.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -74,7 +74,7 @@ class StepExecutor:
             output.decode.append(LaneOutput(step.lane, step.live, *self._sample(logits[offset : offset + len(step.live)], step.sampling)))
             offset += len(step.live)
         for k, chunk in enumerate(plan.prefill):  # a whole prompt: each of its rows' first token
-            first = self._sample(logits[offset + k].expand(len(chunk.sampling), -1), list(chunk.sampling)) if chunk.last else ([], [])
+            first = self._sample(logits[offset + k].expand(len(chunk.sampling), -1), chunk.sampling) if chunk.last else ([], [])
             output.prefill.append(PrefillOutput(chunk.request_id, chunk.end, *first))
         return output
 
@@ -89,7 +89,7 @@ class StepExecutor:
         logits = self.graphed.step(cache, torch.tensor(step.tokens).to(self.device), torch.tensor(step.positions).to(self.device))
         return StepOutput(decode=[LaneOutput(step.lane, step.live, *self._sample(logits, step.sampling))], tokens=rows)
 
-    def _sample(self, logits: torch.Tensor, rows: list[RowSampling]) -> tuple[list[int], list[float]]:
+    def _sample(self, logits: torch.Tensor, rows: Sequence[RowSampling]) -> tuple[list[int], list[float]]:
         """Each row's next token and its log-prob, drawn from its own generator (made from its seed the first
         time its key is seen, kept until its request is done) at its temperature and top-p."""
         temperatures = torch.tensor([r.temperature for r in rows], dtype=torch.float32)

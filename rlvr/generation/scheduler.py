@@ -36,10 +36,10 @@ class Row:
     driver: EpisodeDriver | None = None  # its episode (requests with an environment)
     parked: Future | None = None  # a turn end being observed off the engine thread
     parked_reason: str | None = None  # how the row finishes if that observation injects nothing
+    sampling: RowSampling = field(init=False)  # how it draws, its seed derived once (each step's plan carries it)
 
-    @property
-    def sampling(self) -> RowSampling:
-        return self.request.sampling(self.sample)
+    def __post_init__(self) -> None:
+        self.sampling = self.request.sampling(self.sample)
 
 
 class Lane:
