@@ -33,6 +33,7 @@ echo "code-location image, cold: $(seconds $py deploy/container/build_images.py 
 echo "code-location image, cached (same tree): $(seconds $py deploy/container/build_images.py code-location --tag "$code") s"
 
 port=3900 start=$SECONDS
+export RLVR_API_KEYS="${RLVR_API_KEYS:-$($py -c 'import secrets; print(secrets.token_urlsafe(32))')}"  # the service serves no one without a key
 bash deploy/container/run-policy.sh "$policy" "$(mktemp -d)/traffic" $port rlvr-bench-policy >/dev/null
 until curl -sf -o /dev/null "http://127.0.0.1:$port/readyz"; do sleep 0.5; done
 echo "policy container, start to /readyz 200: $((SECONDS - start)) s"
