@@ -4,7 +4,7 @@ where each applies live in rlvr.fastpaths.eligibility, asked through rlvr.fastpa
 import pytest
 import torch
 
-from rlvr.fastpaths import FastPaths
+from rlvr.fastpaths import FastPaths, slot_attention
 from rlvr.fastpaths.eligibility import output_head
 from rlvr.fastpaths.plan import FUSED_DECODER, plan_backend
 from rlvr.generation import SamplingConfig
@@ -58,7 +58,8 @@ def test_each_switch_turns_its_speed_up_off_where_it_would_apply():
 
 def test_the_float32_cpu_kernels_apply_where_their_rules_say():
     """slot_attention at up to two threads (SDPA runs rows and heads in parallel beyond; the kernel
-    on one), layer_kernels at any thread count; neither for bf16 or with its switch off."""
+    on one), layer_kernels at any thread count; neither with its switch off; for bf16, slot_attention
+    only through the C++ kernel with attention in float32, layer_kernels not at all."""
     model, threads = tiny_llama(20), torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -68,7 +69,8 @@ def test_the_float32_cpu_kernels_apply_where_their_rules_say():
         assert not plan_backend(model, FastPaths(layer_kernels=False)).layer_kernels
         model.to(torch.bfloat16)
         plan = plan_backend(model, FastPaths())
-        assert not plan.slot_attention and not plan.layer_kernels
+        assert plan.slot_attention == slot_attention.cpp_built() and not plan.layer_kernels
+        assert not plan_backend(model, FastPaths(float32_attention=False)).slot_attention
         model.float()
         torch.set_num_threads(3)
         plan = plan_backend(model, FastPaths())

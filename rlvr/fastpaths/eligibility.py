@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from rlvr.fastpaths import FastPaths, jit, row_kernels
+from rlvr.fastpaths import FastPaths, jit, row_kernels, slot_attention
 from rlvr.fastpaths.attention import LOW_PRECISION
 from rlvr.fastpaths.packed_linear import packing_dtypes
 
@@ -68,9 +68,15 @@ SLOT_ATTENTION_MAX_THREADS = 2  # measured faster than SDPA at 1 and 2 threads; 
 
 
 def use_slot_attention(fast: FastPaths, device: torch.device, dtype: torch.dtype, threads: int) -> bool:
-    """The continuous engine's decode attention through ``rlvr.fastpaths.slot_attention``: float32 on
-    CPU, numba importable (its kernel where the C++ one does not build), at most ``SLOT_ATTENTION_MAX_THREADS`` PyTorch ``threads``."""
-    return fast.slot_attention and _float32_cpu_kernels(device, dtype) and threads <= SLOT_ATTENTION_MAX_THREADS
+    """The continuous engine's decode attention through ``rlvr.fastpaths.slot_attention``, at most
+    ``SLOT_ATTENTION_MAX_THREADS`` PyTorch ``threads``: float32 on CPU, numba importable (its kernel where
+    the C++ one does not build); or bf16 on CPU with attention in float32 (``float32_attention``) and the C++
+    kernel built."""
+    if not (fast.slot_attention and threads <= SLOT_ATTENTION_MAX_THREADS):
+        return False
+    if dtype == torch.bfloat16:
+        return use_float32_attention(fast, device, dtype) and slot_attention.cpp_built()
+    return _float32_cpu_kernels(device, dtype)
 
 
 def use_layer_kernels(fast: FastPaths, device: torch.device, dtype: torch.dtype, fused: bool) -> bool:

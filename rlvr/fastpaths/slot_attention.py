@@ -2,8 +2,9 @@
 
 :func:`slot_attention` writes each row's new key and value into its slot and streams its keys and values
 once each (its query heads together), to the row's own length, where SDPA reads every row of a lane to
-its longest row under a mask: float32, a C++ kernel whose (row, KV head) tasks run on PyTorch's threads
-where it builds here (``rlvr.fastpaths.jit.cpp_module``), else numba's on one thread, the GIL released.
+its longest row under a mask: in float32 over float32 or bf16 slots, a C++ kernel whose (row, KV head)
+tasks run on PyTorch's threads where it builds here (``rlvr.fastpaths.jit.cpp_module``), else (float32
+only) numba's on one thread, the GIL released.
 ``bench/cpu_kernels.py`` times it against SDPA (docs/architecture.md, "Fast paths").
 """
 
@@ -16,43 +17,56 @@ import torch
 
 from rlvr.fastpaths.jit import available, compiled, cpp_module
 
-__all__ = ["available", "slot_attention"]
+__all__ = ["available", "cpp_built", "slot_attention"]
 
 SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
-// Row r's new key and value go into slot r of k and v [slots, KV heads, positions, dim] at positions[r];
-// its query heads q[r] [heads, dim] attend over the slot's positions 0 .. positions[r] (query head h reads
-// KV head h / (heads / KV heads)) into out[r]. One (row, KV head) a task: its keys and values read once.
-void slot_attention(const torch::Tensor& q, const torch::Tensor& new_k, const torch::Tensor& new_v, torch::Tensor& k, torch::Tensor& v,
-                    const torch::Tensor& positions, double scale, torch::Tensor& out) {
+// One head vector as float32: float32 ones in place, others converted into buffer.
+template <typename T>
+inline const float* as_float(const T* vector, float* buffer, int64_t dim) {
+  if constexpr (std::is_same_v<T, float>) {
+    return vector;
+  } else {
+    for (int64_t d = 0; d < dim; ++d) buffer[d] = static_cast<float>(vector[d]);
+    return buffer;
+  }
+}
+
+// Row r's new key and value go into slot r of k and v [slots, KV heads, positions, dim] (T: float or bf16) at
+// positions[r]; its query heads q[r] [heads, dim] (float32) attend over the slot's positions 0 .. positions[r]
+// (query head h reads KV head h / (heads / KV heads)) into out[r] (float32), in float32. One (row, KV head) a
+// task: its keys and values read once.
+template <typename T>
+void attend_slots(const torch::Tensor& q, const torch::Tensor& new_k, const torch::Tensor& new_v, torch::Tensor& k, torch::Tensor& v,
+                  const torch::Tensor& positions, double scale, torch::Tensor& out) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k.size(1), group = heads / kv_heads;
-  TORCH_CHECK(q.is_contiguous() && new_k.is_contiguous() && new_v.is_contiguous() && out.is_contiguous(), "contiguous q, new_k, new_v, out");
-  TORCH_CHECK(k.stride(3) == 1 && k.strides() == v.strides() && k.sizes() == v.sizes(), "k and v alike, each head vector contiguous");
-  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == rows, "int64 positions, one a row");
   const int64_t* pos = positions.data_ptr<int64_t>();
   int64_t longest = 0;
   for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, pos[r] + 1);
   TORCH_CHECK(rows <= k.size(0) && longest <= k.size(2), "rows and positions within the slots");
   const int64_t s0 = k.stride(0), s1 = k.stride(1), s2 = k.stride(2);
-  const float *qp = q.data_ptr<float>(), *nk = new_k.data_ptr<float>(), *nv = new_v.data_ptr<float>();
-  float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>(), *op = out.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
+  const T *nk = new_k.data_ptr<T>(), *nv = new_v.data_ptr<T>();
+  T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
+  float* op = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * longest), acc(group * dim), inverse(group);
+    std::vector<float> scores(group * longest), acc(group * dim), inverse(group), row(dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t r = task / kv_heads, h = task % kv_heads, n = pos[r] + 1;
-      float* keys = kp + r * s0 + h * s1;
-      float* values = vp + r * s0 + h * s1;
+      T* keys = kp + r * s0 + h * s1;
+      T* values = vp + r * s0 + h * s1;
       std::copy(nk + task * dim, nk + (task + 1) * dim, keys + (n - 1) * s2);
       std::copy(nv + task * dim, nv + (task + 1) * dim, values + (n - 1) * s2);
       const float* query = qp + (r * heads + h * group) * dim;
       for (int64_t j = 0; j < n; ++j) {
-        const float* key = keys + j * s2;
+        const float* key = as_float(keys + j * s2, row.data(), dim);
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = query + g * dim;
           float s = 0.f;
@@ -74,7 +88,7 @@ void slot_attention(const torch::Tensor& q, const torch::Tensor& new_k, const to
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < n; ++j) {
-        const float* value = values + j * s2;
+        const float* value = as_float(values + j * s2, row.data(), dim);
         for (int64_t g = 0; g < group; ++g) {
           const float w = scores[g * n + j];
           float* a = acc.data() + g * dim;
@@ -89,7 +103,28 @@ void slot_attention(const torch::Tensor& q, const torch::Tensor& new_k, const to
     }
   });
 }
+
+void slot_attention(const torch::Tensor& q, const torch::Tensor& new_k, const torch::Tensor& new_v, torch::Tensor& k, torch::Tensor& v,
+                    const torch::Tensor& positions, double scale, torch::Tensor& out) {
+  TORCH_CHECK(q.is_contiguous() && new_k.is_contiguous() && new_v.is_contiguous() && out.is_contiguous(), "contiguous q, new_k, new_v, out");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32, "float32 q and out");
+  TORCH_CHECK(k.stride(3) == 1 && k.strides() == v.strides() && k.sizes() == v.sizes(), "k and v alike, each head vector contiguous");
+  const auto dtype = k.scalar_type();
+  TORCH_CHECK(new_k.scalar_type() == dtype && new_v.scalar_type() == dtype && v.scalar_type() == dtype, "keys and values of one dtype");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == q.size(0), "int64 positions, one a row");
+  if (dtype == torch::kFloat32) {
+    attend_slots<float>(q, new_k, new_v, k, v, positions, scale, out);
+  } else {
+    TORCH_CHECK(dtype == torch::kBFloat16, "float32 or bfloat16 keys and values");
+    attend_slots<c10::BFloat16>(q, new_k, new_v, k, v, positions, scale, out);
+  }
+}
 """
+
+
+def cpp_built() -> bool:
+    """Whether the C++ kernel is built here (built at the first ask): bf16 slots need it."""
+    return _module() is not None
 
 
 def _module() -> Any:
@@ -106,15 +141,17 @@ def slot_attention(
     scale: float,
 ) -> torch.Tensor:
     """Row r's new ``keys``/``values`` [rows, KV heads, head dim] go into slot r of ``key_slots``/
-    ``value_slots`` [slots >= rows, KV heads, positions, head dim] (float32, each head vector contiguous)
-    at ``positions[r]``, then its ``queries`` [rows, heads, head dim] attend over the slot's positions
-    ``0 .. positions[r]``; query head h reads KV head h // (heads / KV heads). Returns
-    [rows, heads x head dim]."""
+    ``value_slots`` [slots >= rows, KV heads, positions, head dim] (float32, or bf16 through the C++
+    kernel; each head vector contiguous) at ``positions[r]``, then its ``queries`` [rows, heads, head dim]
+    attend over the slot's positions ``0 .. positions[r]`` in float32; query head h reads KV head
+    h // (heads / KV heads). Returns float32 [rows, heads x head dim]."""
     rows, heads, head_dim = queries.shape
     out = torch.empty(rows, heads, head_dim)
     if (module := _module()) is not None:
-        module.slot_attention(queries.contiguous(), keys.contiguous(), values.contiguous(), key_slots, value_slots, positions.contiguous(), scale, out)
+        module.slot_attention(queries.float().contiguous(), keys.contiguous(), values.contiguous(), key_slots, value_slots, positions.contiguous(), scale, out)
         return out.view(rows, heads * head_dim)
+    if key_slots.dtype != torch.float32:
+        raise ValueError(f"slot attention over {key_slots.dtype} slots needs the C++ kernel (numba's is float32 only); it is not built here")
     positions_np = positions.numpy()
     scores = torch.empty(rows, heads, int(positions.max()) + 1)
     _store_and_score(queries.contiguous().numpy(), keys.contiguous().numpy(), key_slots.numpy(), positions_np, np.float32(scale), scores.numpy())

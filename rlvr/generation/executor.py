@@ -117,13 +117,13 @@ class StepExecutor:
 def _slot_attention(cache: SlotCache, positions: torch.Tensor, device: torch.device, kernel: bool, upcast: bool) -> Attend:
     """A lane's decode attention: each row's new key and value go into its slot at its position, and
     its query attends over its slot up to there (``kernel``: through ``rlvr.fastpaths.slot_attention``,
-    which writes them and reads each slot to that position only; else SDPA over the lane's longest
-    row, masked; ``upcast``: in float32 for bf16 / fp16)."""
+    which writes them and reads each slot to that position only, in float32; else SDPA over the lane's
+    longest row, masked; ``upcast``: in float32 for bf16 / fp16)."""
     if kernel:
 
         def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
             layer = cache.layers[index]
-            return slot_attention(queries, keys, values, layer.keys, layer.values, positions, scaling)
+            return slot_attention(queries, keys, values, layer.keys, layer.values, positions, scaling).to(queries.dtype)
 
         return attend
     key_mask = (torch.arange(cache.step_length).unsqueeze(0) <= positions.unsqueeze(1))[:, None, None, :]
