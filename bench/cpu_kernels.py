@@ -4,7 +4,7 @@
 
 On the checkpoint's config with random weights: decode linears (packed oneDNN vs ``nn.Linear``), a
 decode step (fused decoder vs the model's forward), decode attention (GQA-packed and slot attention
-vs SDPA), update forward + backward (``rlvr_sdpa``, unpadded), the output head (``head_logprobs``),
+vs SDPA), a prompt chunk's attention (prompt_attention vs SDPA), update forward + backward (``rlvr_sdpa``, unpadded), the output head (``head_logprobs``),
 AdamW (``fused`` vs ``foreach``) and a whole update (``keep_freed_memory`` vs glibc malloc), float32
 and bf16. Prints a Markdown table: median ms of ``--repeats`` runs after a warm-up, and the ratio.
 """
@@ -29,9 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: `
 from bench.harness import median_ms, random_weights_model  # noqa: E402
 from rlvr.fastpaths import FastPaths  # noqa: E402
 from rlvr.fastpaths.attention import use_fast_attention  # noqa: E402
+from rlvr.fastpaths.eligibility import head_dim  # noqa: E402
 from rlvr.fastpaths.fused_decode import fused_decoder, gqa_attention  # noqa: E402
 from rlvr.fastpaths.heap import keep_freed_memory  # noqa: E402
 from rlvr.fastpaths.packed_linear import packed_linears  # noqa: E402
+from rlvr.fastpaths.prompt_attention import prompt_attention  # noqa: E402
 from rlvr.fastpaths.slot_attention import slot_attention  # noqa: E402
 from rlvr.grpo.head import head_logprobs  # noqa: E402
 from rlvr.grpo.loss import token_logprobs_and_entropy  # noqa: E402
@@ -104,15 +106,15 @@ def decode_attention(config, rows: int, prompt: int, completion: int, kind: str)
     longest, masked per row (``"sdpa"``, ``"packed"``), or ``slot_attention`` (``"slot"``), each row to
     its own length (this one also writes each row's new key and value into its slot, as a step does)."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    width = head_dim(config)
     length = prompt + completion
     lengths = torch.linspace(prompt, length, rows).long()
     mask = (torch.arange(length)[None] < lengths[:, None])[:, None, None, :]
-    queries = torch.randn(rows, heads, 1, head_dim)
-    new_keys, new_values, positions = torch.randn(rows, kv_heads, head_dim), torch.randn(rows, kv_heads, head_dim), lengths - 1
-    slots = (2 * rows, kv_heads, 2 * length, head_dim)  # the engine's slot buffers have room to spare: its views are strided
+    queries = torch.randn(rows, heads, 1, width)
+    new_keys, new_values, positions = torch.randn(rows, kv_heads, width), torch.randn(rows, kv_heads, width), lengths - 1
+    slots = (2 * rows, kv_heads, 2 * length, width)  # the engine's slot buffers have room to spare: its views are strided
     caches = [(torch.randn(slots), torch.randn(slots)) for _ in range(config.num_hidden_layers)]
-    scale = head_dim**-0.5
+    scale = width**-0.5
 
     def run() -> None:
         for keys, values in caches:
@@ -124,6 +126,27 @@ def decode_attention(config, rows: int, prompt: int, completion: int, kind: str)
                 torch.nn.functional.scaled_dot_product_attention(
                     queries, keys[:rows, :, :length], values[:rows, :, :length], attn_mask=mask, scale=scale, enable_gqa=True
                 )
+
+    return run
+
+
+def chunk_attention(config, tokens: int, begin: int, kernel: bool) -> Callable[[], None]:
+    """A prompt chunk's attention in every layer: ``tokens`` queries at positions ``begin`` .. over the keys
+    so far, causal, as the engine's prefill runs it: SDPA (``gqa_attention``: causal for a first chunk, an
+    explicit mask for a later one) or ``prompt_attention`` (``kernel``)."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    width = head_dim(config)
+    end, scale = begin + tokens, width**-0.5
+    mask = None if begin == 0 else torch.arange(end)[None] <= torch.arange(begin, end)[:, None]
+    shapes = ((tokens, heads, width), (kv_heads, end, width), (kv_heads, end, width))
+    layers = [tuple(torch.randn(shape) for shape in shapes) for _ in range(config.num_hidden_layers)]
+
+    def run() -> None:
+        for queries, keys, values in layers:
+            if kernel:
+                prompt_attention(queries, keys, values, begin, scale)
+            else:
+                gqa_attention(queries.transpose(0, 1)[None], keys[None], values[None], mask, scale, causal=begin == 0)
 
     return run
 
@@ -235,6 +258,13 @@ def main() -> None:
             f"decode attention, float32: packed by KV head -> slot_attention ({rows} rows, {length}..{length + completion} keys, every layer)",
             decode_attention(config, rows, length, completion, "packed"),
             decode_attention(config, rows, length, completion, "slot"),
+        )
+
+    for tokens, begin in ((10 * prompt, 0), (256, 10 * prompt - 256)):
+        compare(
+            f"prompt attention, float32: SDPA -> prompt_attention ({tokens}-token chunk after {begin}, every layer)",
+            chunk_attention(config, tokens, begin, kernel=False),
+            chunk_attention(config, tokens, begin, kernel=True),
         )
 
     compare(

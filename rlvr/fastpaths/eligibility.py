@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from rlvr.fastpaths import FastPaths, jit, row_kernels, slot_attention
+from rlvr.fastpaths import FastPaths, jit, prompt_attention, row_kernels, slot_attention
 from rlvr.fastpaths.attention import LOW_PRECISION
 from rlvr.fastpaths.packed_linear import packing_dtypes
 
@@ -35,6 +35,15 @@ def attention_window(config: Any) -> int | None:
     if layer_types is not None:
         return getattr(config, "sliding_window", None) if any(kind != "full_attention" for kind in layer_types) else None
     return getattr(config, "sliding_window", None)
+
+
+def head_dim(config: Any) -> int | None:
+    """The width of one attention head (``head_dim``, else hidden size / heads); None where the config has neither."""
+    explicit = getattr(config, "head_dim", None)
+    if explicit:
+        return explicit
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    return hidden // heads if hidden and heads else None
 
 
 FUSED_DECODE_MODELS = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}
@@ -77,6 +86,15 @@ def use_slot_attention(fast: FastPaths, device: torch.device, dtype: torch.dtype
     if dtype == torch.bfloat16:
         return use_float32_attention(fast, device, dtype) and slot_attention.cpp_built()
     return _float32_cpu_kernels(device, dtype)
+
+
+def use_prompt_attention(fast: FastPaths, device: torch.device, dtype: torch.dtype, width: int | None) -> bool:
+    """A prompt chunk's causal attention through ``rlvr.fastpaths.prompt_attention``: on CPU, in float32 (bf16
+    / fp16 where attention runs in float32, ``float32_attention``), heads ``width`` a multiple of 16 wide, the
+    C++ kernel built (at the first ask)."""
+    if not (fast.prompt_attention and device.type == "cpu" and width and width % 16 == 0):
+        return False
+    return (dtype == torch.float32 or use_float32_attention(fast, device, dtype)) and prompt_attention.cpp_built()
 
 
 def use_layer_kernels(fast: FastPaths, device: torch.device, dtype: torch.dtype, fused: bool) -> bool:

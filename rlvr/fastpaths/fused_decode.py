@@ -22,6 +22,7 @@ from transformers import DynamicCache
 
 from rlvr.fastpaths import FastPaths, layer_kernels, row_kernels
 from rlvr.fastpaths.attention import LOW_PRECISION
+from rlvr.fastpaths.eligibility import head_dim
 from rlvr.fastpaths.packed_linear import WeightVersions, fused_bias, fused_linear
 from rlvr.fastpaths.plan import BackendPlan, plan_backend
 
@@ -67,7 +68,7 @@ class FusedDecoder:
         config, decoder = model.config, model.model
         self.embed, self.rotary, self.final_norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim(config)
         self.layers = []
         for layer in decoder.layers:
             attention, mlp = layer.self_attn, layer.mlp

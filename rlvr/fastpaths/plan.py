@@ -35,6 +35,7 @@ class BackendPlan:
     row_kernels: bool  # the fused decoder's steps of a few rows through rlvr.fastpaths.row_kernels
     packed_linears: bool  # the model's own forward on oneDNN-packed linear weights
     slot_attention: bool  # the engine's decode attention through rlvr.fastpaths.slot_attention
+    prompt_attention: bool  # the engine's prompt-chunk attention through rlvr.fastpaths.prompt_attention
     float32_attention: bool  # the engine's attention (gqa_attention) in float32 for bf16/fp16 on CPU
     fast_attention: bool  # the model's SDPA attention as rlvr_sdpa (rlvr.fastpaths.attention.use_fast_attention)
     cuda_graphs: bool  # the engine's decode-only steps replayed from CUDA graphs
@@ -87,6 +88,7 @@ def plan_backend(
         row_kernels=eligibility.use_row_kernels(fast, device, dtype, fused),
         packed_linears=eligibility.use_packed_linears(fast, device, fused),
         slot_attention=eligibility.use_slot_attention(fast, device, dtype, threads),
+        prompt_attention=eligibility.use_prompt_attention(fast, device, dtype, eligibility.head_dim(model.config)),
         float32_attention=eligibility.use_float32_attention(fast, device, dtype),
         fast_attention=eligibility.use_rlvr_sdpa(model, fast),
         cuda_graphs=eligibility.use_cuda_graphs(model, fast, device, fused),

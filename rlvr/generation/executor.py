@@ -17,6 +17,7 @@ from transformers import DynamicCache
 
 from rlvr.fastpaths.fused_decode import Attend, cached_attention, gqa_attention
 from rlvr.fastpaths.plan import BackendPlan
+from rlvr.fastpaths.prompt_attention import prompt_attention
 from rlvr.fastpaths.slot_attention import slot_attention
 from rlvr.generation.cuda_graphs import GraphedDecode
 from rlvr.generation.kv_cache import SlotCache
@@ -61,7 +62,7 @@ class StepExecutor:
             start, begin, end = sum(map(len, tokens)), chunk.begin, chunk.end
             tokens.append(torch.tensor(chunk.tokens))
             positions.append(torch.arange(begin, end))
-            attend = _prompt_attention(prompt_caches[chunk.request_id], begin, end, self.device, self.plan.float32_attention)
+            attend = _prompt_attention(prompt_caches[chunk.request_id], begin, end, self.device, self.plan.prompt_attention, self.plan.float32_attention)
             segments.append((start, start + end - begin, attend))
             logits_at.append(start + end - begin - 1)
         if not segments:
@@ -130,15 +131,28 @@ def _slot_attention(cache: SlotCache, positions: torch.Tensor, device: torch.dev
     return cached_attention(cache, None if bool(key_mask.all()) else key_mask.to(device), upcast)
 
 
-def _prompt_attention(cache: DynamicCache, begin: int, end: int, device: torch.device, upcast: bool) -> Attend:
+def _prompt_attention(cache: DynamicCache, begin: int, end: int, device: torch.device, kernel: bool, upcast: bool) -> Attend:
     """A prompt chunk's attention (positions ``begin`` .. ``end`` - 1): its keys and values are appended
-    to the prompt's cache, each query attends causally over the prompt so far (a first chunk without a
-    mask, so SDPA skips the blocks above the diagonal; ``upcast``: in float32 for bf16 / fp16)."""
+    to the prompt's cache, each query attends causally over the prompt so far (``kernel``: through
+    ``rlvr.fastpaths.prompt_attention``, in float32, each query's keys up to its position only; else SDPA, a
+    first chunk without a mask so that it skips the blocks above the diagonal; ``upcast``: in float32 for
+    bf16 / fp16)."""
+
+    def append(index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return cache.layers[index].update(keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0))
+
+    if kernel:
+
+        def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+            keys, values = append(index, keys, values)
+            return prompt_attention(queries.float(), keys[0].float(), values[0].float(), begin, scaling).to(queries.dtype)
+
+        return attend
     first = begin == 0
     mask = None if first else (torch.arange(end).unsqueeze(0) <= torch.arange(begin, end).unsqueeze(1)).to(device)  # [chunk, end]
 
     def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
-        keys, values = cache.layers[index].update(keys.transpose(0, 1).unsqueeze(0), values.transpose(0, 1).unsqueeze(0))
+        keys, values = append(index, keys, values)
         attended = gqa_attention(queries.transpose(0, 1).unsqueeze(0), keys, values, mask, scaling, upcast, causal=first)
         return attended[0].transpose(0, 1).reshape(len(queries), -1)
 

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from rlvr.fastpaths.eligibility import head_dim
+
 SLOT_LENGTH_QUANTUM = 128  # slot lengths grow and shrink in these steps (fewer buffer reallocations)
 _ALLOCATIONS = itertools.count(1)
 
@@ -24,8 +26,7 @@ def kv_cache_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     """Keys and values one token of one row holds in the cache: layers x 2 x KV heads x head dim x dtype size."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers * 2 * kv_heads * head_dim * dtype.itemsize
+    return config.num_hidden_layers * 2 * kv_heads * head_dim(config) * dtype.itemsize
 
 
 def quantized(length: int) -> int:
