@@ -256,7 +256,8 @@ def test_the_services_warm_up_measures_a_decode_step_and_a_prompt_token(model, t
     from bentos.serving_engine import ServingEngine
 
     serving = ServingEngine(model, tokenizer, 2**24, seed=0)
-    prompt = _request(tokenizer, "warm up with a prompt of a few dozen tokens, please").prompt_ids
+    # a few hundred tokens: their time stands well above a tiny model's step-to-step noise
+    prompt = _request(tokenizer, "warm up with a prompt of a few hundred tokens, please. " * 6).prompt_ids
     serving.warm_up(lambda: EngineRequest(prompt, num_samples=1, temperatures=(0.0,), max_new_tokens=4))
     engine = serving.engine
     assert engine.decode_step_seconds > 0 and engine.prompt_token_seconds > 0
