@@ -45,6 +45,16 @@ def test_each_query_attends_up_to_its_own_position_as_causal_sdpa(tokens, begin,
 
 
 @built
+def test_head_vectors_laid_out_across_memory_are_taken_too():
+    """Queries, keys and values whose head dimension is not the innermost in memory give SDPA's result."""
+    torch.manual_seed(1)
+    queries = torch.randn(32, 4, 20).permute(2, 1, 0)  # [20 tokens, 4 heads, 32], head vectors strided
+    keys, values = torch.randn(32, 30, 2).permute(2, 1, 0), torch.randn(32, 30, 2).permute(2, 1, 0)
+    got = prompt_attention(queries, keys, values, 10, 0.2)
+    torch.testing.assert_close(got, causal_sdpa(queries, keys, values, 10, 0.2), atol=2e-5, rtol=1e-5)
+
+
+@built
 def test_it_refuses_what_it_cannot_compute_by_name():
     queries, keys = torch.zeros(4, 2, 16), torch.zeros(1, 4, 16)
     with pytest.raises(RuntimeError, match="float32 q, k, v and out"):

@@ -238,13 +238,14 @@ def _module() -> Any:
 def prompt_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, begin: int, scale: float) -> torch.Tensor:
     """Query t of ``queries`` [tokens, heads, head dim] (at position ``begin`` + t) attends over ``keys`` and
     ``values`` [KV heads, keys >= begin + tokens, head dim] at positions ``0 .. begin + t``, query head h over
-    KV head h // (heads / KV heads), all float32 (each head vector contiguous; head dim a multiple of 16).
+    KV head h // (heads / KV heads), all float32 (head dim a multiple of 16).
     Returns [tokens, heads x head dim]. Needs the C++ kernel (:func:`cpp_built`)."""
     module = _module()
     if module is None:
         raise RuntimeError("prompt attention needs its C++ kernel, which is not built here (no C++ compiler, or the build failed)")
     tokens, heads, head_dim = queries.shape
     out = torch.empty(tokens, heads * head_dim)
+    queries, keys, values = (t if t.stride(-1) == 1 else t.contiguous() for t in (queries, keys, values))
     module.prompt_attention(queries, keys, values, begin, scale, out)
     return out
 
