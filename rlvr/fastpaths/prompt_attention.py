@@ -26,6 +26,7 @@ SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 // Sixteen floats as one vector (GCC/Clang vector extensions: AVX-512 registers where the CPU has them).
@@ -111,28 +112,17 @@ inline void value_rows(const float* p, int64_t keys, const float* v, int64_t ldv
   }
 }
 
-template <int R>
-inline void tile(bool scores, const float* q, int64_t dim, const float* kt, int64_t ldk, float* s,
-                 int64_t keys, const float* v, int64_t ldv, const float* alpha, float* o) {
-  if (scores) score_tile<R>(q, dim, kt, ldk, s);
-  else value_rows<R>(s, keys, v, ldv, alpha, o, dim);
-}
-
-// Rows [0, rows) of a task in micro-tiles of up to TILE.
-inline void tiles(bool scores, int64_t rows, const float* q, int64_t dim, const float* kt, int64_t ldk, float* s,
-                  int64_t keys, const float* v, int64_t ldv, const float* alpha, float* o) {
+// fn(std::integral_constant<int, R>, r) for the rows [0, rows) of a task in micro-tiles of R <= TILE rows.
+template <typename F>
+inline void for_tiles(int64_t rows, F fn) {
   int64_t r = 0;
-  for (; r + TILE <= rows; r += TILE)
-    tile<TILE>(scores, q + r * dim, dim, kt, ldk, s + r * BK, keys, v, ldv, alpha + r, o + r * dim);
-  const auto rest = rows - r;
-  const float *qr = q + r * dim, *ar = alpha + r;
-  float *sr = s + r * BK, *orow = o + r * dim;
-  switch (rest) {
-    case 5: tile<5>(scores, qr, dim, kt, ldk, sr, keys, v, ldv, ar, orow); break;
-    case 4: tile<4>(scores, qr, dim, kt, ldk, sr, keys, v, ldv, ar, orow); break;
-    case 3: tile<3>(scores, qr, dim, kt, ldk, sr, keys, v, ldv, ar, orow); break;
-    case 2: tile<2>(scores, qr, dim, kt, ldk, sr, keys, v, ldv, ar, orow); break;
-    case 1: tile<1>(scores, qr, dim, kt, ldk, sr, keys, v, ldv, ar, orow); break;
+  for (; r + TILE <= rows; r += TILE) fn(std::integral_constant<int, TILE>{}, r);
+  switch (rows - r) {
+    case 5: fn(std::integral_constant<int, 5>{}, r); break;
+    case 4: fn(std::integral_constant<int, 4>{}, r); break;
+    case 3: fn(std::integral_constant<int, 3>{}, r); break;
+    case 2: fn(std::integral_constant<int, 2>{}, r); break;
+    case 1: fn(std::integral_constant<int, 1>{}, r); break;
     default: break;
   }
 }
@@ -186,7 +176,7 @@ void prompt_attention(const torch::Tensor& q, const torch::Tensor& k, const torc
       const float* vg = vp + g * v.stride(0);
       for (int64_t j0 = 0; j0 <= last; j0 += BK) {
         const int64_t valid = std::min<int64_t>(BK, last + 1 - j0);  // keys past `last` are masked for every row
-        tiles(true, rows, qb.data(), dim, ktg + j0, padded, s.data(), 0, nullptr, 0, nullptr, nullptr);
+        for_tiles(rows, [&](auto tile, int64_t r) { score_tile<decltype(tile)::value>(qb.data() + r * dim, dim, ktg + j0, padded, s.data() + r * BK); });
         for (int64_t r = 0; r < rows; ++r) {
           float* sr = s.data() + r * BK;
           const int64_t visible = std::min<int64_t>(valid, first + r % span - j0 + 1);  // keys j0 .. position
@@ -196,12 +186,7 @@ void prompt_attention(const torch::Tensor& q, const torch::Tensor& k, const torc
           float block_max = NEG_INF;
           for (int i = 0; i < W; ++i) block_max = std::max(block_max, top[i]);
           const float m_new = std::max(m[r], block_max);
-          vf sum{};
-          if (m_new == NEG_INF) {  // nothing visible yet (cannot happen after block 0, which every row sees)
-            alpha[r] = 1.f;
-            std::fill(sr, sr + BK, 0.f);
-            continue;
-          }
+          vf sum{};  // m_new is finite: block 0 shows every row key 0
           for (int c = 0; c < BK; c += W) {
             const vf p = exp2_nonpositive(load(sr + c) - m_new);
             store(sr + c, p);
@@ -213,7 +198,10 @@ void prompt_attention(const torch::Tensor& q, const torch::Tensor& k, const torc
           l[r] = l[r] * alpha[r] + total;
           m[r] = m_new;
         }
-        tiles(false, rows, nullptr, dim, nullptr, 0, s.data(), valid, vg + j0 * v.stride(1), v.stride(1), alpha.data(), ob.data());
+        const float* vj = vg + j0 * v.stride(1);
+        for_tiles(rows, [&](auto tile, int64_t r) {
+          value_rows<decltype(tile)::value>(s.data() + r * BK, valid, vj, v.stride(1), alpha.data() + r, ob.data() + r * dim, dim);
+        });
       }
       for (int64_t r = 0; r < rows; ++r) {
         float* dst = op + (t0 + r % span) * heads * dim + (g * group + r / span) * dim;
