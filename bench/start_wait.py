@@ -47,9 +47,9 @@ def logged_steps(engine) -> list[tuple[int, float, int, int]]:
     """(step, seconds, tokens, prompt tokens) of every step from now on, as the engine measures them."""
     steps, measure = [], engine._measure
 
-    def logged(elapsed: float, tokens: int, prompt_tokens: int) -> None:
+    def logged(elapsed: float, tokens: int, prompt_tokens: int, work: float) -> None:
         steps.append((engine.steps, elapsed, tokens, prompt_tokens))
-        measure(elapsed, tokens, prompt_tokens)
+        measure(elapsed, tokens, prompt_tokens, work)
 
     engine._measure = logged
     return steps
@@ -95,7 +95,7 @@ def report(name: str, records: list[dict]) -> None:
         w, shape = r["parts"], f"{r['rows']} x {r['new_tokens']}"
         print(
             f"{shape:>10} {r['prompt']:6d} {r['estimate_s']:6.2f} {r['measured_s']:6.2f} {ratio:5.2f} | {w.slot_steps + 1:6d} "
-            f"{r['measured_steps']:7d} | {w.prompt_tokens:6d} {r['measured_prompt_tokens']:7d} {1000 * w.prompt_token_s:5.2f} "
+            f"{r['measured_steps']:7d} | {w.prompt_tokens + round(w.arriving_tokens):6d} {r['measured_prompt_tokens']:7d} {1000 * w.prompt_token_s:5.2f} "
             f"{1000 * w.prompt_step_s:6.0f} {1000 * w.decode_step_s:6.0f} | "
             f"{w.seconds - w.under_way_s:11.2f} {r['spanned_s']:12.2f} {w.under_way_s:5.2f}"
         )

@@ -2,14 +2,18 @@
 and leaves around them; chunked prefill interleaved with decoding; fair shares; the KV budget held."""
 
 import gc
+import math
 import re
+import time
 
 import pytest
 import torch
 
+from rlvr.fastpaths import FastPaths
 from rlvr.generation import Engine, EngineRequest, SamplingConfig, StopRule, generate_rollouts
-from rlvr.generation.engine import MovingLine
+from rlvr.generation.engine import ArrivalRate, MovingLine, keys_per_token
 from rlvr.generation.request import RequestDoesNotFit
+from rlvr.generation.scheduler import prompt_work
 from support.engine_runs import run_engine, watch_forwards
 from support.tiny_models import char_tokenizer, tiny_llama
 
@@ -276,6 +280,69 @@ def test_a_steps_prompt_time_is_split_into_a_fixed_part_and_a_part_per_token():
         same.add(100, 0.5)
     assert same.intercept == 0 and same.slope == pytest.approx(0.005)
     assert MovingLine().at(100) == 0
+
+
+def test_keys_per_token_weighs_a_keys_attention_against_a_tokens_projections(model):
+    """The projections' weights (embeddings and output head left out, tied or not) over the multiply-adds
+    of one key's scores and weighted values in every layer."""
+    config = model.config
+    projections = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    per_key = 2 * config.num_attention_heads * (config.hidden_size // config.num_attention_heads) * config.num_hidden_layers
+    assert keys_per_token(model) == pytest.approx(projections / per_key, rel=0.01)
+    tied = tiny_llama(model.config.vocab_size, tie_word_embeddings=True)
+    assert keys_per_token(tied) == pytest.approx(keys_per_token(model), rel=1e-6)
+
+
+def test_a_new_prompts_start_wait_counts_its_attention(model, tokenizer):
+    """An idle engine without a prefix cache: a new prompt's wait is its own prefill, every token at its
+    position (a long prompt's later tokens attend to more keys), at the measured time per token."""
+    engine = Engine(model, tokenizer, max_rows=2, step_tokens=64, kv_budget_bytes=2**24, prefix_cache_bytes=0)
+    prompt = _request(tokenizer, "a prompt long enough for its attention to count. " * 8).prompt_ids
+    wait = engine.start_wait(prompt)
+    assert wait.prompt_tokens == len(prompt)
+    assert wait.prompt_work == pytest.approx(prompt_work(0, len(prompt), keys_per_token(model))) and wait.prompt_work > len(prompt)
+
+
+def test_the_arrival_rate_follows_the_recent_arrivals():
+    """A steady 100 tokens every half second reads ~200 a second once past its horizon, and fades after."""
+    rate = ArrivalRate(horizon_s=10.0)
+    assert rate.per_s(0.0) == 0
+    for i in range(400):
+        rate.add(100, i * 0.5)
+    assert rate.per_s(199.5) == pytest.approx(200, rel=0.03)
+    assert rate.per_s(209.5) == pytest.approx(rate.per_s(199.5) / math.e)
+
+
+def test_a_new_prompt_expects_the_prompts_arriving_before_its_step_to_join_it(model, tokenizer):
+    """Prompts waiting ahead of a new one take time to prefill; those arriving meanwhile (at the rate
+    they lately have) join its prompt's step, as far as the step's budget; a request without a prompt
+    (``/readyz``) expects none."""
+    engine = Engine(model, tokenizer, max_rows=4, step_tokens=64, max_step_tokens=256, kv_budget_bytes=2**24, prefix_cache_bytes=0)
+    engine.decode_step_seconds = 0.01
+    for tokens in (50, 100, 200):
+        engine._prompt_steps.add(tokens, 0.001 * tokens)  # 1 ms a prompt token
+    prompt = _request(tokenizer, "a new prompt " * 4).prompt_ids
+    assert engine.start_wait(prompt).arriving_tokens == 0  # nothing arrived yet, nothing waits
+    for _ in range(3):
+        engine.submit(_request(tokenizer, "a prompt waiting ahead of it " * 2))
+    wait = engine.start_wait(prompt)
+    rate, ahead_s = engine.arrivals.per_s(time.monotonic()), (wait.prompt_work - prompt_work(0, len(prompt), keys_per_token(model))) * 0.001
+    assert rate > 0 and ahead_s > 0 and wait.arriving_tokens == pytest.approx(rate * ahead_s, rel=0.01)
+    assert wait.seconds == pytest.approx(wait._replace(arriving_tokens=0).seconds + 0.001 * wait.arriving_tokens)
+    assert engine.start_wait().arriving_tokens == 0
+    engine.arrivals.add(10**9, time.monotonic())  # a flood: its step fills up
+    wait = engine.start_wait(prompt)
+    assert 0 < wait.arriving_tokens == engine._backlog().prefill_budget - wait.prompt_tokens
+
+
+def test_a_cpu_engine_keeps_freed_memory_where_its_plan_says(model, tokenizer, monkeypatch):
+    """Each CPU step's logits and sampling temporaries would otherwise be page-faulted in afresh."""
+    calls = []
+    monkeypatch.setattr("rlvr.generation.engine.keep_freed_memory", lambda: calls.append(1))
+    Engine(model, tokenizer, max_rows=2, kv_budget_bytes=2**24)
+    assert calls == [1]
+    Engine(model, tokenizer, max_rows=2, kv_budget_bytes=2**24, fast_paths=FastPaths(keep_freed_memory=False))
+    assert calls == [1]
 
 
 def test_the_start_wait_follows_the_rows_ahead_once_asked(model, tokenizer):

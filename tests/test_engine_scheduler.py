@@ -25,6 +25,7 @@ from rlvr.generation.scheduler import (
     Row,
     Scheduler,
     StepOutput,
+    prompt_work,
 )
 from rlvr.generation.stops import StopChecker
 from support.tiny_models import char_tokenizer
@@ -323,10 +324,34 @@ def test_a_new_prompt_waits_for_the_prompts_its_steps_carry_beside_it():
     assert free.start_steps(step_tokens=128, prompt_tokens=50) == 1 + 450 / 1000
 
 
+def test_prompt_work_counts_each_token_s_attention_to_the_keys_up_to_its_own():
+    """A token costs its projections (1) and, per ``keys_per_token`` keys it attends to, one more: a later
+    chunk of a prompt costs more than its first, the same tokens split into chunks cost what they cost whole."""
+    assert prompt_work(0, 100, 0.0) == 100  # attention not counted
+    assert prompt_work(0, 1, 1.0) == 2  # one token, one key
+    assert prompt_work(0, 4, 10.0) == pytest.approx(4 + (1 + 2 + 3 + 4) / 10)
+    assert prompt_work(1000, 1100, 3000.0) > prompt_work(0, 100, 3000.0)
+    assert prompt_work(0, 300, 500.0) == pytest.approx(prompt_work(0, 120, 500.0) + prompt_work(120, 300, 500.0))
+
+
+def test_the_prefill_work_before_a_prompt_takes_each_waiting_prompt_from_where_it_has_reached():
+    """Two prompts wait: 300 left of 1,300 (1,000 prefilled) and 100 left of 100. A new 50-token prompt
+    waits for 50 of each (budget not known), the first's at positions 1,000..1,049; a full step of a
+    budget carries the same tokens, counted as those ahead on average."""
+    waiting = (QueuedWork((), 1, 10, True, False, 300, 1300), QueuedWork((), 1, 10, True, False, 100, 100))
+    k = 2000.0
+    assert Backlog(waiting, keys_per_token=k).prefill_work(10, 60) == pytest.approx(prompt_work(1000, 1050, k) + prompt_work(0, 50, k) + prompt_work(10, 60, k))
+    assert Backlog(waiting).prefill_work(10, 60) == 50 + 50 + 50  # attention not counted: tokens
+    budget = Backlog(waiting, prefill_budget=1000, keys_per_token=k)  # one step carries all 400 ahead
+    ahead = prompt_work(1000, 1050, k) + prompt_work(0, 50, k)
+    assert budget.prefill_work(0, 50) == pytest.approx(ahead * 400 / 100 + prompt_work(0, 50, k))
+    assert Backlog(waiting, keys_per_token=k).prefill_work(0, 0) == 0  # no prompt: nothing before it
+
+
 def test_requests_posted_since_the_backlog_was_built_queue_behind_it():
     backlog = Backlog((QueuedWork((9, 5), 0, 20, True, True), QueuedWork((), 2, 10, False, False, 64)), rows=2, max_rows=2, lookahead_rows=4)
     posted = backlog.with_posted([_request(64, samples=1, max_new_tokens=40)], row_fill=0.5, uncached=lambda ids: len(ids) - 16)
-    assert posted.requests[2] == QueuedWork((), 1, 20, False, False, 48)  # its opening 16 tokens held by the prefix cache
+    assert posted.requests[2] == QueuedWork((), 1, 20, False, False, 48, 64)  # its opening 16 tokens held by the prefix cache
     # the waiting request's first row takes the slot freed at 5, the posted one's the slot freed at 9, a new
     # one the slot its first row frees at 15 (before its second row: the oldest without a row goes first), then its own step
     assert posted.start_steps(step_tokens=128) == 1 + 15
@@ -354,7 +379,7 @@ def test_the_backlog_counts_rows_at_the_share_of_their_budget_rows_have_used():
     waiting = _request(40, samples=3, max_new_tokens=100)
     scheduler.add(waiting)
     backlog = scheduler.backlog()
-    work = (QueuedWork((70, 100), 0, 100, True, True), QueuedWork((), 3, 100, False, False, 40))
+    work = (QueuedWork((70, 100), 0, 100, True, True, 0, 5), QueuedWork((), 3, 100, False, False, 40, 40))
     assert backlog == Backlog(work, 2, 2, 2, 0.5, prefill_budget=128 - 2)  # the step's tokens less a token for each running row
     for _ in range(200):  # rows have lately stopped at a fifth of their budget
         scheduler.row_fill = 0.95 * scheduler.row_fill + 0.05 * 0.2

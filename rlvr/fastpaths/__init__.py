@@ -24,7 +24,7 @@ class FastPaths:
     float32_attention: bool = True  # bf16/fp16 attention on CPU computed in float32 (attention)
     unpadded_update: bool = True  # the update's per-token work skips completion padding (rlvr.grpo.unpadded)
     chunked_head: bool = True  # the output layer on real tokens only, in chunks (rlvr.grpo.head)
-    keep_freed_memory: bool = True  # CPU training keeps freed memory in glibc's heap (heap)
+    keep_freed_memory: bool = True  # CPU training and generation keep freed memory in glibc's heap (heap)
     cuda_graphs: bool = True  # the engine's CUDA decode steps replayed as CUDA graphs per row bucket (rlvr.generation.cuda_graphs)
 
     @classmethod

@@ -144,7 +144,7 @@ def use_float32_attention(fast: FastPaths, device: torch.device, dtype: torch.dt
 
 
 def use_keep_freed_memory(device: torch.device, fast: FastPaths) -> bool:
-    """glibc keeps the update's freed temporaries for the next step: CPU training only."""
+    """glibc keeps freed temporaries (an update's, an engine step's) for the next step: on CPU."""
     return fast.keep_freed_memory and device.type == "cpu"
 
 

@@ -2,7 +2,8 @@
 temporaries in afresh every time.
 
 glibc hands large freed blocks back to the kernel, and PyTorch's CPU allocator has no cache of its own,
-so each GRPO update faults its hundreds of MiB of temporaries in again. :func:`keep_freed_memory` makes
+so each GRPO update faults its hundreds of MiB of temporaries in again (and each engine step its logits and
+sampling's). :func:`keep_freed_memory` makes
 glibc serve everything from its heap and never trim it. ``bench/grpo_step.py`` prints the faults per
 step both ways, ``bench/cpu_kernels.py`` times an update loop both ways (docs/architecture.md, "Fast paths").
 """

@@ -39,7 +39,7 @@ class BackendPlan:
     float32_attention: bool  # the engine's attention (gqa_attention) in float32 for bf16/fp16 on CPU
     fast_attention: bool  # the model's SDPA attention as rlvr_sdpa (rlvr.fastpaths.attention.use_fast_attention)
     cuda_graphs: bool  # the engine's decode-only steps replayed from CUDA graphs
-    keep_freed_memory: bool  # training keeps freed memory in glibc's heap (rlvr.fastpaths.heap)
+    keep_freed_memory: bool  # training and the engine keep freed memory in glibc's heap (rlvr.fastpaths.heap)
     chunked_head: bool  # the update applies the output layer itself, on real tokens only
     unpadded_update: bool  # the update's completions skip their padding (rlvr.grpo.unpadded)
 

@@ -12,6 +12,7 @@ docs/architecture.md ("The generation engine") tells the whole mechanism.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -22,7 +23,8 @@ import torch
 from rlvr.cpu_threads import tune_threads
 from rlvr.environments.driver import EpisodeDriver, TokenTexts, drives_episodes
 from rlvr.fastpaths import FastPaths
-from rlvr.fastpaths.eligibility import attention_window
+from rlvr.fastpaths.eligibility import attention_window, head_dim
+from rlvr.fastpaths.heap import keep_freed_memory
 from rlvr.fastpaths.packed_linear import WeightVersions
 from rlvr.fastpaths.plan import BackendPlan, log_plan, plan_backend
 from rlvr.generation.executor import StepExecutor
@@ -30,7 +32,7 @@ from rlvr.generation.kv_cache import kv_cache_bytes_per_token, quantized
 from rlvr.generation.outputs import OutputProcessor, finish
 from rlvr.generation.prefix_cache import PrefixCache
 from rlvr.generation.request import EngineRequest, RequestDoesNotFit
-from rlvr.generation.scheduler import Backlog, Lane, Row, Scheduler, expected_tokens
+from rlvr.generation.scheduler import Backlog, Lane, Row, Scheduler, expected_tokens, prompt_work
 from rlvr.generation.stops import StopChecker
 
 SHORT_LANE_TOKENS = 512  # rows of at most this many tokens (prompt + new) decode in a lane of their own
@@ -43,12 +45,15 @@ class StartWait(NamedTuple):
     slot_steps: int  # decode steps until a slot takes it (its own step comes after)
     decode_step_s: float  # a step's time without prompt tokens, lately
     prompt_tokens: int  # its prompt's and those prefilled before it
-    prompt_token_s: float  # what a prompt token adds to a step, lately
+    prompt_work: float  # the same in token-equivalents, their attention counted (scheduler.prompt_work)
+    prompt_token_s: float  # what a prompt token-equivalent adds to a step, lately
     prompt_step_s: float = 0.0  # what its prompt's step adds whatever its tokens, lately (0: no prompt tokens)
+    arriving_tokens: float = 0.0  # prompt tokens expected to arrive before its prompt's step and join it
 
     @property
     def seconds(self) -> float:
-        return self.under_way_s + (self.slot_steps + 1) * self.decode_step_s + self.prompt_step_s + self.prompt_tokens * self.prompt_token_s
+        prompts_s = self.prompt_step_s + (self.prompt_work + self.arriving_tokens) * self.prompt_token_s
+        return self.under_way_s + (self.slot_steps + 1) * self.decode_step_s + prompts_s
 
 
 class Engine:
@@ -81,6 +86,8 @@ class Engine:
             plan = plan_backend(model, fast_paths)
             log_plan(plan, "engine")
         self.plan = plan
+        if plan.keep_freed_memory:
+            keep_freed_memory()  # each step's logits and sampling temporaries (MBs at 32 rows) would be page-faulted in afresh
         self.executor: StepExecutor | None = StepExecutor(model, max_rows, plan)
         self._packed = WeightVersions(model)  # the weights the runner packed (see weights_changed)
         self.window = attention_window(model.config)
@@ -104,6 +111,7 @@ class Engine:
             max_share=max_share,
             max_requests=max_requests,  # None: any number run at once; else the oldest that many
             model_config=model.config,
+            keys_per_token=keys_per_token(model),
         )
         self._inbox: deque[EngineRequest | Callable[[], None]] = deque()
         self._wakeup = threading.Condition()
@@ -113,6 +121,7 @@ class Engine:
         self.backlog = self.scheduler.backlog()  # the work in the engine, as of the last step since start_wait_s was first asked
         self._backlog_asked = False  # training and evaluation never ask: their steps skip building it
         self._since_backlog: list[EngineRequest] = []  # submitted after the backlog was built (kept once it is asked)
+        self.arrivals = ArrivalRate()  # prompt tokens submitted per second (counted once the backlog is asked)
 
     def reset_step_times(self) -> None:
         """Forget the measured step times (0: none measured yet), e.g. those of a warm-up's first, compiling steps."""
@@ -202,6 +211,10 @@ class Engine:
         """Queue ``request``; :class:`RequestDoesNotFit` (:meth:`check`) for one it could never run."""
         self.check(request)
         request.submitted_s = time.monotonic()
+        if self._backlog_asked:  # the start wait expects prompts at the rate they have lately arrived
+            tokens = self.prefixes.uncached_tokens(request.prompt_ids)
+            with self._wakeup:
+                self.arrivals.add(tokens, request.submitted_s)
         self._post(request)
 
     def check(self, *requests: EngineRequest) -> None:
@@ -284,13 +297,20 @@ class Engine:
     def start_wait(self, prompt_ids: Sequence[int] = ()) -> StartWait:
         """A new request's wait for its first token, in parts at the measured times: the decode steps until
         a slot takes it, its prompt (what the prefix cache does not hold of it) and those prefilled before
-        it (beside the decoding), what is left of the step under way and its own."""
-        backlog, own = self._backlog(), self.prefixes.uncached_tokens(prompt_ids)
-        under_way_s = max(0.0, self._step_estimate_s - (time.monotonic() - self._step_started_s)) if self._step_started_s else 0.0
-        decode_s = self.decode_step_seconds or self.step_seconds
+        it (beside the decoding), what is left of the step under way and its own; and the prompts expected
+        to arrive until its prompt's step, which join that step (as far as its budget: :class:`ArrivalRate`)."""
+        backlog, own, now = self._backlog(), self.prefixes.uncached_tokens(prompt_ids), time.monotonic()
+        under_way_s = max(0.0, self._step_estimate_s - (now - self._step_started_s)) if self._step_started_s else 0.0
+        decode_s, token_s = self.decode_step_seconds or self.step_seconds, self.prompt_token_seconds
         prompt_tokens = backlog.prefill_before(own) + own
+        work = backlog.prefill_work(len(prompt_ids) - own, len(prompt_ids))
+        slot_steps = backlog.slot_steps()
         prompt_step_s = self.prompt_step_seconds if prompt_tokens else 0.0
-        return StartWait(under_way_s, backlog.slot_steps(), decode_s, prompt_tokens, self.prompt_token_seconds, prompt_step_s)
+        ahead_s = under_way_s + slot_steps * decode_s + (work - prompt_work(len(prompt_ids) - own, len(prompt_ids), self.scheduler.keys_per_token)) * token_s
+        room = -prompt_tokens % backlog.prefill_budget if backlog.prefill_budget else float("inf")  # in its prompt's last step
+        with self._wakeup:
+            arriving = max(0.0, min(room, self.arrivals.per_s(now) * ahead_s)) if own else 0.0
+        return StartWait(under_way_s, slot_steps, decode_s, prompt_tokens, work, token_s, prompt_step_s, arriving)
 
     def _backlog(self) -> Backlog:
         with self._wakeup:
@@ -355,11 +375,11 @@ class Engine:
         with torch.inference_mode():
             self._drop_cancelled()
             self._admit_rows()
-            tokens, prompt_tokens = self._forward()
+            tokens, prompt_tokens, work = self._forward()
             self._admit_rows()
         self._publish_backlog()
         self._step_started_s = 0.0
-        self._measure(time.monotonic() - started, tokens, prompt_tokens)
+        self._measure(time.monotonic() - started, tokens, prompt_tokens, work)
 
     def _publish_backlog(self, planned: dict[int, int] | None = None) -> None:
         """The backlog other threads read (once asked): as of now, the prompt chunks ``planned`` for the step
@@ -369,20 +389,20 @@ class Engine:
             with self._wakeup:  # requests still in the inbox are not in it yet
                 self.backlog, self._since_backlog = backlog, [item for item in self._inbox if isinstance(item, EngineRequest)]
 
-    def _measure(self, elapsed: float, tokens: int, prompt_tokens: int) -> None:
-        """Fold a step of ``tokens`` (``prompt_tokens`` of them prefill) into the moving averages of the time
-        a step with rows takes, one without prompt tokens, and a prompt token's share of a step."""
+    def _measure(self, elapsed: float, tokens: int, prompt_tokens: int, work: float) -> None:
+        """Fold a step of ``tokens`` (``prompt_tokens`` of them prefill, ``work`` token-equivalents) into the
+        moving averages of the time a step with rows takes, one without prompt tokens, and a prompt token-equivalent's share of a step."""
         decoded = tokens > prompt_tokens
         if self.rows and tokens <= self.step_tokens:  # steps past the base budget (an idle engine's long prefills) are not typical
             self.step_seconds = _moving_average(self.step_seconds, elapsed)
         if decoded and not prompt_tokens:
             self.decode_step_seconds = _moving_average(self.decode_step_seconds, elapsed)
         elif prompt_tokens and self.decode_step_seconds:  # what its prompt tokens add to a step (over a decoding one)
-            self._prompt_steps.add(prompt_tokens, max(0.0, elapsed - self.decode_step_seconds))
+            self._prompt_steps.add(work, max(0.0, elapsed - self.decode_step_seconds))
 
     @property
     def prompt_token_seconds(self) -> float:
-        """What a prompt token adds to a step, lately."""
+        """What a prompt token-equivalent (``scheduler.prompt_work``) adds to a step, lately."""
         return self._prompt_steps.slope
 
     @property
@@ -426,27 +446,56 @@ class Engine:
         if self.scheduler.release(request):
             finish(request)
 
-    def _forward(self) -> tuple[int, int]:
+    def _forward(self) -> tuple[int, int, float]:
         """One forward of the model over the scheduler's plan (every lane's running rows, one token each,
         and the prompt chunks it picks), its rows' next tokens sampled (``rlvr.generation.executor``); the
-        output processor applies the result. Returns the tokens it ran and the prompt tokens among them."""
+        output processor applies the result. Returns the tokens it ran, the prompt tokens among them and
+        their work (``scheduler.prompt_work``)."""
         for lane in self.lanes:
             self.outputs.resume_parked(lane)
         plan = self.scheduler.schedule()
         prompt_tokens = sum(chunk.end - chunk.begin for chunk in plan.prefill)
-        self._step_estimate_s = (self.decode_step_seconds if plan.decode else 0.0) + (self._prompt_steps.at(prompt_tokens) if prompt_tokens else 0.0)
+        work = sum(prompt_work(chunk.begin, chunk.end, self.scheduler.keys_per_token) for chunk in plan.prefill)
+        self._step_estimate_s = (self.decode_step_seconds if plan.decode else 0.0) + (self._prompt_steps.at(work) if prompt_tokens else 0.0)
         self._publish_backlog({chunk.request_id: chunk.end for chunk in plan.prefill})
         prompt_caches = {chunk.request_id: self.scheduler.by_id[chunk.request_id].cache for chunk in plan.prefill}
         output = self.executor.execute(plan, [lane.cache for lane in self.lanes], prompt_caches)
         if output.decode:
             self._note_neighbours()
         self.outputs.update_from_output(output)
-        return output.tokens, prompt_tokens
+        return output.tokens, prompt_tokens, work
 
     def _note_neighbours(self) -> None:
         neighbours = len(self.scheduler.running)
         for request in self.scheduler.running:
             request.max_neighbours = max(request.max_neighbours, neighbours)
+
+
+def keys_per_token(model: Any) -> float:
+    """How many keys a prompt token's attention (scores and weighted values, every layer) takes for the
+    multiply-adds of its projections: the weights less the embeddings and output head (a prompt's logits are
+    its last token's) over 2 x heads x head width x layers."""
+    config, weights = model.config, {id(p): p.numel() for p in model.parameters()}
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        if module is not None:
+            weights.pop(id(module.weight), None)
+    return sum(weights.values()) / (2 * config.num_attention_heads * head_dim(config) * config.num_hidden_layers)
+
+
+class ArrivalRate:
+    """Amounts arriving per second, lately: each arrival counts ``exp(-age / horizon_s) / horizon_s`` per second."""
+
+    def __init__(self, horizon_s: float = 30.0):
+        self.horizon_s, self.level, self.at = horizon_s, 0.0, 0.0
+
+    def add(self, amount: float, now: float) -> None:
+        self.level, self.at = self.level * self._decay(now) + amount, now
+
+    def per_s(self, now: float) -> float:
+        return self.level * self._decay(now) / self.horizon_s
+
+    def _decay(self, now: float) -> float:
+        return math.exp(-max(0.0, now - self.at) / self.horizon_s)
 
 
 class MovingLine:
