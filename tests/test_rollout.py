@@ -114,6 +114,28 @@ def test_top_p_keeps_the_smallest_nucleus():
     torch.testing.assert_close(logprobs, torch.log(torch.tensor([0.5])))
 
 
+def _nucleus_by_full_sort(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The nucleus by its definition: sort each row, keep the tokens whose mass before them falls short of top-p."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    sorted_probs[sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p.unsqueeze(1)] = 0.0
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 8.0, 30.0])
+def test_top_p_finds_each_rows_nucleus_among_its_candidates_or_past_them(scale):
+    """Flat rows (a nucleus of thousands of tokens, past every candidate list) and peaked ones (a few
+    tokens), each row its own top-p: the same nucleus as a full sort; a row at top-p 1 is left whole."""
+    generator = torch.Generator().manual_seed(int(scale * 10))
+    probs = torch.softmax(torch.randn(24, 6000, generator=generator) * scale, dim=-1)
+    top_p = torch.rand(24, generator=generator) * 0.6 + 0.4
+    top_p[::5] = 1.0
+    filtered = _top_p_filter(probs, top_p)
+    truncated = top_p < 1.0
+    assert torch.equal(filtered[truncated], _nucleus_by_full_sort(probs[truncated], top_p[truncated]))
+    assert torch.equal(filtered[~truncated], probs[~truncated])
+    assert torch.equal(_top_p_filter(probs, 0.9), _nucleus_by_full_sort(probs, torch.full((24,), 0.9)))
+
+
 @pytest.mark.parametrize("temperature", [1e-38, 5e-324, GREEDY_BELOW_TEMPERATURE / 2])
 def test_a_temperature_too_small_to_divide_by_is_greedy(temperature):
     """logits / 1e-38 overflows float32: such a row (sampled beside an ordinary one) takes the argmax,

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 GREEDY_BELOW_TEMPERATURE = 1e-5  # a lower temperature is greedy: logits / T would overflow float32 (NaN probabilities)
+NUCLEUS_CANDIDATES = (64, 1024)  # top-p seeks a row's nucleus among this many of its most likely tokens first (_top_p_filter)
 
 
 def derive_seed(*parts: int) -> int:
@@ -76,9 +77,22 @@ def _inverse_cdf_sample(probs: torch.Tensor, generator: torch.Generator | None, 
 
 
 def _top_p_filter(probs: torch.Tensor, top_p: float | torch.Tensor) -> torch.Tensor:
-    """Zero the tail of each row outside the smallest set of tokens whose mass reaches ``top_p`` (its own, per row)."""
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    threshold = top_p.unsqueeze(1) if isinstance(top_p, torch.Tensor) else top_p
-    outside = sorted_probs.cumsum(dim=-1) - sorted_probs >= threshold  # mass before this token already enough
-    sorted_probs[outside] = 0.0
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    """Zero the tail of each row outside the smallest set of tokens whose mass reaches ``top_p`` (its own, per
+    row; a row at 1 is left whole). Each row's nucleus is sought among its most likely tokens first
+    (``NUCLEUS_CANDIDATES``), then the whole sorted vocabulary: a token past candidates whose mass reaches
+    ``top_p`` has at least that much before it (sorting a 49k vocabulary takes ~2-4 ms a row on CPU)."""
+    vocab = probs.shape[1]
+    thresholds = torch.as_tensor(top_p, dtype=probs.dtype, device=probs.device).expand(probs.shape[0])
+    left = (thresholds < 1.0).nonzero().squeeze(1)  # rows whose nucleus is not found yet
+    filtered = probs.clone()
+    for k in (*(k for k in NUCLEUS_CANDIDATES if k < vocab), vocab):
+        if not len(left):
+            break
+        rows, threshold = probs[left], thresholds[left].unsqueeze(1)
+        top, order = rows.topk(k, dim=-1) if k < vocab else rows.sort(dim=-1, descending=True)
+        mass = top.cumsum(dim=-1)
+        found = mass[:, -1] >= threshold[:, 0] if k < vocab else torch.ones_like(left, dtype=torch.bool)
+        kept = torch.where(mass - top < threshold, top, 0.0)  # the mass before it not yet enough
+        filtered[left[found]] = torch.zeros_like(rows[found]).scatter_(-1, order[found], kept[found])
+        left = left[~found]
+    return filtered
