@@ -3,7 +3,7 @@
     python bench/rollout_engines.py .rlvr/models/base_policy/<version> --prompts 4 --samples 8 --new-tokens 128
 
 Each engine runs in its own process (``make_generator`` as the trainer calls it) on the same GSM8k prompts
-and budget, no end token (equal work), sampled at temperature 1, after one warm-up call; the engines take
+and budget, no end token (equal work), sampled at temperature 1 (``--top-p`` below 1: from the nucleus), after one warm-up call; the engines take
 turns for ``--rounds``. ``--dtype``: the weights' (float32, or bfloat16 as the trainer's rollout copy); ``--device cuda`` on a GPU.
 Prints each round's completion tokens/s, the medians and ours over vLLM's.
 """
@@ -32,7 +32,7 @@ from rlvr.tasks.gsm8k.prompt import render_prompt
 model, tokenizer = load_policy(args["checkpoint"], args["device"], getattr(torch, args["dtype"]))
 prompts = [render_prompt(tokenizer, q) for q in args["questions"]]
 generator = make_generator(EngineConfig(engine=args["engine"], kv_cache_gib=2), model.eval(), tokenizer)
-config = SamplingConfig(max_new_tokens=args["new_tokens"], temperatures=[1.0], stop_token_ids=[], seed=1)
+config = SamplingConfig(max_new_tokens=args["new_tokens"], temperatures=[1.0], top_p=args["top_p"], stop_token_ids=[], seed=1)
 with torch.inference_mode():
     list(generator.stream(prompts[:1], 1, SamplingConfig(max_new_tokens=8, temperatures=[1.0], stop_token_ids=[])))
     started = time.perf_counter()
@@ -45,7 +45,7 @@ print(json.dumps({"tokens": tokens, "seconds": elapsed}))
 
 def run(engine: str, args: argparse.Namespace) -> float:
     payload = dict(checkpoint=args.checkpoint, engine=engine, dtype=args.dtype, questions=questions(args.prompts))
-    payload |= dict(samples=args.samples, new_tokens=args.new_tokens, device=args.device)
+    payload |= dict(samples=args.samples, new_tokens=args.new_tokens, device=args.device, top_p=args.top_p)
     env = os.environ | {"VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
     done = subprocess.run([sys.executable, "-c", WORKER, json.dumps(payload)], capture_output=True, text=True, env=env, check=False)
     if done.returncode:
@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's top-p (1: off)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (vLLM's GPU build where it is installed)")
     args = parser.parse_args()
     print(f"load average before: {os.getloadavg()[0]:.2f}")
