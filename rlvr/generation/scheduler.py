@@ -297,8 +297,9 @@ class Backlog:
 
 def prompt_work(begin: int, end: int, keys_per_token: float) -> float:
     """Prefilling prompt positions ``begin`` .. ``end`` - 1 in token-equivalents: each token's projections (1)
-    and its attention to the keys up to its own, ``keys_per_token`` keys costing one token's projections (0: not
-    counted). A 1,000-token prompt of the embedded model (3,072 keys a token) is 1,163 of them."""
+    and its attention to the keys up to its own (every layer's, no sliding window), ``keys_per_token`` keys
+    costing one token's projections (0: not counted). A 1,000-token prompt of the embedded model (3,073 keys a
+    token) is 1,163 of them."""
     tokens = end - begin
     return tokens + (end * (end + 1) - begin * (begin + 1)) / (2 * keys_per_token) if keys_per_token else float(tokens)
 
