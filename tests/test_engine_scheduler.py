@@ -26,6 +26,7 @@ from rlvr.generation.scheduler import (
     Scheduler,
     StepOutput,
     prompt_work,
+    shared_prompts,
 )
 from rlvr.generation.stops import StopChecker
 from support.tiny_models import char_tokenizer
@@ -463,8 +464,8 @@ def test_a_steps_output_moves_prompts_and_rows_on_in_one_place():
     assert scheduler.reserve(waiting)
     plan = scheduler.schedule(prefill_budget=20)
     assert plan.decode == [
-        LaneStep(0, [4, 5, 6], [5, 5, 5], [0, 2], [RowSampling((request.request_id, k), 0.0, 1.0, None) for k in (0, 2)])
-    ] and plan.prefill == [_chunk(waiting, 0, 20)]
+        LaneStep(0, [4, 5, 6], [5, 5, 5], [0, 2], [RowSampling((request.request_id, k), 0.0, 1.0, None) for k in (0, 2)], ((0, 5),) * 3)
+    ] and plan.prefill == [_chunk(waiting, 0, 20)]  # its 5-token prompt held in slot 0 for each row, the parked one's too
 
     outputs.update_from_output(StepOutput([LaneOutput(0, [0, 2], [7, 8], [-0.5, -0.25])], [PrefillOutput(waiting.request_id, 20, [], [])], tokens=23))
     assert request.token_ids == [[4, 7], [5], [6, 8]] and request.logprobs[2] == [-3.0, -0.25]
@@ -475,3 +476,12 @@ def test_a_steps_output_moves_prompts_and_rows_on_in_one_place():
     outputs.update_from_output(StepOutput(prefill=[PrefillOutput(waiting.request_id, 50, [9], [-0.125])]))
     state = scheduler.states[waiting]
     assert state.whole_prompt and (state.first_tokens, state.first_logprobs) == ([9], [-0.125]) and waiting.token_ids == [[]]
+
+
+def test_each_row_reads_its_prompt_from_its_requests_first_slot_in_the_lane():
+    """Rows of two requests interleaved in a lane (a finished row's slot refilled by another's): each
+    names the first slot of its own request there and its own prompt's length."""
+    first, second = _request(5, samples=3), _request(9, samples=2)
+    rows = [Row(second, 0), Row(first, 0), Row(first, 1), Row(second, 1), Row(first, 2)]
+    assert shared_prompts(rows) == ((0, 9), (1, 5), (1, 5), (0, 9), (1, 5))
+    assert shared_prompts([]) == ()

@@ -1,30 +1,33 @@
 """Decode attention over the continuous engine's row slots on CPU, each row read to its own length.
 
 :func:`slot_attention` writes each row's new key and value into its slot and streams its keys and values
-once each (its query heads together), to the row's own length, where SDPA reads every row of a lane to
-its longest row under a mask: in float32 over float32 or bf16 slots, a C++ kernel whose (row, KV head)
-tasks run on PyTorch's threads where it builds here (``rlvr.fastpaths.jit.cpp_module``), else (float32
-only) numba's on one thread, the GIL released.
+to the row's own length, where SDPA reads every row of a lane to its longest row under a mask; the rows
+of one request read its prompt from one slot, one after another, so it streams from memory once. In
+float32 over float32 or bf16 slots: a C++ kernel on PyTorch's threads (16 keys' scores summed across
+lanes at once, weighted values summed in registers) where it builds (``rlvr.fastpaths.jit.cpp_module``),
+else (float32 only) numba's on one thread, the GIL released, each row from its own slot.
 ``bench/cpu_kernels.py`` times it against SDPA (docs/architecture.md, "Fast paths").
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 from rlvr.fastpaths.jit import available, compiled, cpp_module
 
-__all__ = ["available", "cpp_built", "slot_attention"]
+__all__ = ["PromptSlots", "available", "cpp_built", "prompt_slots", "slot_attention"]
 
 SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 // One head vector as float32: float32 ones in place, others converted into buffer.
@@ -38,85 +41,247 @@ inline const float* as_float(const T* vector, float* buffer, int64_t dim) {
   }
 }
 
+// A (row, KV head)'s keys or values: positions before `split` (its prompt's) read from the slot of the row that
+// holds them for its request, the rest from its own slot.
+template <typename T>
+struct Positions {
+  const T* shared;
+  const T* own;
+  int64_t stride, split;
+  const T* at(int64_t j) const { return (j < split ? shared : own) + j * stride; }
+};
+
+typedef float vf __attribute__((vector_size(64)));  // 16 float32 lanes: one AVX-512 register, two or four narrower ones elsewhere
+typedef float vf_unaligned __attribute__((vector_size(64), aligned(4)));
+typedef int vi __attribute__((vector_size(64)));
+constexpr int W = 16;
+
+inline vf load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
+inline void store(float* p, vf x) { *reinterpret_cast<vf_unaligned*>(p) = x; }
+
+#if defined(__GNUC__) && !defined(__clang__)
+template <int B, int... t>
+constexpr vi fold_x(std::integer_sequence<int, t...>) { return vi{((t / B) % 2 == 0 ? t : W + t - B)...}; }
+template <int B, int... t>
+constexpr vi fold_y(std::integer_sequence<int, t...>) { return vi{((t / B) % 2 == 0 ? t + B : W + t)...}; }
+
+// a and b folded at block size B: block 2k of the result sums a's blocks 2k and 2k + 1, block 2k + 1 b's.
+template <int B>
+inline vf fold(vf a, vf b) {
+  constexpr vi x = fold_x<B>(std::make_integer_sequence<int, W>{}), y = fold_y<B>(std::make_integer_sequence<int, W>{});
+  return __builtin_shuffle(a, b, x) + __builtin_shuffle(a, b, y);
+}
+
+// The lane sums of v[0 .. 16) in one vector, v[i]'s in lane lane_of[i] (lane_order), by 15 folds, not 16 reductions.
+inline vf lane_sums(const vf* v) {
+  vf s8[8], s4[4], s2[2];
+  for (int i = 0; i < 8; ++i) s8[i] = fold<8>(v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) s4[i] = fold<4>(s8[2 * i], s8[2 * i + 1]);
+  for (int i = 0; i < 2; ++i) s2[i] = fold<2>(s4[2 * i], s4[2 * i + 1]);
+  return fold<1>(s2[0], s2[1]);
+}
+
+inline vf reordered(vf sums, const vi& lane_of) { return __builtin_shuffle(sums, lane_of); }
+#else  // other compilers: one reduction a vector
+inline vf lane_sums(const vf* v) {
+  vf sums;
+  for (int i = 0; i < W; ++i) {
+    float s = 0.f;
+    for (int l = 0; l < W; ++l) s += v[i][l];
+    sums[i] = s;
+  }
+  return sums;
+}
+
+inline vf reordered(vf sums, const vi& lane_of) {
+  vf out;
+  for (int l = 0; l < W; ++l) out[l] = sums[lane_of[l]];
+  return out;
+}
+#endif
+
+// reordered(lane_sums(v), lane_of) holds v[i]'s sum in lane i.
+static vi lane_order() {
+  vf v[W] = {};
+  for (int i = 0; i < W; ++i) v[i][0] = float(i);
+  const vf sums = lane_sums(v);
+  vi lane_of{};
+  for (int l = 0; l < W; ++l) lane_of[int(sums[l])] = l;
+  return lane_of;
+}
+
+template <int C>
+inline vf products(const vf* q, const float* key) {
+  vf a = q[0] * load(key);
+  for (int c = 1; c < C; ++c) a += q[c] * load(key + c * W);
+  return a;
+}
+
+// scores[g][j] (rows `padded` apart) = query g . key j x scale for g < group, j < n, queries and keys C x 16 floats:
+// 16 keys' products summed across lanes at once, each block of keys read from memory once for the group.
+template <int C>
+void score(const float* queries, int64_t group, const Positions<float>& keys, int64_t n, float scale, float* scores, int64_t padded,
+           const vi& lane_of) {
+  vf lanes[W];
+  int64_t j = 0;
+  for (; j + W <= n; j += W) {
+    for (int64_t g = 0; g < group; ++g) {
+      vf q[C];
+      for (int c = 0; c < C; ++c) q[c] = load(queries + g * C * W + c * W) * scale;
+      for (int i = 0; i < W; ++i) lanes[i] = products<C>(q, keys.at(j + i));
+      store(scores + g * padded + j, reordered(lane_sums(lanes), lane_of));
+    }
+  }
+  for (; j < n; ++j) {
+    for (int64_t g = 0; g < group; ++g) {
+      vf q[C];
+      for (int c = 0; c < C; ++c) q[c] = load(queries + g * C * W + c * W) * scale;
+      const vf a = products<C>(q, keys.at(j));
+      float s = 0.f;
+      for (int l = 0; l < W; ++l) s += a[l];
+      scores[g * padded + j] = s;
+    }
+  }
+}
+
+// out[g] = sum over j < n of w[g][j] x value j for G query heads at once (w rows `w_stride` apart), the sums in registers.
+template <int C, int G>
+void weigh(const float* w, int64_t w_stride, const Positions<float>& values, int64_t n, float* out, int64_t dim) {
+  vf acc[G][C] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    const float* value = values.at(j);
+    vf v[C];
+    for (int c = 0; c < C; ++c) v[c] = load(value + c * W);
+    for (int g = 0; g < G; ++g) {
+      const float wg = w[g * w_stride + j];
+      for (int c = 0; c < C; ++c) acc[g][c] += wg * v[c];
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) store(out + g * dim + c * W, acc[g][c]);
+}
+
+// Softmax of scores[0 .. n) in place.
+inline void softmax(float* scores, int64_t n) {
+  const float top = *std::max_element(scores, scores + n);
+  float sum = 0.f;
+  #pragma omp simd reduction(+:sum)
+  for (int64_t j = 0; j < n; ++j) {
+    scores[j] = std::exp(scores[j] - top);
+    sum += scores[j];
+  }
+  const float inverse = 1.f / sum;
+  #pragma omp simd
+  for (int64_t j = 0; j < n; ++j) scores[j] *= inverse;
+}
+
+// One (row, KV head): its group's query heads q [group, dim] over n positions into out [group, dim], float32 slots of
+// dim = C x 16. Scores for 16 keys at a time, the weighted values summed in registers, three query heads a pass.
+template <int C>
+void attend_vectors(const float* q, const Positions<float>& keys, const Positions<float>& values, int64_t n, int64_t group,
+                    double scale, float* scores, int64_t padded, float* out, const vi& lane_of) {
+  const int64_t dim = C * W;
+  score<C>(q, group, keys, n, static_cast<float>(scale), scores, padded, lane_of);
+  for (int64_t g = 0; g < group; ++g) softmax(scores + g * padded, n);
+  int64_t g = 0;
+  for (; g + 3 <= group; g += 3) weigh<C, 3>(scores + g * padded, padded, values, n, out + g * dim, dim);
+  for (; g < group; ++g) weigh<C, 1>(scores + g * padded, padded, values, n, out + g * dim, dim);
+}
+
+// The same for any slots and width: key by key, the sums in memory.
+template <typename T>
+void attend_any(const float* q, const Positions<T>& keys, const Positions<T>& values, int64_t n, int64_t group, int64_t dim,
+                double scale, float* scores, int64_t padded, float* out, float* row) {
+  const float fscale = static_cast<float>(scale);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* key = as_float(keys.at(j), row, dim);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * dim;
+      float s = 0.f;
+      #pragma omp simd reduction(+:s)
+      for (int64_t d = 0; d < dim; ++d) s += qg[d] * key[d];
+      scores[g * padded + j] = s * fscale;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) softmax(scores + g * padded, n);
+  std::fill(out, out + group * dim, 0.f);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* value = as_float(values.at(j), row, dim);
+    for (int64_t g = 0; g < group; ++g) {
+      const float w = scores[g * padded + j];
+      float* o = out + g * dim;
+      #pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) o[d] += w * value[d];
+    }
+  }
+}
+
 // Row r's new key and value go into slot r of k and v [slots, KV heads, positions, dim] (T: float or bf16) at
-// positions[r]; its query heads q[r] [heads, dim] (float32) attend over the slot's positions 0 .. positions[r]
-// (query head h reads KV head h / (heads / KV heads)) into out[r] (float32), in float32. One (row, KV head) a
-// task: its keys and values read once.
+// positions[r]; its query heads q[r] [heads, dim] (float32) attend over positions 0 .. positions[r] (query head h reads
+// KV head h / (heads / KV heads)) into out[r] (float32), in float32: positions before prompt_lengths[r] from slot
+// prompt_slots[r] (a row of its request holding its prompt alike), the rest from its own. One (KV head, row) a task,
+// the rows of a prompt one after another, so its positions are read from memory once and then from cache.
 template <typename T>
 void attend_slots(const torch::Tensor& q, const torch::Tensor& new_k, const torch::Tensor& new_v, torch::Tensor& k, torch::Tensor& v,
-                  const torch::Tensor& positions, double scale, torch::Tensor& out) {
+                  const torch::Tensor& positions, const torch::Tensor& prompt_slots, const torch::Tensor& prompt_lengths, double scale,
+                  torch::Tensor& out) {
   const int64_t rows = q.size(0), heads = q.size(1), dim = q.size(2), kv_heads = k.size(1), group = heads / kv_heads;
-  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t *pos = positions.data_ptr<int64_t>(), *source = prompt_slots.data_ptr<int64_t>(), *shared = prompt_lengths.data_ptr<int64_t>();
   int64_t longest = 0;
-  for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, pos[r] + 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    longest = std::max(longest, pos[r] + 1);
+    TORCH_CHECK(source[r] >= 0 && source[r] < rows, "prompt slots among the rows");
+    TORCH_CHECK(shared[r] >= 0 && shared[r] <= pos[r] && shared[r] <= pos[source[r]], "shared positions before each row's new one");
+  }
   TORCH_CHECK(rows <= k.size(0) && longest <= k.size(2), "rows and positions within the slots");
-  const int64_t s0 = k.stride(0), s1 = k.stride(1), s2 = k.stride(2);
+  std::vector<int64_t> order(rows);  // rows by the slot holding their prompt
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return source[a] < source[b]; });
+  const int64_t s0 = k.stride(0), s1 = k.stride(1), s2 = k.stride(2), padded = (longest + W - 1) / W * W;
   const float* qp = q.data_ptr<float>();
   const T *nk = new_k.data_ptr<T>(), *nv = new_v.data_ptr<T>();
   T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
   float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * longest), acc(group * dim), inverse(group), row(dim);
+  static const vi lane_of = lane_order();
+  const int64_t chunks = dim % W == 0 ? dim / W : 0;
+  at::parallel_for(0, kv_heads * rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * padded), row(dim);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / kv_heads, h = task % kv_heads, n = pos[r] + 1;
-      T* keys = kp + r * s0 + h * s1;
-      T* values = vp + r * s0 + h * s1;
-      std::copy(nk + task * dim, nk + (task + 1) * dim, keys + (n - 1) * s2);
-      std::copy(nv + task * dim, nv + (task + 1) * dim, values + (n - 1) * s2);
+      const int64_t h = task / rows, r = order[task % rows], n = pos[r] + 1, own = r * s0 + h * s1, prompt = source[r] * s0 + h * s1;
+      std::copy(nk + (r * kv_heads + h) * dim, nk + (r * kv_heads + h + 1) * dim, kp + own + (n - 1) * s2);
+      std::copy(nv + (r * kv_heads + h) * dim, nv + (r * kv_heads + h + 1) * dim, vp + own + (n - 1) * s2);
+      const Positions<T> keys{kp + prompt, kp + own, s2, shared[r]}, values{vp + prompt, vp + own, s2, shared[r]};
       const float* query = qp + (r * heads + h * group) * dim;
-      for (int64_t j = 0; j < n; ++j) {
-        const float* key = as_float(keys + j * s2, row.data(), dim);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = query + g * dim;
-          float s = 0.f;
-          #pragma omp simd reduction(+:s)
-          for (int64_t d = 0; d < dim; ++d) s += qg[d] * key[d];
-          scores[g * n + j] = s * fscale;
+      float* o = op + (r * heads + h * group) * dim;
+      if constexpr (std::is_same_v<T, float>) {
+        switch (chunks) {
+          case 1: attend_vectors<1>(query, keys, values, n, group, scale, scores.data(), padded, o, lane_of); continue;
+          case 2: attend_vectors<2>(query, keys, values, n, group, scale, scores.data(), padded, o, lane_of); continue;
+          case 4: attend_vectors<4>(query, keys, values, n, group, scale, scores.data(), padded, o, lane_of); continue;
+          case 8: attend_vectors<8>(query, keys, values, n, group, scale, scores.data(), padded, o, lane_of); continue;
+          default: break;
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores.data() + g * n;
-        const float top = *std::max_element(sg, sg + n);
-        float sum = 0.f;
-        #pragma omp simd reduction(+:sum)
-        for (int64_t j = 0; j < n; ++j) {
-          sg[j] = std::exp(sg[j] - top);
-          sum += sg[j];
-        }
-        inverse[g] = 1.f / sum;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < n; ++j) {
-        const float* value = as_float(values + j * s2, row.data(), dim);
-        for (int64_t g = 0; g < group; ++g) {
-          const float w = scores[g * n + j];
-          float* a = acc.data() + g * dim;
-          #pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) a[d] += w * value[d];
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* o = op + (r * heads + h * group + g) * dim;
-        for (int64_t d = 0; d < dim; ++d) o[d] = acc[g * dim + d] * inverse[g];
-      }
+      attend_any<T>(query, keys, values, n, group, dim, scale, scores.data(), padded, o, row.data());
     }
   });
 }
 
 void slot_attention(const torch::Tensor& q, const torch::Tensor& new_k, const torch::Tensor& new_v, torch::Tensor& k, torch::Tensor& v,
-                    const torch::Tensor& positions, double scale, torch::Tensor& out) {
+                    const torch::Tensor& positions, const torch::Tensor& prompt_slots, const torch::Tensor& prompt_lengths, double scale,
+                    torch::Tensor& out) {
   TORCH_CHECK(q.is_contiguous() && new_k.is_contiguous() && new_v.is_contiguous() && out.is_contiguous(), "contiguous q, new_k, new_v, out");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32, "float32 q and out");
   TORCH_CHECK(k.stride(3) == 1 && k.strides() == v.strides() && k.sizes() == v.sizes(), "k and v alike, each head vector contiguous");
   const auto dtype = k.scalar_type();
   TORCH_CHECK(new_k.scalar_type() == dtype && new_v.scalar_type() == dtype && v.scalar_type() == dtype, "keys and values of one dtype");
-  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() && positions.numel() == q.size(0), "int64 positions, one a row");
+  for (const auto* t : {&positions, &prompt_slots, &prompt_lengths})
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous() && t->numel() == q.size(0), "int64 positions, prompt slots and lengths, one a row");
   if (dtype == torch::kFloat32) {
-    attend_slots<float>(q, new_k, new_v, k, v, positions, scale, out);
+    attend_slots<float>(q, new_k, new_v, k, v, positions, prompt_slots, prompt_lengths, scale, out);
   } else {
     TORCH_CHECK(dtype == torch::kBFloat16, "float32 or bfloat16 keys and values");
-    attend_slots<c10::BFloat16>(q, new_k, new_v, k, v, positions, scale, out);
+    attend_slots<c10::BFloat16>(q, new_k, new_v, k, v, positions, prompt_slots, prompt_lengths, scale, out);
   }
 }
 """
@@ -131,6 +296,20 @@ def _module() -> Any:
     return cpp_module("slot attention's C++ kernel", "rlvr_slot_attention_", SOURCE, ("slot_attention",), ("-ffast-math",))
 
 
+class PromptSlots(NamedTuple):
+    """For each row of a step, by slot: the slot holding its prompt's keys and values (its request's first row
+    in the lane: every row of a request took the same prompt) and the prompt's length."""
+
+    slots: torch.Tensor  # int64 [rows]
+    lengths: torch.Tensor  # int64 [rows]
+
+
+def prompt_slots(shared: Sequence[tuple[int, int]]) -> PromptSlots:
+    """:class:`PromptSlots` from each row's (slot holding its prompt, prompt length)."""
+    slots, lengths = zip(*shared) if shared else ((), ())
+    return PromptSlots(torch.tensor(slots, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64))
+
+
 def slot_attention(
     queries: torch.Tensor,
     keys: torch.Tensor,
@@ -139,16 +318,22 @@ def slot_attention(
     value_slots: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
+    prompts: PromptSlots | None = None,
 ) -> torch.Tensor:
     """Row r's new ``keys``/``values`` [rows, KV heads, head dim] go into slot r of ``key_slots``/
     ``value_slots`` [slots >= rows, KV heads, positions, head dim] (float32, or bf16 through the C++
     kernel; each head vector contiguous) at ``positions[r]``, then its ``queries`` [rows, heads, head dim]
     attend over the slot's positions ``0 .. positions[r]`` in float32; query head h reads KV head
-    h // (heads / KV heads). Returns float32 [rows, heads x head dim]."""
+    h // (heads / KV heads). ``prompts``: rows whose slots hold their prompt alike read it from one slot,
+    one after another, so it streams from memory once for them all (the C++ kernel; the same sums as each
+    row alone). Returns float32 [rows, heads x head dim]."""
     rows, heads, head_dim = queries.shape
     out = torch.empty(rows, heads, head_dim)
     if (module := _module()) is not None:
-        module.slot_attention(queries.float().contiguous(), keys.contiguous(), values.contiguous(), key_slots, value_slots, positions.contiguous(), scale, out)
+        own = torch.arange(rows)
+        slots, lengths = prompts or (own, torch.zeros(rows, dtype=torch.int64))
+        q, k, v = queries.float().contiguous(), keys.contiguous(), values.contiguous()
+        module.slot_attention(q, k, v, key_slots, value_slots, positions.contiguous(), slots, lengths, scale, out)
         return out.view(rows, heads * head_dim)
     if key_slots.dtype != torch.float32:
         raise ValueError(f"slot attention over {key_slots.dtype} slots needs the C++ kernel (numba's is float32 only); it is not built here")

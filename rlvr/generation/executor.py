@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from rlvr.fastpaths.fused_decode import Attend, cached_attention, gqa_attention
 from rlvr.fastpaths.plan import BackendPlan
 from rlvr.fastpaths.prompt_attention import prompt_attention
-from rlvr.fastpaths.slot_attention import slot_attention
+from rlvr.fastpaths.slot_attention import prompt_slots, slot_attention
 from rlvr.generation.cuda_graphs import GraphedDecode
 from rlvr.generation.kv_cache import SlotCache
 from rlvr.generation.model_runner import model_runner
@@ -55,7 +55,7 @@ class StepExecutor:
             cache.step_length = max(step.positions) + 1
             tokens.append(torch.tensor(step.tokens))
             positions.append(lane_positions)
-            attend = _slot_attention(cache, lane_positions, self.device, self.slot_kernel, self.plan.float32_attention)
+            attend = _slot_attention(cache, lane_positions, self.device, self.slot_kernel, self.plan.float32_attention, step.prompts)
             segments.append((start, start + len(step.tokens), attend))
             logits_at += [start + i for i in step.live]
         for chunk in plan.prefill:
@@ -115,16 +115,20 @@ class StepExecutor:
         return generator
 
 
-def _slot_attention(cache: SlotCache, positions: torch.Tensor, device: torch.device, kernel: bool, upcast: bool) -> Attend:
+def _slot_attention(
+    cache: SlotCache, positions: torch.Tensor, device: torch.device, kernel: bool, upcast: bool, prompts: Sequence[tuple[int, int]] = ()
+) -> Attend:
     """A lane's decode attention: each row's new key and value go into its slot at its position, and
     its query attends over its slot up to there (``kernel``: through ``rlvr.fastpaths.slot_attention``,
-    which writes them and reads each slot to that position only, in float32; else SDPA over the lane's
+    which writes them and reads each slot to that position only, in float32, a request's prompt from one
+    slot for all its rows (``prompts``: each row's (slot, prompt length)); else SDPA over the lane's
     longest row, masked; ``upcast``: in float32 for bf16 / fp16)."""
     if kernel:
+        shared = prompt_slots(prompts) if prompts else None
 
         def attend(index: int, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
             layer = cache.layers[index]
-            return slot_attention(queries, keys, values, layer.keys, layer.values, positions, scaling).to(queries.dtype)
+            return slot_attention(queries, keys, values, layer.keys, layer.values, positions, scaling, shared).to(queries.dtype)
 
         return attend
     key_mask = (torch.arange(cache.step_length).unsqueeze(0) <= positions.unsqueeze(1))[:, None, None, :]

@@ -116,13 +116,23 @@ class PrefillChunk(NamedTuple):
 
 class LaneStep(NamedTuple):
     """One lane's decode in a step: its ``lane`` index, every row's next token and position (its cache
-    length; parked rows ride along), the ``live`` (not parked) row slots whose tokens are sampled, and how."""
+    length; parked rows ride along), the ``live`` (not parked) row slots whose tokens are sampled, and how;
+    where each row's prompt is held (:func:`shared_prompts`)."""
 
     lane: int
     tokens: list[int]
     positions: list[int]
     live: list[int]
     sampling: list[RowSampling]  # of the live rows
+    prompts: tuple[tuple[int, int], ...] = ()  # each row's (slot holding its prompt, prompt length): shared_prompts
+
+
+def shared_prompts(rows: list[Row]) -> tuple[tuple[int, int], ...]:
+    """Each of a lane's rows, by slot: the slot of its request's first row there and its prompt's length.
+    Every slot of a request took the prompt's keys and values (``SlotCache.add_rows``) and writes only
+    past them, so its rows may read them from that one slot."""
+    first: dict[int, int] = {}
+    return tuple((first.setdefault(row.request.request_id, slot), len(row.request.prompt_ids)) for slot, row in enumerate(rows))
 
 
 @dataclass
@@ -542,7 +552,8 @@ class Scheduler:
             live = [i for i, row in enumerate(lane.rows) if row.parked is None]
             if live:
                 positions = lane.cache.lengths[: len(lane.rows)].tolist()
-                decode.append(LaneStep(index, list(lane.next_tokens), positions, live, [lane.rows[i].sampling for i in live]))
+                sampling = [lane.rows[i].sampling for i in live]
+                decode.append(LaneStep(index, list(lane.next_tokens), positions, live, sampling, shared_prompts(lane.rows)))
         finished, self.finished_ids = self.finished_ids, []
         return StepPlan(decode, prefill, finished)
 
