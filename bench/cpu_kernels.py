@@ -34,7 +34,7 @@ from rlvr.fastpaths.fused_decode import fused_decoder, gqa_attention  # noqa: E4
 from rlvr.fastpaths.heap import keep_freed_memory  # noqa: E402
 from rlvr.fastpaths.packed_linear import packed_linears  # noqa: E402
 from rlvr.fastpaths.prompt_attention import prompt_attention  # noqa: E402
-from rlvr.fastpaths.slot_attention import slot_attention  # noqa: E402
+from rlvr.fastpaths.slot_attention import prompt_slots, slot_attention  # noqa: E402
 from rlvr.grpo.head import head_logprobs  # noqa: E402
 from rlvr.grpo.loss import token_logprobs_and_entropy  # noqa: E402
 from rlvr.grpo.scoring import CompletionScorer, PackedRows  # noqa: E402
@@ -104,7 +104,8 @@ def decode_attention(config, rows: int, prompt: int, completion: int, kind: str)
     each layer's keys and values in their own buffers (read from memory, as in a step). ``kind``:
     SDPA's ``enable_gqa`` or ``gqa_attention`` (queries packed by KV head) over every row up to the
     longest, masked per row (``"sdpa"``, ``"packed"``), or ``slot_attention`` (``"slot"``), each row to
-    its own length (this one also writes each row's new key and value into its slot, as a step does)."""
+    its own length (this one also writes each row's new key and value into its slot, as a step does;
+    ``"slot-shared"``: the rows one request's, reading its ``prompt`` positions from the first row's slot)."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     width = head_dim(config)
     length = prompt + completion
@@ -115,11 +116,15 @@ def decode_attention(config, rows: int, prompt: int, completion: int, kind: str)
     slots = (2 * rows, kv_heads, 2 * length, width)  # the engine's slot buffers have room to spare: its views are strided
     caches = [(torch.randn(slots), torch.randn(slots)) for _ in range(config.num_hidden_layers)]
     scale = width**-0.5
+    prompts = prompt_slots([(0, prompt - 1)] * rows) if kind == "slot-shared" else None  # the shortest row: a new token at prompt - 1
+    if prompts is not None:  # every slot holds the prompt alike, as the engine's rows of a request do
+        for keys, values in caches:
+            keys[1:rows, :, :prompt], values[1:rows, :, :prompt] = keys[0, :, :prompt], values[0, :, :prompt]
 
     def run() -> None:
         for keys, values in caches:
-            if kind == "slot":
-                slot_attention(queries[:, :, 0], new_keys, new_values, keys, values, positions, scale)
+            if kind.startswith("slot"):
+                slot_attention(queries[:, :, 0], new_keys, new_values, keys, values, positions, scale, prompts)
             elif kind == "packed":
                 gqa_attention(queries, keys[:rows, :, :length], values[:rows, :, :length], mask, scale)
             else:
@@ -197,6 +202,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=150)
     parser.add_argument("--completion", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--only", default="", help="time only the operations whose name holds this text")
     args = parser.parse_args()
     base = random_weights_model(args.model, torch.float32, attn_implementation="sdpa").eval()
     config = base.config
@@ -204,6 +210,8 @@ def main() -> None:
     table = []
 
     def compare(name: str, default: Callable[[], object], ours: Callable[[], object], per_call: bool = False) -> None:
+        if args.only not in name:
+            return
         if per_call:  # the callables return their own per-step seconds
             a = 1000 * statistics.median(default() for _ in range(repeats))
             b = 1000 * statistics.median(ours() for _ in range(repeats))
@@ -222,9 +230,9 @@ def main() -> None:
             decode_linears(model, rows, packed=True),
             per_call=True,
         )
-        packing.append((dtype, median_ms(partial(pack_once, model, rows), repeats)))
-
-        fused_packing.append((dtype, median_ms(partial(pack_fused, model, rows), repeats)))
+        if not args.only:
+            packing.append((dtype, median_ms(partial(pack_once, model, rows), repeats)))
+            fused_packing.append((dtype, median_ms(partial(pack_fused, model, rows), repeats)))
 
     for dtype, models in (("float32", (base, base)), ("bf16", (bf16_sdpa, bf16_fast))):
         compare(
@@ -258,6 +266,12 @@ def main() -> None:
             f"decode attention, float32: packed by KV head -> slot_attention ({rows} rows, {length}..{length + completion} keys, every layer)",
             decode_attention(config, rows, length, completion, "packed"),
             decode_attention(config, rows, length, completion, "slot"),
+        )
+    for length in (prompt, 10 * prompt):
+        compare(
+            f"decode attention, float32: slot_attention, each row its prompt -> a request's rows one ({rows} rows of one request, {length}.. keys)",
+            decode_attention(config, rows, length, completion, "slot"),
+            decode_attention(config, rows, length, completion, "slot-shared"),
         )
 
     for tokens, begin in ((10 * prompt, 0), (256, 10 * prompt - 256)):
@@ -317,6 +331,8 @@ def main() -> None:
         p.grad = torch.randn_like(p)
     compare(f"AdamW step ({sum(p.numel() for p in params) / 1e6:.0f}M parameters)", foreach.step, fused.step)
 
+    if args.only and args.only not in "update fwd+bwd+AdamW: glibc malloc -> keep_freed_memory":
+        return print_table(table, packing, fused_packing)
     # Last: keep_freed_memory is process-wide and cannot be undone. The same updates (with a fused
     # AdamW step, as the trainer runs them) on glibc's default malloc, then with freed memory kept.
     updates = []
@@ -331,9 +347,15 @@ def main() -> None:
         name = f"update fwd+bwd+AdamW, {'bf16 autocast' if autocast else 'float32'}: glibc malloc -> keep_freed_memory"
         table.append((name, before, median_ms(run, repeats)))
 
+    print_table(table, packing, fused_packing)
+
+
+def print_table(table: list[tuple[str, float, float]], packing: list, fused_packing: list) -> None:
     print(f"\n{torch.get_num_threads()} threads")
-    print("packing the linear weights, once per rollout: " + ", ".join(f"{d} {ms:.0f} ms" for d, ms in packing))
-    print("building the fused decoder (fused, packed weights), once per rollout: " + ", ".join(f"{d} {ms:.0f} ms" for d, ms in fused_packing) + "\n")
+    if packing:
+        print("packing the linear weights, once per rollout: " + ", ".join(f"{d} {ms:.0f} ms" for d, ms in packing))
+        print("building the fused decoder (fused, packed weights), once per rollout: " + ", ".join(f"{d} {ms:.0f} ms" for d, ms in fused_packing))
+    print()
     print("| operation | default (ms) | rlvr-ops (ms) | speed-up |")
     print("|---|---|---|---|")
     for name, a, b in table:
