@@ -303,6 +303,35 @@ def test_a_new_prompts_start_wait_counts_its_attention(model, tokenizer):
     assert wait.prompt_work == pytest.approx(prompt_work(0, len(prompt), keys_per_token(model))) and wait.prompt_work > len(prompt)
 
 
+def test_a_step_past_its_estimate_leaves_what_overrunning_steps_lately_ran_past_theirs(model, tokenizer, monkeypatch):
+    """The step under way counts its estimate less its time so far; once past it, not 0 but the moving
+    average of the overruns measured so far (steps that ran past their estimate, by how much)."""
+    engine = Engine(model, tokenizer, max_rows=2, step_tokens=64, kv_budget_bytes=2**24)
+    clock = [100.0]
+    monkeypatch.setattr("rlvr.generation.engine.time.monotonic", lambda: clock[0])
+    engine._step_started_s, engine._step_estimate_s = 100.0, 0.5
+    clock[0] = 100.2
+    assert engine.start_wait().under_way_s == pytest.approx(0.3)
+    clock[0] = 100.7
+    assert engine.start_wait().under_way_s == 0  # no overrun measured yet
+    engine._step_started_s = 0.0
+    forward = engine._forward
+
+    def slow_forward():
+        result = forward()
+        engine._step_estimate_s, clock[0] = 0.5, clock[0] + 0.9  # this step: 0.4 s past its estimate
+        return result
+
+    monkeypatch.setattr(engine, "_forward", slow_forward)
+    engine.submit(_request(tokenizer, "a prompt"))
+    engine.take_submissions()
+    engine.step()
+    assert engine._overrun_s == pytest.approx(0.4)
+    engine._step_started_s, engine._step_estimate_s = clock[0], 0.5
+    clock[0] += 0.6
+    assert engine.start_wait().under_way_s == pytest.approx(0.4)
+
+
 def test_the_arrival_rate_follows_the_recent_arrivals():
     """A steady 100 tokens every half second reads ~200 a second once past its horizon, and fades after."""
     rate = ArrivalRate(horizon_s=10.0)

@@ -130,6 +130,7 @@ class Engine:
         self._prompt_steps = MovingLine()  # the time a step's prompt tokens add to it (over a decoding one), by their number
         self._step_started_s = 0.0  # the step under way: when it started (0: none) and how long it is expected to take
         self._step_estimate_s = 0.0
+        self._overrun_s = 0.0  # a moving average of how far steps that overran their estimate ran past it
 
     @property
     def rows(self) -> list[Row]:
@@ -300,7 +301,7 @@ class Engine:
         it (beside the decoding), what is left of the step under way and its own; and the prompts expected
         to arrive until its prompt's step, which join that step (as far as its budget: :class:`ArrivalRate`)."""
         backlog, own, now = self._backlog(), self.prefixes.uncached_tokens(prompt_ids), time.monotonic()
-        under_way_s = max(0.0, self._step_estimate_s - (now - self._step_started_s)) if self._step_started_s else 0.0
+        under_way_s = self._under_way_s(now)
         decode_s, token_s = self.decode_step_seconds or self.step_seconds, self.prompt_token_seconds
         prompt_tokens = backlog.prefill_before(own) + own
         work = backlog.prefill_work(len(prompt_ids) - own, len(prompt_ids))
@@ -311,6 +312,14 @@ class Engine:
         with self._wakeup:
             arriving = max(0.0, min(room, self.arrivals.per_s(now) * ahead_s)) if own else 0.0
         return StartWait(under_way_s, slot_steps, decode_s, prompt_tokens, work, token_s, prompt_step_s, arriving)
+
+    def _under_way_s(self, now: float) -> float:
+        """What is left of the step under way: its estimate less its time so far; once past its estimate, how
+        far overrunning steps have lately run past theirs (not 0: it is still running)."""
+        if not self._step_started_s:
+            return 0.0
+        left = self._step_estimate_s - (now - self._step_started_s)
+        return left if left > 0 else self._overrun_s
 
     def _backlog(self) -> Backlog:
         with self._wakeup:
@@ -379,7 +388,10 @@ class Engine:
             self._admit_rows()
         self._publish_backlog()
         self._step_started_s = 0.0
-        self._measure(time.monotonic() - started, tokens, prompt_tokens, work)
+        elapsed = time.monotonic() - started
+        if 0 < self._step_estimate_s < elapsed:
+            self._overrun_s = _moving_average(self._overrun_s, elapsed - self._step_estimate_s)
+        self._measure(elapsed, tokens, prompt_tokens, work)
 
     def _publish_backlog(self, planned: dict[int, int] | None = None) -> None:
         """The backlog other threads read (once asked): as of now, the prompt chunks ``planned`` for the step
