@@ -86,6 +86,23 @@ def test_a_prompt_past_a_rows_new_position_or_outside_the_rows_is_refused_by_nam
         slot_attention(*args, prompt_slots(shared))  # row 0's new token is position 3
 
 
+def test_queries_keys_and_values_as_views_of_one_projection_are_read_in_place():
+    """The decoder hands each row's query, key and value heads as column views of one projection: the same
+    result as contiguous copies, and a transposed view (heads not side by side) is copied, not misread."""
+    if slot_attention_module._module() is None:
+        pytest.skip("no C++ kernel here (no compiler, or its build failed: logged)")
+    torch.manual_seed(2)
+    rows, heads, kv_heads, head_dim, positions = 3, 6, 2, 16, torch.tensor([4, 9, 2])
+    projected = torch.randn(rows, (heads + 2 * kv_heads) * head_dim).view(rows, heads + 2 * kv_heads, head_dim)
+    queries, keys, values = projected[:, :heads], projected[:, heads : heads + kv_heads], projected[:, heads + kv_heads :]
+    key_slots, value_slots = torch.randn(rows, kv_heads, 12, head_dim), torch.randn(rows, kv_heads, 12, head_dim)
+    expected = slot_attention(queries.contiguous(), keys.contiguous(), values.contiguous(), key_slots.clone(), value_slots.clone(), positions, 0.25)
+    assert torch.equal(slot_attention(queries, keys, values, key_slots.clone(), value_slots.clone(), positions, 0.25), expected)
+    transposed = queries.transpose(0, 1).contiguous().transpose(0, 1)  # [rows, heads, dim] with heads outermost in memory
+    assert not transposed.is_contiguous()
+    assert torch.equal(slot_attention(transposed, keys, values, key_slots.clone(), value_slots.clone(), positions, 0.25), expected)
+
+
 def test_an_engines_sampled_rows_read_their_prompt_from_one_slot_as_they_would_alone(monkeypatch):
     """Prompts of 3 and 11 samples at temperature 1: the engine's steps name each request's first slot for
     its rows' prompt, and the tokens and log-probs are bit for bit those of the same engine with every row

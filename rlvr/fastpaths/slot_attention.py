@@ -240,6 +240,7 @@ void attend_slots(const torch::Tensor& q, const torch::Tensor& new_k, const torc
   const int64_t s0 = k.stride(0), s1 = k.stride(1), s2 = k.stride(2), padded = (longest + W - 1) / W * W;
   const float* qp = q.data_ptr<float>();
   const T *nk = new_k.data_ptr<T>(), *nv = new_v.data_ptr<T>();
+  const int64_t q_row = q.stride(0), k_row = new_k.stride(0), v_row = new_v.stride(0);  // rows may lie apart (views of one projection)
   T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
   float* op = out.data_ptr<float>();
   static const vi lane_of = lane_order();
@@ -248,10 +249,10 @@ void attend_slots(const torch::Tensor& q, const torch::Tensor& new_k, const torc
     std::vector<float> scores(group * padded), row(dim);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task / rows, r = order[task % rows], n = pos[r] + 1, own = r * s0 + h * s1, prompt = source[r] * s0 + h * s1;
-      std::copy(nk + (r * kv_heads + h) * dim, nk + (r * kv_heads + h + 1) * dim, kp + own + (n - 1) * s2);
-      std::copy(nv + (r * kv_heads + h) * dim, nv + (r * kv_heads + h + 1) * dim, vp + own + (n - 1) * s2);
+      std::copy(nk + r * k_row + h * dim, nk + r * k_row + (h + 1) * dim, kp + own + (n - 1) * s2);
+      std::copy(nv + r * v_row + h * dim, nv + r * v_row + (h + 1) * dim, vp + own + (n - 1) * s2);
       const Positions<T> keys{kp + prompt, kp + own, s2, shared[r]}, values{vp + prompt, vp + own, s2, shared[r]};
-      const float* query = qp + (r * heads + h * group) * dim;
+      const float* query = qp + r * q_row + h * group * dim;
       float* o = op + (r * heads + h * group) * dim;
       if constexpr (std::is_same_v<T, float>) {
         switch (chunks) {
@@ -270,7 +271,9 @@ void attend_slots(const torch::Tensor& q, const torch::Tensor& new_k, const torc
 void slot_attention(const torch::Tensor& q, const torch::Tensor& new_k, const torch::Tensor& new_v, torch::Tensor& k, torch::Tensor& v,
                     const torch::Tensor& positions, const torch::Tensor& prompt_slots, const torch::Tensor& prompt_lengths, double scale,
                     torch::Tensor& out) {
-  TORCH_CHECK(q.is_contiguous() && new_k.is_contiguous() && new_v.is_contiguous() && out.is_contiguous(), "contiguous q, new_k, new_v, out");
+  for (const auto* t : {&q, &new_k, &new_v})
+    TORCH_CHECK(t->stride(2) == 1 && t->stride(1) == t->size(2), "q, new_k and new_v: each row's heads side by side");
+  TORCH_CHECK(out.is_contiguous(), "contiguous out");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && out.scalar_type() == torch::kFloat32, "float32 q and out");
   TORCH_CHECK(k.stride(3) == 1 && k.strides() == v.strides() && k.sizes() == v.sizes(), "k and v alike, each head vector contiguous");
   const auto dtype = k.scalar_type();
@@ -332,7 +335,7 @@ def slot_attention(
     if (module := _module()) is not None:
         own = torch.arange(rows)
         slots, lengths = prompts or (own, torch.zeros(rows, dtype=torch.int64))
-        q, k, v = queries.float().contiguous(), keys.contiguous(), values.contiguous()
+        q, k, v = (_rows_of_heads(t) for t in (queries.float(), keys, values))
         module.slot_attention(q, k, v, key_slots, value_slots, positions.contiguous(), slots, lengths, scale, out)
         return out.view(rows, heads * head_dim)
     if key_slots.dtype != torch.float32:
@@ -343,6 +346,12 @@ def slot_attention(
     weights = torch.softmax(scores, dim=-1)
     _store_and_weigh(weights.numpy(), values.contiguous().numpy(), value_slots.numpy(), positions_np, out.numpy())
     return out.view(rows, heads * head_dim)
+
+
+def _rows_of_heads(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` [rows, heads, head dim] as it is where each row's heads lie side by side (a view of a
+    wider projection's columns), else a contiguous copy."""
+    return tensor if tensor.stride(2) == 1 and tensor.stride(1) == tensor.shape[2] else tensor.contiguous()
 
 
 # Scores past a row's length get the lowest float32, which the softmax turns into a zero weight: no
