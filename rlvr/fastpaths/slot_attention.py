@@ -24,6 +24,7 @@ SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <numeric>
 #include <type_traits>
@@ -220,7 +221,8 @@ void attend_any(const float* q, const Positions<T>& keys, const Positions<T>& va
 // positions[r]; its query heads q[r] [heads, dim] (float32) attend over positions 0 .. positions[r] (query head h reads
 // KV head h / (heads / KV heads)) into out[r] (float32), in float32: positions before prompt_lengths[r] from slot
 // prompt_slots[r] (a row of its request holding its prompt alike), the rest from its own. One (KV head, row) a task,
-// the rows of a prompt one after another, so its positions are read from memory once and then from cache.
+// taken in turn by the threads, the rows of a prompt one after another, so its positions are read from memory once and
+// then from cache.
 template <typename T>
 void attend_slots(const torch::Tensor& q, const torch::Tensor& new_k, const torch::Tensor& new_v, torch::Tensor& k, torch::Tensor& v,
                   const torch::Tensor& positions, const torch::Tensor& prompt_slots, const torch::Tensor& prompt_lengths, double scale,
@@ -245,9 +247,11 @@ void attend_slots(const torch::Tensor& q, const torch::Tensor& new_k, const torc
   float* op = out.data_ptr<float>();
   static const vi lane_of = lane_order();
   const int64_t chunks = dim % W == 0 ? dim / W : 0;
-  at::parallel_for(0, kv_heads * rows, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tasks = kv_heads * rows;
+  std::atomic<int64_t> next{0};  // each thread takes the next task when done with one: a long row holds up no other's share
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores(group * padded), row(dim);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task; (task = next.fetch_add(1)) < tasks;) {
       const int64_t h = task / rows, r = order[task % rows], n = pos[r] + 1, own = r * s0 + h * s1, prompt = source[r] * s0 + h * s1;
       std::copy(nk + r * k_row + h * dim, nk + r * k_row + (h + 1) * dim, kp + own + (n - 1) * s2);
       std::copy(nv + r * v_row + h * dim, nv + r * v_row + (h + 1) * dim, vp + own + (n - 1) * s2);
