@@ -15,14 +15,14 @@ from support.tiny_models import char_tokenizer, tiny_llama
 
 @pytest.mark.parametrize("kernel, dtype", [("c++", torch.float32), ("c++", torch.bfloat16), ("numba", torch.float32)])
 @pytest.mark.parametrize("heads, kv_heads", [(6, 2), (4, 4), (12, 2)])
-@pytest.mark.parametrize("head_dim", [16, 64, 24])
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 24])
 def test_each_row_stores_its_token_and_attends_over_its_own_length_as_sdpa_does(heads, kv_heads, head_dim, kernel, dtype, monkeypatch):
     """Rows at different positions in slot buffers with more slots and positions than used, NaN from
     each row's position on: each row's new key and value land at its position, every output equals
     SDPA over that row's keys and values alone in float32 (no NaN read), and nothing else in the slots
-    changes; through the C++ kernel (on PyTorch's threads; float32 or bf16 slots and queries; float32 head
-    widths of 16-float vectors by vector, others key by key; groups of 1, 3 and 6 query heads) and through
-    numba's (float32, where no compiler is)."""
+    changes; through the C++ kernel (on PyTorch's threads; float32 or bf16 slots and queries; head widths
+    of 16-float vectors by vector, others key by key; groups of 1, 3 and 6 query heads) and through numba's
+    (float32, where no compiler is)."""
     if kernel == "numba":
         monkeypatch.setattr(slot_attention_module, "_module", lambda: None)
     elif slot_attention_module._module() is None:

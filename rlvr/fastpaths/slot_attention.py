@@ -3,8 +3,8 @@
 :func:`slot_attention` writes each row's new key and value into its slot and streams its keys and values
 to the row's own length, where SDPA reads every row of a lane to its longest row under a mask; the rows
 of one request read its prompt from one slot, one after another, so it streams from memory once. In
-float32 over float32 or bf16 slots: a C++ kernel on PyTorch's threads (16 keys' scores summed across
-lanes at once, weighted values summed in registers) where it builds (``rlvr.fastpaths.jit.cpp_module``),
+float32 over float32 or bf16 slots: a C++ kernel on PyTorch's threads (heads 16 to 128 wide in 16s: 16 keys'
+scores summed across lanes at once, weighted values summed in registers) where it builds (``rlvr.fastpaths.jit.cpp_module``),
 else (float32 only) numba's on one thread, the GIL released, each row from its own slot.
 ``bench/cpu_kernels.py`` times it against SDPA (docs/architecture.md, "Fast paths").
 """
@@ -57,7 +57,14 @@ typedef float vf_unaligned __attribute__((vector_size(64), aligned(4)));
 typedef int vi __attribute__((vector_size(64)));
 constexpr int W = 16;
 
+typedef unsigned short vbf16 __attribute__((vector_size(32)));  // 16 bf16 values
+typedef unsigned short vbf16_unaligned __attribute__((vector_size(32), aligned(2)));
+typedef unsigned int vu __attribute__((vector_size(64)));
+
 inline vf load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
+inline vf load(const c10::BFloat16* p) {  // a bf16 is a float32's top 16 bits
+  return (vf)(__builtin_convertvector(*reinterpret_cast<const vbf16_unaligned*>(p), vu) << 16);
+}
 inline void store(float* p, vf x) { *reinterpret_cast<vf_unaligned*>(p) = x; }
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -111,8 +118,8 @@ static vi lane_order() {
   return lane_of;
 }
 
-template <int C>
-inline vf products(const vf* q, const float* key) {
+template <int C, typename T>
+inline vf products(const vf* q, const T* key) {
   vf a = q[0] * load(key);
   for (int c = 1; c < C; ++c) a += q[c] * load(key + c * W);
   return a;
@@ -120,8 +127,8 @@ inline vf products(const vf* q, const float* key) {
 
 // scores[g][j] (rows `padded` apart) = query g . key j x scale for g < group, j < n, queries and keys C x 16 floats:
 // 16 keys' products summed across lanes at once, each block of keys read from memory once for the group.
-template <int C>
-void score(const float* queries, int64_t group, const Positions<float>& keys, int64_t n, float scale, float* scores, int64_t padded,
+template <int C, typename T>
+void score(const float* queries, int64_t group, const Positions<T>& keys, int64_t n, float scale, float* scores, int64_t padded,
            const vi& lane_of) {
   vf lanes[W];
   int64_t j = 0;
@@ -146,11 +153,11 @@ void score(const float* queries, int64_t group, const Positions<float>& keys, in
 }
 
 // out[g] = sum over j < n of w[g][j] x value j for G query heads at once (w rows `w_stride` apart), the sums in registers.
-template <int C, int G>
-void weigh(const float* w, int64_t w_stride, const Positions<float>& values, int64_t n, float* out, int64_t dim) {
+template <int C, int G, typename T>
+void weigh(const float* w, int64_t w_stride, const Positions<T>& values, int64_t n, float* out, int64_t dim) {
   vf acc[G][C] = {};
   for (int64_t j = 0; j < n; ++j) {
-    const float* value = values.at(j);
+    const T* value = values.at(j);
     vf v[C];
     for (int c = 0; c < C; ++c) v[c] = load(value + c * W);
     for (int g = 0; g < G; ++g) {
@@ -176,20 +183,21 @@ inline void softmax(float* scores, int64_t n) {
   for (int64_t j = 0; j < n; ++j) scores[j] *= inverse;
 }
 
-// One (row, KV head): its group's query heads q [group, dim] over n positions into out [group, dim], float32 slots of
-// dim = C x 16. Scores for 16 keys at a time, the weighted values summed in registers, three query heads a pass.
-template <int C>
-void attend_vectors(const float* q, const Positions<float>& keys, const Positions<float>& values, int64_t n, int64_t group,
+// One (row, KV head): its group's query heads q [group, dim] over n positions into out [group, dim], slots of dim = C x 16
+// (float32 or bf16, read as float32). Scores for 16 keys at a time, the weighted values summed in registers, three query
+// heads a pass.
+template <int C, typename T>
+void attend_vectors(const float* q, const Positions<T>& keys, const Positions<T>& values, int64_t n, int64_t group,
                     double scale, float* scores, int64_t padded, float* out, const vi& lane_of) {
   const int64_t dim = C * W;
-  score<C>(q, group, keys, n, static_cast<float>(scale), scores, padded, lane_of);
+  score<C, T>(q, group, keys, n, static_cast<float>(scale), scores, padded, lane_of);
   for (int64_t g = 0; g < group; ++g) softmax(scores + g * padded, n);
   int64_t g = 0;
-  for (; g + 3 <= group; g += 3) weigh<C, 3>(scores + g * padded, padded, values, n, out + g * dim, dim);
-  for (; g < group; ++g) weigh<C, 1>(scores + g * padded, padded, values, n, out + g * dim, dim);
+  for (; g + 3 <= group; g += 3) weigh<C, 3, T>(scores + g * padded, padded, values, n, out + g * dim, dim);
+  for (; g < group; ++g) weigh<C, 1, T>(scores + g * padded, padded, values, n, out + g * dim, dim);
 }
 
-// The same for any slots and width: key by key, the sums in memory.
+// The same for other widths (not 16 to 128 floats in 16s): key by key, the sums in memory.
 template <typename T>
 void attend_any(const float* q, const Positions<T>& keys, const Positions<T>& values, int64_t n, int64_t group, int64_t dim,
                 double scale, float* scores, int64_t padded, float* out, float* row) {
@@ -258,14 +266,16 @@ void attend_slots(const torch::Tensor& q, const torch::Tensor& new_k, const torc
       const Positions<T> keys{kp + prompt, kp + own, s2, shared[r]}, values{vp + prompt, vp + own, s2, shared[r]};
       const float* query = qp + r * q_row + h * group * dim;
       float* o = op + (r * heads + h * group) * dim;
-      if constexpr (std::is_same_v<T, float>) {
-        switch (chunks) {
-          case 1: attend_vectors<1>(query, keys, values, n, group, scale, scores.data(), padded, o, lane_of); continue;
-          case 2: attend_vectors<2>(query, keys, values, n, group, scale, scores.data(), padded, o, lane_of); continue;
-          case 4: attend_vectors<4>(query, keys, values, n, group, scale, scores.data(), padded, o, lane_of); continue;
-          case 8: attend_vectors<8>(query, keys, values, n, group, scale, scores.data(), padded, o, lane_of); continue;
-          default: break;
-        }
+      switch (chunks) {
+        case 1: attend_vectors<1, T>(query, keys, values, n, group, scale, scores.data(), padded, o, lane_of); continue;
+        case 2: attend_vectors<2, T>(query, keys, values, n, group, scale, scores.data(), padded, o, lane_of); continue;
+        case 3: attend_vectors<3, T>(query, keys, values, n, group, scale, scores.data(), padded, o, lane_of); continue;
+        case 4: attend_vectors<4, T>(query, keys, values, n, group, scale, scores.data(), padded, o, lane_of); continue;
+        case 5: attend_vectors<5, T>(query, keys, values, n, group, scale, scores.data(), padded, o, lane_of); continue;
+        case 6: attend_vectors<6, T>(query, keys, values, n, group, scale, scores.data(), padded, o, lane_of); continue;
+        case 7: attend_vectors<7, T>(query, keys, values, n, group, scale, scores.data(), padded, o, lane_of); continue;
+        case 8: attend_vectors<8, T>(query, keys, values, n, group, scale, scores.data(), padded, o, lane_of); continue;
+        default: break;
       }
       attend_any<T>(query, keys, values, n, group, dim, scale, scores.data(), padded, o, row.data());
     }
