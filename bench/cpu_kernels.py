@@ -331,20 +331,21 @@ def main() -> None:
         p.grad = torch.randn_like(p)
     compare(f"AdamW step ({sum(p.numel() for p in params) / 1e6:.0f}M parameters)", foreach.step, fused.step)
 
-    if args.only and args.only not in "update fwd+bwd+AdamW: glibc malloc -> keep_freed_memory":
-        return print_table(table, packing, fused_packing)
     # Last: keep_freed_memory is process-wide and cannot be undone. The same updates (with a fused
     # AdamW step, as the trainer runs them) on glibc's default malloc, then with freed memory kept.
+    names = {autocast: f"update fwd+bwd+AdamW, {'bf16 autocast' if autocast else 'float32'}: glibc malloc -> keep_freed_memory" for autocast in (False, True)}
     updates = []
-    for autocast in (False, True):
+    for autocast, name in names.items():
+        if args.only not in name:
+            continue
         model = use_fast_attention(copy.deepcopy(base)).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-9, fused=True)
-        updates.append((autocast, update_step(model, rows, prompt, completion, autocast, optimizer)))
+        updates.append((name, update_step(model, rows, prompt, completion, autocast, optimizer)))
     default_ms = [median_ms(run, repeats) for _, run in updates]
-    assert keep_freed_memory(), "glibc's malloc only"
-    for (autocast, run), before in zip(updates, default_ms):
+    if updates:
+        assert keep_freed_memory(), "glibc's malloc only"
+    for (name, run), before in zip(updates, default_ms):
         run()  # the heap grows to the update's size once
-        name = f"update fwd+bwd+AdamW, {'bf16 autocast' if autocast else 'float32'}: glibc malloc -> keep_freed_memory"
         table.append((name, before, median_ms(run, repeats)))
 
     print_table(table, packing, fused_packing)

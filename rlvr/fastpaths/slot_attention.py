@@ -347,8 +347,7 @@ def slot_attention(
     rows, heads, head_dim = queries.shape
     out = torch.empty(rows, heads, head_dim)
     if (module := _module()) is not None:
-        own = torch.arange(rows)
-        slots, lengths = prompts or (own, torch.zeros(rows, dtype=torch.int64))
+        slots, lengths = prompts or (torch.arange(rows), torch.zeros(rows, dtype=torch.int64))  # none named: each row its own slot
         q, k, v = (_rows_of_heads(t) for t in (queries.float(), keys, values))
         module.slot_attention(q, k, v, key_slots, value_slots, positions.contiguous(), slots, lengths, scale, out)
         return out.view(rows, heads * head_dim)
