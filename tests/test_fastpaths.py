@@ -59,7 +59,7 @@ def test_each_switch_turns_its_speed_up_off_where_it_would_apply():
 def test_the_float32_cpu_kernels_apply_where_their_rules_say():
     """slot_attention at up to two threads (SDPA runs rows and heads in parallel beyond; the kernel
     on one), layer_kernels at any thread count; neither with its switch off; for bf16, slot_attention
-    only through the C++ kernel with attention in float32, layer_kernels not at all."""
+    only through the C++ kernel with attention in float32, layer_kernels as for float32."""
     model, threads = tiny_llama(20), torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -69,7 +69,7 @@ def test_the_float32_cpu_kernels_apply_where_their_rules_say():
         assert not plan_backend(model, FastPaths(layer_kernels=False)).layer_kernels
         model.to(torch.bfloat16)
         plan = plan_backend(model, FastPaths())
-        assert plan.slot_attention == slot_attention.cpp_built() and not plan.layer_kernels
+        assert plan.slot_attention == slot_attention.cpp_built() and plan.layer_kernels
         assert not plan_backend(model, FastPaths(float32_attention=False)).slot_attention
         model.float()
         torch.set_num_threads(3)

@@ -1,6 +1,8 @@
-"""A float32 CPU decode step's compiled RMSNorm and rotary embedding (rlvr.fastpaths.layer_kernels):
-the model's own formulas, and the fused decoder uses them where its switch says."""
+"""A float32 or bf16 CPU decode step's compiled RMSNorm and rotary embedding (rlvr.fastpaths.layer_kernels):
+the model's own formulas (in bf16 rounded where the model's bf16 operations round), and the fused
+decoder uses them where its switch says."""
 
+import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
@@ -33,6 +35,47 @@ def test_rotary_rotates_the_query_and_key_heads_as_the_model_does():
     torch.testing.assert_close(got, torch.cat([queries, keys]).transpose(0, 1), rtol=1e-5, atol=1e-6)
 
 
+def test_bf16_rms_norm_rounds_where_the_model_does():
+    """Normalized in float32, rounded to bf16, then times the bf16 weight: the model's bf16 values, a
+    sum taken in another order apart (at most one bf16 step, nearly every value bit for bit)."""
+    torch.manual_seed(3)
+    norm = LlamaRMSNorm(576, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.normal_()
+        hidden = (torch.randn(64, 576) * torch.logspace(-3, 3, 64)[:, None]).to(torch.bfloat16)  # rows of very different scales
+        got, want = layer_kernels.rms_norm(hidden, norm.weight, norm.variance_epsilon), norm(hidden)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=0)
+    assert (got.view(torch.int16) == want.view(torch.int16)).float().mean() > 0.99
+
+
+def test_bf16_rotary_is_pytorchs_bit_for_bit():
+    """Each product and the sum rounded to bf16 as PyTorch's bf16 operations round them (ties to even,
+    overflow to infinity): ``apply_rotary_pos_emb`` on bf16 heads, exactly."""
+    torch.manual_seed(4)
+    rows, head_dim = 5, 64
+    projected = torch.randn(rows, 15 * head_dim)
+    projected[0, :8] = torch.tensor([3e38, -3e38, 1e-38, 0.0, -0.0, 1.0, 2**-130, 7e37])  # tiny, signed zeros
+    projected[0, head_dim // 2] = -3e38  # the first's rotation partner: their sum overflows
+    projected = projected.to(torch.bfloat16)
+    angles = torch.rand(rows, head_dim // 2) * 100
+    angles[0, 0] = torch.pi / 4
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    heads = projected.view(rows, 15, head_dim).transpose(0, 1)
+    queries, keys = apply_rotary_pos_emb(heads[:9], heads[9:12], cos, sin, unsqueeze_dim=0)
+    got = layer_kernels.rotary(projected, cos, sin, 12)
+    want = torch.cat([queries, keys]).transpose(0, 1).contiguous()
+    assert got.dtype == torch.bfloat16 and torch.isinf(want).any()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+def test_the_kernels_refuse_mixed_dtypes_by_name():
+    with pytest.raises(ValueError, match="torch.float32 beside torch.bfloat16"):
+        layer_kernels.rms_norm(torch.ones(2, 32, dtype=torch.bfloat16), torch.ones(32), 1e-5)
+    with pytest.raises(ValueError, match="torch.float32 beside torch.bfloat16"):
+        layer_kernels.rotary(torch.ones(2, 64, dtype=torch.bfloat16), torch.ones(2, 16), torch.ones(2, 16), 2)
+
+
 def test_the_fused_decoder_takes_them_by_its_switch_on_the_same_packed_weights():
     model = tiny_llama(40, seed=2).requires_grad_(False)
     with torch.inference_mode():
@@ -42,3 +85,14 @@ def test_the_fused_decoder_takes_them_by_its_switch_on_the_same_packed_weights()
         tokens, positions = torch.tensor([5, 7, 9]), torch.tensor([0, 3, 11])
         logits = [decoder.forward(tokens, positions, lambda index, queries, keys, values, scaling: queries.reshape(len(queries), -1)) for decoder in (on, off)]
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_bf16_fused_decoder_takes_them_too():
+    model = tiny_llama(40, seed=5).to(torch.bfloat16).requires_grad_(False)
+    with torch.inference_mode():
+        on, off = fused_decoder(model, 4), fused_decoder(model, 4, FastPaths(layer_kernels=False))
+        assert on.kernels and not off.kernels
+        tokens, positions = torch.tensor([5, 7, 9]), torch.tensor([0, 3, 11])
+        logits = [decoder.forward(tokens, positions, lambda index, queries, keys, values, scaling: queries.reshape(len(queries), -1)) for decoder in (on, off)]
+    assert logits[0].dtype == torch.bfloat16
+    torch.testing.assert_close(logits[0].float(), logits[1].float(), rtol=0.05, atol=0.05)

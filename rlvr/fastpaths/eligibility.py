@@ -99,9 +99,9 @@ def use_prompt_attention(fast: FastPaths, device: torch.device, dtype: torch.dty
 
 def use_layer_kernels(fast: FastPaths, device: torch.device, dtype: torch.dtype, fused: bool) -> bool:
     """The fused decoder's (``fused``: the runner) RMSNorms and rotary embeddings through
-    ``rlvr.fastpaths.layer_kernels``: float32 on CPU, numba importable (a few rows' work: one thread serves
-    any thread count)."""
-    return fast.layer_kernels and fused and _float32_cpu_kernels(device, dtype)
+    ``rlvr.fastpaths.layer_kernels``: float32 or bf16 on CPU, numba importable (a few rows' work: one thread
+    serves any thread count)."""
+    return fast.layer_kernels and fused and jit.available() and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
 
 
 def use_row_kernels(fast: FastPaths, device: torch.device, dtype: torch.dtype, fused: bool) -> bool:
