@@ -71,8 +71,7 @@ class ServingEngine:
     name = "native"
 
     def __init__(self, model: Any, tokenizer: Any, kv_budget_bytes: int, seed: int, batching: bool = True):
-        self.tokenizer = tokenizer
-        self.engine = Engine(
+        engine = Engine(
             model,
             tokenizer,
             max_rows=MAX_BATCH_ROWS,
@@ -81,6 +80,11 @@ class ServingEngine:
             kv_budget_bytes=kv_budget_bytes,
             max_requests=None if batching else 1,
         )
+        self._serve(engine, tokenizer, seed)
+
+    def _serve(self, engine: Any, tokenizer: Any, seed: int) -> None:
+        """Serve on ``engine``, unseeded requests taking the seeds counted from ``seed``."""
+        self.engine, self.tokenizer = engine, tokenizer
         self._seeds = itertools.count(seed)
 
     def next_seed(self) -> int:

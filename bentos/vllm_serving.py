@@ -12,7 +12,6 @@ refused. Other model work (``ModelCall``: prompt scoring) runs between two steps
 from __future__ import annotations
 
 import contextlib
-import itertools
 import threading
 import time
 from collections import deque
@@ -40,9 +39,7 @@ class VllmServingEngine(ServingEngine):
                 f"RLVR_ENGINE=vllm cannot serve this policy: its environment {environment.name!r} runs tool episodes, "
                 "which vLLM's engine does not; set RLVR_ENGINE=native (or auto)"
             )
-        self.tokenizer = tokenizer
-        self.engine = VllmEngine(settings, StopChecker(model, tokenizer), batching)
-        self._seeds = itertools.count(seed)
+        self._serve(VllmEngine(settings, StopChecker(model, tokenizer), batching), tokenizer, seed)
 
 
 class VllmEngine:

@@ -268,6 +268,13 @@ def test_the_services_warm_up_measures_a_decode_step_and_a_prompt_token(model, t
     assert engine.start_wait(prompt).prompt_tokens < len(prompt)
 
 
+def test_the_services_unseeded_requests_take_the_seeds_counted_from_its_own(model, tokenizer):
+    from bentos.serving_engine import ServingEngine
+
+    serving = ServingEngine(model, tokenizer, 2**24, seed=7)
+    assert [serving.next_seed() for _ in range(3)] == [7, 8, 9]
+
+
 def test_a_steps_prompt_time_is_split_into_a_fixed_part_and_a_part_per_token():
     """Steps with prompt tokens add a fixed time (admitting rows, growing a lane) and a time per token:
     fitted from steps of different prompt lengths; through 0 while every step had about as many."""
