@@ -308,7 +308,7 @@ class Engine:
         slot_steps = backlog.slot_steps()
         prompt_step_s = self.prompt_step_seconds if prompt_tokens else 0.0
         ahead_s = under_way_s + slot_steps * decode_s + (work - prompt_work(len(prompt_ids) - own, len(prompt_ids), self.scheduler.keys_per_token)) * token_s
-        room = -prompt_tokens % backlog.prefill_budget if backlog.prefill_budget else float("inf")  # in its prompt's last step
+        room = float("inf") if backlog.prefill_budget is None else -prompt_tokens % backlog.prefill_budget  # in its prompt's last step
         with self._wakeup:
             arriving = max(0.0, min(room, self.arrivals.per_s(now) * ahead_s)) if own else 0.0
         return StartWait(under_way_s, slot_steps, decode_s, prompt_tokens, work, token_s, prompt_step_s, arriving)

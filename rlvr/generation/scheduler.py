@@ -212,7 +212,7 @@ class Backlog:
     max_share: float = 1.0  # of the rows the others leave, the most a request's rows take (the KV budget's share)
     max_requests: int | None = None  # the oldest this many requests run (None: any number)
     cancels: tuple[threading.Event, ...] = field(default=(), compare=False, repr=False)  # each request's, where known
-    prefill_budget: int = 0  # prompt tokens a step carries now (0: not known, see prefill_before)
+    prefill_budget: int | None = None  # prompt tokens a step carries now (None: not known, see prefill_before)
     keys_per_token: float = 0.0  # keys whose attention costs a token's projections (0: not counted, see prompt_work)
 
     def live(self) -> Backlog:
@@ -227,7 +227,7 @@ class Backlog:
         (:meth:`slot_steps`) or its prompt and those prefilled before it (:meth:`prefill_before`) have
         prefilled at ``prefill_budget`` (where known, else ``step_tokens``) a step, whichever is later, then
         its own step."""
-        prompt_steps = (self.prefill_before(prompt_tokens) + prompt_tokens) / (self.prefill_budget or step_tokens)
+        prompt_steps = (self.prefill_before(prompt_tokens) + prompt_tokens) / (step_tokens if self.prefill_budget is None else self.prefill_budget)
         return 1 + max(self.slot_steps(), prompt_steps)
 
     def prefill_before(self, prompt_tokens: int) -> int:
@@ -236,7 +236,7 @@ class Backlog:
         length; and each step fills its ``prefill_budget`` with whatever prompts wait, so a prompt that
         would fit a step's spare room waits for the others in that step too."""
         ahead = sum(min(q.prompt_left, prompt_tokens) for q in self.requests)
-        if not self.prefill_budget:
+        if self.prefill_budget is None:
             return ahead
         steps = -(-(ahead + prompt_tokens) // self.prefill_budget)
         return min(sum(q.prompt_left for q in self.requests), steps * self.prefill_budget - prompt_tokens)
