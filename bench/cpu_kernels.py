@@ -3,7 +3,7 @@
     python bench/cpu_kernels.py .rlvr/models/base_policy/<version> --rows 8 --prompt 150 --completion 128
 
 On the checkpoint's config with random weights: decode linears (packed oneDNN vs ``nn.Linear``), a
-decode step (fused decoder vs the model's forward), decode attention (GQA-packed and slot attention
+decode step (fused decoder vs the model's forward; its norms and rotary in PyTorch vs ``layer_kernels``), decode attention (GQA-packed and slot attention
 vs SDPA), a prompt chunk's attention (prompt_attention vs SDPA), update forward + backward (``rlvr_sdpa``, unpadded), the output head (``head_logprobs``),
 AdamW (``fused`` vs ``foreach``) and a whole update (``keep_freed_memory`` vs glibc malloc), float32
 and bf16. Prints a Markdown table: median ms of ``--repeats`` runs after a warm-up, and the ratio.
@@ -43,14 +43,14 @@ from rlvr.grpo.scoring import CompletionScorer, PackedRows  # noqa: E402
 def decode_step(model, rows: int, prompt: int, steps: int, mode: str) -> Callable[[], float]:
     """Seconds per decode step over ``steps`` steps after a ``prompt``-token prefill (not timed).
     ``mode``: "default" (the model's own forward on a ``DynamicCache``), "packed" (the model's forward
-    on packed linears, last position's logits only) or "fused" (``rlvr.fastpaths.fused_decode``), each on
-    a ``DynamicCache``."""
+    on packed linears, last position's logits only), "fused" (``rlvr.fastpaths.fused_decode``) or
+    "fused-torch" (the same, its norms and rotary in PyTorch: no layer kernels), each on a ``DynamicCache``."""
     ids = torch.randint(0, model.config.vocab_size, (rows, prompt))
 
     def timed() -> float:
         packing = packed_linears(model, rows) if mode == "packed" else contextlib.nullcontext()
         with torch.inference_mode(), packing:
-            fused = fused_decoder(model, rows) if mode == "fused" else None
+            fused = fused_decoder(model, rows, FastPaths(layer_kernels=mode == "fused")) if mode.startswith("fused") else None
             cache = DynamicCache(config=model.config)
             model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
             token, mask = ids[:, -1:], torch.ones(rows, prompt, dtype=torch.long)
@@ -245,6 +245,13 @@ def main() -> None:
         compare(
             f"decode step, {dtype}, engine cache: model forward on packed linears -> fused decoder",
             decode_step(model, rows, prompt, completion, "packed"),
+            decode_step(model, rows, prompt, completion, "fused"),
+            per_call=True,
+        )
+    for dtype, model in (("float32", base), ("bf16", bf16_fast)):
+        compare(
+            f"decode step, {dtype}, fused decoder: norms and rotary in PyTorch -> layer_kernels ({rows} rows, {completion} steps)",
+            decode_step(model, rows, prompt, completion, "fused-torch"),
             decode_step(model, rows, prompt, completion, "fused"),
             per_call=True,
         )
