@@ -148,6 +148,9 @@ def test_running_rows_decode_first_and_prompts_get_the_rest_of_the_step():
     assert plan.prefill == [_chunk(prompt, 0, 61)]
     _start_rows(scheduler, running, 60 - 3)
     assert scheduler.prefill_budget() == 64 // 8  # never less than an eighth
+    small = _scheduler(step_tokens=4, max_rows=8)
+    _start_rows(small, _prefilled(small, _request(5, samples=6)), 6)
+    assert small.prefill_budget() == 1  # more rows than a step's tokens: prompts still move
 
 
 def test_parked_rows_do_not_decode():

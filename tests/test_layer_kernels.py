@@ -72,6 +72,8 @@ def test_bf16_rotary_is_pytorchs_bit_for_bit():
 def test_the_kernels_refuse_mixed_dtypes_by_name():
     with pytest.raises(ValueError, match="torch.float32 beside torch.bfloat16"):
         layer_kernels.rms_norm(torch.ones(2, 32, dtype=torch.bfloat16), torch.ones(32), 1e-5)
+    with pytest.raises(ValueError, match="torch.bfloat16 beside torch.float32"):
+        layer_kernels.rms_norm(torch.ones(2, 32), torch.ones(32, dtype=torch.bfloat16), 1e-5)
     with pytest.raises(ValueError, match="torch.float32 beside torch.bfloat16"):
         layer_kernels.rotary(torch.ones(2, 64, dtype=torch.bfloat16), torch.ones(2, 16), torch.ones(2, 16), 2)
 

@@ -19,12 +19,12 @@ from rlvr.fastpaths.jit import compiled
 def rms_norm(hidden: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * hidden / sqrt(mean(hidden ** 2) + eps)`` per row of ``hidden`` [rows, width] (float32; or
     bf16 with a bf16 ``weight``, normalized in float32 and rounded before the weight, as the model does)."""
-    hidden = hidden.contiguous()
+    hidden, weight = hidden.contiguous(), _like(weight.detach(), hidden)
     out = torch.empty_like(hidden)
     if hidden.dtype == torch.bfloat16:
-        _rms_norm_bf16(_bits(hidden), _bits(_like(weight.detach(), hidden)), np.float32(eps), _bits(out))
+        _rms_norm_bf16(_bits(hidden), _bits(weight), np.float32(eps), _bits(out))
     else:
-        _rms_norm(hidden.numpy(), weight.detach().numpy(), np.float32(eps), out.numpy())
+        _rms_norm(hidden.numpy(), weight.numpy(), np.float32(eps), out.numpy())
     return out
 
 

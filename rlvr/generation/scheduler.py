@@ -540,8 +540,8 @@ class Scheduler:
 
     def prefill_budget(self) -> int:
         """Prompt tokens a step may carry: running rows decode first (one token each), prompts get the
-        rest of :meth:`step_budget`, and at least an eighth of ``step_tokens``."""
-        return max(self.step_budget() - len(self.rows), self.step_tokens // 8)
+        rest of :meth:`step_budget`, and at least an eighth of ``step_tokens`` (and one token)."""
+        return max(self.step_budget() - len(self.rows), self.step_tokens // 8, 1)
 
     def schedule(self, prefill_budget: int | None = None) -> StepPlan:
         """This step's plan: every lane's live rows, and prompt chunks within ``prefill_budget`` tokens
