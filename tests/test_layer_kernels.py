@@ -37,7 +37,8 @@ def test_rotary_rotates_the_query_and_key_heads_as_the_model_does():
 
 def test_bf16_rms_norm_rounds_where_the_model_does():
     """Normalized in float32, rounded to bf16, then times the bf16 weight: the model's bf16 values, a
-    sum taken in another order apart (at most one bf16 step, nearly every value bit for bit)."""
+    sum taken in another order apart (a step at each of its two roundings at most, nearly every value
+    bit for bit)."""
     torch.manual_seed(3)
     norm = LlamaRMSNorm(576, eps=1e-5).to(torch.bfloat16)
     with torch.no_grad():
@@ -45,7 +46,7 @@ def test_bf16_rms_norm_rounds_where_the_model_does():
         hidden = (torch.randn(64, 576) * torch.logspace(-3, 3, 64)[:, None]).to(torch.bfloat16)  # rows of very different scales
         got, want = layer_kernels.rms_norm(hidden, norm.weight, norm.variance_epsilon), norm(hidden)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=0)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=0)
     assert (got.view(torch.int16) == want.view(torch.int16)).float().mean() > 0.99
 
 
