@@ -241,20 +241,14 @@ def main() -> None:
             decode_step(models[1], rows, prompt, completion, "fused"),
             per_call=True,
         )
-    for dtype, model in (("float32", base), ("bf16", bf16_fast)):
-        compare(
-            f"decode step, {dtype}, engine cache: model forward on packed linears -> fused decoder",
-            decode_step(model, rows, prompt, completion, "packed"),
-            decode_step(model, rows, prompt, completion, "fused"),
-            per_call=True,
-        )
-    for dtype, model in (("float32", base), ("bf16", bf16_fast)):
-        compare(
-            f"decode step, {dtype}, fused decoder: norms and rotary in PyTorch -> layer_kernels ({rows} rows, {completion} steps)",
-            decode_step(model, rows, prompt, completion, "fused-torch"),
-            decode_step(model, rows, prompt, completion, "fused"),
-            per_call=True,
-        )
+    steps = {
+        "engine cache: model forward on packed linears -> fused decoder": "packed",
+        f"fused decoder: norms and rotary in PyTorch -> layer_kernels ({rows} rows, {completion} steps)": "fused-torch",
+    }
+    for what, before in steps.items():
+        for dtype, model in (("float32", base), ("bf16", bf16_fast)):
+            name = f"decode step, {dtype}, {what}"
+            compare(name, decode_step(model, rows, prompt, completion, before), decode_step(model, rows, prompt, completion, "fused"), per_call=True)
     compare(
         f"decode step, bf16, engine cache, packed linears: attention sdpa -> rlvr_sdpa ({rows} rows, {completion} steps)",
         decode_step(bf16_sdpa, rows, prompt, completion, "packed"),

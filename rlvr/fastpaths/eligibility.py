@@ -85,7 +85,7 @@ def use_slot_attention(fast: FastPaths, device: torch.device, dtype: torch.dtype
         return False
     if dtype == torch.bfloat16:
         return use_float32_attention(fast, device, dtype) and slot_attention.cpp_built()
-    return _float32_cpu_kernels(device, dtype)
+    return _numba_cpu_kernels(device, dtype)
 
 
 def use_prompt_attention(fast: FastPaths, device: torch.device, dtype: torch.dtype, width: int | None) -> bool:
@@ -101,7 +101,7 @@ def use_layer_kernels(fast: FastPaths, device: torch.device, dtype: torch.dtype,
     """The fused decoder's (``fused``: the runner) RMSNorms and rotary embeddings through
     ``rlvr.fastpaths.layer_kernels``: float32 or bf16 on CPU, numba importable (a few rows' work: one thread
     serves any thread count)."""
-    return fast.layer_kernels and fused and jit.available() and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+    return fast.layer_kernels and fused and _numba_cpu_kernels(device, dtype, (torch.float32, torch.bfloat16))
 
 
 def use_row_kernels(fast: FastPaths, device: torch.device, dtype: torch.dtype, fused: bool) -> bool:
@@ -110,8 +110,9 @@ def use_row_kernels(fast: FastPaths, device: torch.device, dtype: torch.dtype, f
     return fast.row_kernels and fused and device.type == "cpu" and dtype == torch.float32 and row_kernels.available()
 
 
-def _float32_cpu_kernels(device: torch.device, dtype: torch.dtype) -> bool:
-    return jit.available() and device.type == "cpu" and dtype == torch.float32
+def _numba_cpu_kernels(device: torch.device, dtype: torch.dtype, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """numba's kernels for ``dtype`` on ``device``: numba importable, a CPU, one of the kernel's ``dtypes``."""
+    return jit.available() and device.type == "cpu" and dtype in dtypes
 
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # inverse frequencies fixed at load time

@@ -55,13 +55,19 @@ def _bits(tensor: torch.Tensor) -> np.ndarray:
 
 
 @compiled
+def _inverse_rms(squares, width, eps):  # pragma: no cover - compiled
+    """1 / sqrt(mean square + eps), from a row's sum of squares (float32)."""
+    return np.float32(1.0) / np.sqrt(squares / np.float32(width) + eps)
+
+
+@compiled
 def _rms_norm(x, weight, eps, out):  # pragma: no cover - compiled
     rows, width = x.shape
     for r in range(rows):
         total = np.float32(0.0)
         for i in range(width):
             total += x[r, i] * x[r, i]
-        inverse = np.float32(1.0) / np.sqrt(total / np.float32(width) + eps)
+        inverse = _inverse_rms(total, width, eps)
         for i in range(width):
             out[r, i] = weight[i] * (x[r, i] * inverse)
 
@@ -113,7 +119,7 @@ def _rms_norm_bf16(x, weight, eps, out):  # pragma: no cover - compiled
         for i in range(width):
             value = _from_bf16(x[r, i])
             total += value * value
-        inverse = np.float32(1.0) / np.sqrt(total / np.float32(width) + eps)
+        inverse = _inverse_rms(total, width, eps)
         for i in range(width):  # normalized and rounded to bf16, then times the weight
             out[r, i] = _to_bf16(_from_bf16(weight[i]) * _rounded(_from_bf16(x[r, i]) * inverse))
 
