@@ -5,8 +5,8 @@
 On the checkpoint's config with random weights: decode linears (packed oneDNN vs ``nn.Linear``), a
 decode step (fused decoder vs the model's forward; its norms and rotary in PyTorch vs ``layer_kernels``), decode attention (GQA-packed and slot attention
 vs SDPA), a prompt chunk's attention (prompt_attention vs SDPA), update forward + backward (``rlvr_sdpa``, unpadded), the output head (``head_logprobs``),
-AdamW (``fused`` vs ``foreach``) and a whole update (``keep_freed_memory`` vs glibc malloc), float32
-and bf16. Prints a Markdown table: median ms of ``--repeats`` runs after a warm-up, and the ratio.
+AdamW (``fused`` vs ``foreach``), a whole update (``keep_freed_memory`` vs glibc malloc), float32
+and bf16, and sampling a step's rows (``sampling_kernel``). Prints a Markdown table: median ms of ``--repeats`` runs after a warm-up, and the ratio.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from rlvr.fastpaths.heap import keep_freed_memory  # noqa: E402
 from rlvr.fastpaths.packed_linear import packed_linears  # noqa: E402
 from rlvr.fastpaths.prompt_attention import prompt_attention  # noqa: E402
 from rlvr.fastpaths.slot_attention import prompt_slots, slot_attention  # noqa: E402
+from rlvr.generation.sampler import sample_tokens  # noqa: E402
 from rlvr.grpo.head import head_logprobs  # noqa: E402
 from rlvr.grpo.loss import token_logprobs_and_entropy  # noqa: E402
 from rlvr.grpo.scoring import CompletionScorer, PackedRows  # noqa: E402
@@ -348,6 +349,16 @@ def main() -> None:
     for (name, run), before in zip(updates, default_ms):
         run()  # the heap grows to the update's size once
         table.append((name, before, median_ms(run, repeats)))
+
+    keep_freed_memory()  # as the engine samples: freed memory kept
+    logits, uniforms = torch.randn(rows, config.vocab_size) * 3, torch.rand(rows)
+    for temperature in (1.0, 0.7):
+        temperatures = torch.full((rows,), temperature)
+        compare(
+            f"sampling at temperature {temperature}, top-p 1 ({rows} rows x {config.vocab_size}): PyTorch -> sampling_kernel",
+            partial(sample_tokens, logits, temperatures, 1.0, uniforms=uniforms),
+            partial(sample_tokens, logits, temperatures, 1.0, uniforms=uniforms, compiled=True),
+        )
 
     print_table(table, packing, fused_packing)
 

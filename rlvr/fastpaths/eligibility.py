@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from rlvr.fastpaths import FastPaths, jit, prompt_attention, row_kernels, slot_attention
+from rlvr.fastpaths import FastPaths, jit, prompt_attention, row_kernels, sampling_kernel, slot_attention
 from rlvr.fastpaths.attention import LOW_PRECISION
 from rlvr.fastpaths.packed_linear import packing_dtypes
 
@@ -108,6 +108,12 @@ def use_row_kernels(fast: FastPaths, device: torch.device, dtype: torch.dtype, f
     """The fused decoder's (``fused``: the runner) steps of a few token rows through
     ``rlvr.fastpaths.row_kernels``: float32 on CPU, the kernel built here (a C++ compiler; built at the first ask)."""
     return fast.row_kernels and fused and device.type == "cpu" and dtype == torch.float32 and row_kernels.available()
+
+
+def use_sampling_kernel(fast: FastPaths, device: torch.device) -> bool:
+    """The engine's sampling of rows without top-p through ``rlvr.fastpaths.sampling_kernel``: on CPU, the
+    kernel built here (a C++ compiler; built at the first ask)."""
+    return fast.sampling_kernel and device.type == "cpu" and sampling_kernel.available()
 
 
 def _numba_cpu_kernels(device: torch.device, dtype: torch.dtype, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:

@@ -96,7 +96,9 @@ class StepExecutor:
         temperatures = torch.tensor([r.temperature for r in rows], dtype=torch.float32)
         top_p = torch.tensor([r.top_p for r in rows], dtype=torch.float32)
         uniforms = draw_uniforms([self._generator(r) for r in rows])
-        tokens, logprobs = sample_tokens(logits, temperatures.to(logits.device), top_p.to(logits.device), None, uniforms=uniforms.to(logits.device))
+        tokens, logprobs = sample_tokens(
+            logits, temperatures.to(logits.device), top_p.to(logits.device), None, uniforms.to(logits.device), compiled=self.plan.sampling_kernel
+        )
         return tokens.tolist(), logprobs.tolist()
 
     def forget(self, request_ids: list[int]) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from rlvr.fastpaths import sampling_kernel
+
 GREEDY_BELOW_TEMPERATURE = 1e-5  # a lower temperature is greedy: logits / T would overflow float32 (NaN probabilities)
 NUCLEUS_CANDIDATES = (64, 1024)  # top-p seeks a row's nucleus among this many of its most likely tokens first (_top_p_filter)
 
@@ -42,11 +44,15 @@ def sample_tokens(
     top_p: float | torch.Tensor,
     generator: torch.Generator | None = None,
     uniforms: torch.Tensor | None = None,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its log-prob. Row r samples from softmax(logits_r / T_r) truncated to its
     top-p nucleus (``top_p``: one for all rows or one per row) by inverse CDF at ``uniforms[r]`` (else a
     draw from ``generator``), or takes the argmax when greedy; its log-prob is taken before truncation
-    (T_r = 1 for greedy rows), as training recomputes it."""
+    (T_r = 1 for greedy rows), as training recomputes it. ``compiled`` (CPU logits, the plan's
+    ``sampling_kernel``): rows without top-p through ``rlvr.fastpaths.sampling_kernel``."""
+    if compiled:
+        return _sample_compiled(logits, temperatures, top_p, generator, uniforms)
     greedy = temperatures < GREEDY_BELOW_TEMPERATURE
     scaled = logits.float() / logprob_temperatures(temperatures).unsqueeze(1)
     probs = torch.softmax(scaled, dim=-1)
@@ -59,6 +65,21 @@ def sample_tokens(
         if greedy.any():
             tokens = torch.where(greedy, probs.argmax(dim=-1), tokens)
     return tokens, probs.gather(1, tokens.unsqueeze(1)).squeeze(1).log()
+
+
+def _sample_compiled(
+    logits: torch.Tensor, temperatures: torch.Tensor, top_p: float | torch.Tensor, generator: torch.Generator | None, uniforms: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_tokens` with each row sampled by the kernel, but a row with a nucleus to find (top-p
+    below 1, not greedy), sampled as before: a row's draw never depends on the rows beside it."""
+    if uniforms is None:
+        uniforms = torch.rand((logits.shape[0],), generator=generator, device=logits.device)
+    tokens, logprobs = sampling_kernel.sample_rows(logits, temperatures, uniforms, GREEDY_BELOW_TEMPERATURE)
+    top_p = torch.as_tensor(top_p, dtype=torch.float32).expand(logits.shape[0])
+    nucleus = ((top_p < 1.0) & ~(temperatures < GREEDY_BELOW_TEMPERATURE)).nonzero().squeeze(1)
+    if len(nucleus):
+        tokens[nucleus], logprobs[nucleus] = sample_tokens(logits[nucleus], temperatures[nucleus], top_p[nucleus], uniforms=uniforms[nucleus])
+    return tokens, logprobs
 
 
 def draw_uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
