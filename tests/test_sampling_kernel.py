@@ -104,3 +104,10 @@ def test_the_engine_samples_through_it_where_its_plan_says(monkeypatch):
         assert bool(calls) == config.fast_paths.sampling_kernel
     assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
     torch.testing.assert_close(runs[0].logprobs, runs[1].logprobs, atol=1e-5, rtol=0)
+
+
+def test_shapes_that_do_not_match_are_refused_by_name():
+    with pytest.raises(RuntimeError, match="one a row"):
+        sampling_kernel.sample_rows(torch.zeros(3, 10), torch.ones(2), torch.rand(3), GREEDY_BELOW_TEMPERATURE)
+    with pytest.raises(RuntimeError, match="at least one token"):
+        sampling_kernel.sample_rows(torch.zeros(3, 0), torch.ones(3), torch.rand(3), GREEDY_BELOW_TEMPERATURE)

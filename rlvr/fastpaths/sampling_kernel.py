@@ -51,6 +51,10 @@ void sample_rows(const torch::Tensor& logits, const torch::Tensor& temperatures,
                  double greedy_below, torch::Tensor& tokens, torch::Tensor& logprobs) {
   TORCH_CHECK(logits.dtype() == torch::kFloat32 && logits.is_contiguous() && logits.dim() == 2, "float32 contiguous logits [rows, vocab]");
   const int64_t rows = logits.size(0), vocab = logits.size(1), blocks = (vocab + BLOCK - 1) / BLOCK;
+  TORCH_CHECK(vocab > 0, "a vocabulary of at least one token");
+  for (const auto* t : {&temperatures, &uniforms})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() && t->numel() == rows, "float32 temperatures and uniforms, one a row");
+  TORCH_CHECK(tokens.numel() == rows && logprobs.numel() == rows, "one token and log-prob a row");
   const float* all = logits.data_ptr<float>();
   const float* temperature = temperatures.data_ptr<float>();
   const float* uniform = uniforms.data_ptr<float>();
