@@ -1,11 +1,11 @@
 """A CPU step's sampling of rows without top-p: softmax, draw and log-prob in one compiled pass a row.
 
 The sampler's PyTorch path makes four passes over a [rows, vocab] float32 tensor (divide, softmax,
-cumulative sum, search), each writing a copy: ~2.4 ms a step of 32 rows of a 49k vocabulary here. This
-kernel reads each row twice, one thread per row: its maximum, then each token's exp((logit - max) / T) and
-the block sums, the draw found among the blocks, then within one. The same draw by inverse CDF as the
-sampler's (float32 rounding apart: a uniform within ~1e-6 of a boundary may take the neighbour), tokens of
-zero probability never drawn. Built with PyTorch's extension builder (``rlvr.fastpaths.jit``).
+cumulative sum, search), each writing a copy: ~2 ms a step of 32 rows of a 49k vocabulary here. This
+kernel reads each row twice, the rows split over PyTorch's threads: its maximum, then each token's
+exp((logit - max) / T) and 512-token block sums; the draw is found among the blocks, then within one. The
+sampler's draw by inverse CDF (float32 rounding apart: a uniform at a boundary may take the neighbour),
+tokens of zero probability never drawn. Built with PyTorch's extension builder (``rlvr.fastpaths.jit``).
 """
 
 from __future__ import annotations
