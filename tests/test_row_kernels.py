@@ -2,6 +2,10 @@
 (rlvr.fastpaths.row_kernels): the same products as the linear layers, residuals added in place, and the
 fused decoder takes it by its switch for steps of at most MAX_ROWS rows."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -72,3 +76,20 @@ def test_without_a_compiler_they_stay_off_and_say_why(monkeypatch, caplog):
     with caplog.at_level("INFO", logger=jit.__name__):
         assert jit.cpp_module.__wrapped__("row kernels", "rlvr_row_kernels_", row_kernels.SOURCE, ("rows_linear",)) is None
     assert "row kernels off: no C++ compiler" in caplog.text
+
+
+@needs_kernel
+def test_kernels_build_with_this_environments_ninja_whatever_path_says(tmp_path):
+    """A process whose PATH puts another ninja first (a shell without the virtual environment activated)
+    still builds with this environment's: ninja versions keep build logs in different formats, and one that
+    finds another's log builds every kernel again."""
+    pytest.importorskip("ninja")
+    called = tmp_path / "called"
+    other = tmp_path / "ninja"
+    other.write_text(f"#!/bin/sh\ntouch {called}\nexit 1\n")
+    other.chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    probe = "import os; from rlvr.fastpaths import row_kernels; print(row_kernels.available(), os.environ['PATH'] == os.environ['EXPECTED'])"
+    done = subprocess.run([sys.executable, "-c", probe], env=env | {"EXPECTED": env["PATH"]}, capture_output=True, text=True, timeout=300)
+    assert done.stdout.split() == ["True", "True"], done.stderr[-2000:]  # built (or found built), PATH as it was
+    assert not called.exists()

@@ -3,12 +3,14 @@ ones built for this machine by PyTorch's extension builder (:func:`cpp_module`),
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
+import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -50,7 +52,29 @@ def cpp_module(what: str, prefix: str, source: str, functions: tuple[str, ...], 
 
         cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
         name = prefix + hashlib.sha256((source + " ".join(flags) + cpu + torch.__version__).encode()).hexdigest()[:12]
-        return load_inline(name, cpp_sources=source, functions=list(functions), extra_cflags=["-O3", "-march=native", "-fopenmp", *flags])
+        with _own_ninja_first():
+            return load_inline(name, cpp_sources=source, functions=list(functions), extra_cflags=["-O3", "-march=native", "-fopenmp", *flags])
     except Exception as err:  # noqa: BLE001 - any build failure leaves the callers' other path
         log.warning("%s off: the build failed (%s)", what, str(err).splitlines()[0] if str(err) else type(err).__name__)
         return None
+
+
+@contextlib.contextmanager
+def _own_ninja_first() -> Iterator[None]:
+    """Within the block, this environment's ninja (the ``ninja`` package's) first on PATH, whatever PATH says
+    (an activated virtual environment or not): ninja versions keep their build logs in different formats,
+    and a ninja that finds another's log builds every kernel again (~25 s each here)."""
+    try:
+        import ninja
+    except ImportError:  # a ninja from PATH, as PyTorch finds it
+        yield
+        return
+    path = os.environ.get("PATH")
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
+    try:
+        yield
+    finally:
+        if path is None:
+            del os.environ["PATH"]
+        else:
+            os.environ["PATH"] = path

@@ -125,3 +125,10 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torc
     tokens, logprobs = torch.empty(rows, dtype=torch.int64), torch.empty(rows)
     module.sample_rows(logits.float().contiguous(), temperatures.float().contiguous(), uniforms.float().contiguous(), greedy_below, tokens, logprobs)
     return tokens, logprobs
+
+
+if __name__ == "__main__":  # `make setup`: build the kernel once for this machine, or say why it stays off
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print("sampling kernel:", "built" if available() else "off (the engine samples on PyTorch)")
