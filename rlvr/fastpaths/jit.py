@@ -9,6 +9,7 @@ import hashlib
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -20,6 +21,7 @@ except ImportError:  # the kernels' callers keep their PyTorch paths
     numba = None
 
 log = logging.getLogger(__name__)
+_BUILDING = threading.Lock()  # one build at a time: each sets PATH for its own (_own_ninja_first)
 
 
 def available() -> bool:
@@ -52,7 +54,7 @@ def cpp_module(what: str, prefix: str, source: str, functions: tuple[str, ...], 
 
         cpu = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
         name = prefix + hashlib.sha256((source + " ".join(flags) + cpu + torch.__version__).encode()).hexdigest()[:12]
-        with _own_ninja_first():
+        with _BUILDING, _own_ninja_first():
             return load_inline(name, cpp_sources=source, functions=list(functions), extra_cflags=["-O3", "-march=native", "-fopenmp", *flags])
     except Exception as err:  # noqa: BLE001 - any build failure leaves the callers' other path
         log.warning("%s off: the build failed (%s)", what, str(err).splitlines()[0] if str(err) else type(err).__name__)
