@@ -20,6 +20,7 @@ import socket
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -154,8 +155,9 @@ def test_monitoring_reads_the_folder_the_service_writes(monkeypatch, tmp_path):
     monkeypatch.setenv("RLVR_TRAFFIC_DIR", str(tmp_path / "elsewhere"))
     assert Settings.from_env(require_absolute=True).traffic_dir == tmp_path / "elsewhere"
     assert Path(TrafficConfig().folder) == tmp_path / "elsewhere"
-    TrafficLog(Settings.from_env().traffic_dir, clock=lambda: 1795392000 * 10**9).append({})  # 2026-11-23
-    assert [r.partition_key for r in traffic_sensor(build_sensor_context()).run_requests] == ["2026-11-23"]
+    yesterday = datetime.now(timezone.utc) - timedelta(days=1)  # within the partitions, which start a week back at the latest
+    TrafficLog(Settings.from_env().traffic_dir, clock=lambda: int(yesterday.timestamp()) * 10**9).append({})
+    assert [r.partition_key for r in traffic_sensor(build_sensor_context()).run_requests] == [yesterday.date().isoformat()]
 
 
 # ---------------------------------------------------------------------------------------------
