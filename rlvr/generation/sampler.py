@@ -71,14 +71,20 @@ def _sample_compiled(
     logits: torch.Tensor, temperatures: torch.Tensor, top_p: float | torch.Tensor, generator: torch.Generator | None, uniforms: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample_tokens` with each row sampled by the kernel, but a row with a nucleus to find (top-p
-    below 1, not greedy), sampled as before: a row's draw never depends on the rows beside it."""
+    below 1, not greedy), sampled as before: a row's draw never depends on the rows beside it. Each row
+    is sampled once, by one of the two."""
+    rows = logits.shape[0]
     if uniforms is None:
-        uniforms = torch.rand((logits.shape[0],), generator=generator, device=logits.device)
-    tokens, logprobs = sampling_kernel.sample_rows(logits, temperatures, uniforms, GREEDY_BELOW_TEMPERATURE)
-    top_p = torch.as_tensor(top_p, dtype=torch.float32).expand(logits.shape[0])
-    nucleus = ((top_p < 1.0) & ~(temperatures < GREEDY_BELOW_TEMPERATURE)).nonzero().squeeze(1)
-    if len(nucleus):
-        tokens[nucleus], logprobs[nucleus] = sample_tokens(logits[nucleus], temperatures[nucleus], top_p[nucleus], uniforms=uniforms[nucleus])
+        uniforms = torch.rand((rows,), generator=generator, device=logits.device)
+    top_p = torch.as_tensor(top_p, dtype=torch.float32).expand(rows)
+    nucleus = (top_p < 1.0) & ~(temperatures < GREEDY_BELOW_TEMPERATURE)
+    if not nucleus.any():
+        return sampling_kernel.sample_rows(logits, temperatures, uniforms, GREEDY_BELOW_TEMPERATURE)
+    whole, found = (~nucleus).nonzero().squeeze(1), nucleus.nonzero().squeeze(1)
+    tokens, logprobs = torch.empty(rows, dtype=torch.int64), torch.empty(rows)
+    if len(whole):
+        tokens[whole], logprobs[whole] = sampling_kernel.sample_rows(logits[whole], temperatures[whole], uniforms[whole], GREEDY_BELOW_TEMPERATURE)
+    tokens[found], logprobs[found] = sample_tokens(logits[found], temperatures[found], top_p[found], uniforms=uniforms[found])
     return tokens, logprobs
 
 
