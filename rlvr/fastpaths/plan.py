@@ -32,7 +32,7 @@ class BackendPlan:
     threads: int  # torch threads the plan was decided at
     runner: str  # the engine's decode runner: FUSED_DECODER or MODEL_FORWARD
     layer_kernels: bool  # the fused decoder's RMSNorms and rotary through rlvr.fastpaths.layer_kernels
-    row_kernels: bool  # the fused decoder's steps of a few rows through rlvr.fastpaths.row_kernels
+    linear_kernels: bool  # the fused decoder's linear layers through rlvr.fastpaths.linear_kernels
     sampling_kernel: bool  # the engine samples rows without top-p through rlvr.fastpaths.sampling_kernel
     packed_linears: bool  # the model's own forward on oneDNN-packed linear weights
     slot_attention: bool  # the engine's decode attention through rlvr.fastpaths.slot_attention
@@ -86,7 +86,7 @@ def plan_backend(
         threads=threads,
         runner=FUSED_DECODER if fused else MODEL_FORWARD,
         layer_kernels=eligibility.use_layer_kernels(fast, device, dtype, fused),
-        row_kernels=eligibility.use_row_kernels(fast, device, dtype, fused),
+        linear_kernels=eligibility.use_linear_kernels(fast, device, dtype, fused),
         sampling_kernel=eligibility.use_sampling_kernel(fast, device),
         packed_linears=eligibility.use_packed_linears(fast, device, fused),
         slot_attention=eligibility.use_slot_attention(fast, device, dtype, threads),
