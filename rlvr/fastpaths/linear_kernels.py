@@ -140,9 +140,9 @@ def pack(layers: list[nn.Linear]) -> Panels:
     """``layers``' float32 weights (each [out_j, in]) packed side by side for :func:`linear`."""
     weight = torch.cat([layer.weight.detach() for layer in layers]) if len(layers) > 1 else layers[0].weight.detach()
     outputs, inputs = weight.shape
-    padded = weight.new_zeros(-(-outputs // PANEL) * PANEL, inputs)
-    padded[:outputs] = weight
-    return Panels(padded.view(-1, PANEL, inputs).transpose(1, 2).contiguous(), outputs)
+    if outputs % PANEL:
+        weight = torch.nn.functional.pad(weight, (0, 0, 0, PANEL - outputs % PANEL))
+    return Panels(weight.reshape(-1, PANEL, inputs).transpose(1, 2).contiguous(), outputs)
 
 
 def linear(panels: Panels, inputs: torch.Tensor, residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
