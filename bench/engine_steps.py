@@ -171,8 +171,8 @@ def main() -> int:
         path.write_text(json.dumps(data))
         workers = []
         for engine in engines:
-            python = args.vllm_python if engine == "vllm" else sys.executable
-            command = [python, __file__, args.checkpoint, "--worker", engine, "--prompts", str(path), "--mix", args.mix]
+            python = os.path.abspath(args.vllm_python) if engine == "vllm" else sys.executable  # workers run in tmp: paths as given
+            command = [python, __file__, os.path.abspath(args.checkpoint), "--worker", engine, "--prompts", str(path), "--mix", args.mix]
             workers.append(Worker(engine, command + ["--step-tokens", str(args.step_tokens), "--max-step-tokens", str(args.max_step_tokens)], env, tmp))
         for worker in workers:
             worker.ask("warm-up")

@@ -1,5 +1,6 @@
 """keep_freed_memory: a large tensor freed and allocated again reuses its pages instead of faulting them in."""
 
+import os
 import platform
 import subprocess
 import sys
@@ -49,3 +50,39 @@ def test_trainer_keeps_freed_memory_on_cpu_unless_configured_not_to(monkeypatch,
     config = GRPOConfig(group_size=2, prompts_per_step=1, fast_paths=FastPaths(keep_freed_memory=keep))
     GRPOTrainer(tiny_llama(len(tokenizer)), tokenizer, config, copy_digit_reward)
     assert len(calls) == int(keep)
+
+
+_THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+_HUGE_PROBE = """
+import sys, torch
+from rlvr.fastpaths import linear_kernels
+from rlvr.fastpaths.heap import huge_pages
+
+def huge_kib(tensor):
+    '''AnonHugePages of the mapping holding the tensor's first whole 2 MiB (/proc/self/smaps; advice splits a mapping).'''
+    address, inside = -(-tensor.data_ptr() // (2 << 20)) * (2 << 20), False
+    for line in open("/proc/self/smaps"):
+        fields = line.split()
+        if "-" in fields[0] and ":" not in fields[0]:
+            begin, end = (int(x, 16) for x in fields[0].split("-"))
+            inside = begin <= address < end
+        elif inside and fields[0] == "AnonHugePages:":
+            return int(fields[1])
+
+plain = torch.empty(16 << 20).fill_(1.0)  # 64 MiB each: a mapping of its own
+advised = huge_pages(torch.empty(16 << 20)).fill_(1.0)
+layer = torch.nn.Linear(1024, 4096, bias=False)  # packed: 16 MiB
+packed = linear_kernels.pack([layer]).packed if linear_kernels.available() else advised
+print(huge_kib(plain), huge_kib(advised), huge_kib(packed))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists(_THP) or "[never]" in open(_THP).read(), reason="no transparent huge pages here")
+def test_huge_pages_back_the_advised_tensors_and_the_packed_weights_only():
+    """64 MiB advised lie mostly in 2 MiB pages, packed weights too; in ``madvise`` mode a plain tensor's none."""
+    out = subprocess.run([sys.executable, "-c", _HUGE_PROBE], capture_output=True, text=True, check=True).stdout.split()
+    plain, advised, packed = (int(x) for x in out)
+    assert advised >= 32 * 1024, f"{advised} KiB of 64 MiB in huge pages"
+    assert packed >= 8 * 1024, f"{packed} KiB of the 16 MiB packed weights in huge pages"
+    if "[madvise]" in open(_THP).read():
+        assert plain == 0

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from rlvr.fastpaths.heap import huge_pages
 from rlvr.fastpaths.jit import cpp_module
 
 PANEL = 48  # outputs a panel: three 16-float vectors
@@ -70,6 +71,33 @@ void tile_at(const float* x, int64_t inputs, const float* panel, float* out, int
 
 // out [rows, outputs] (+)= x [rows, inputs] . weight^T, the weight packed as [panels, inputs, P] (rlvr's _panels);
 // gated: input is [rows, 2 inputs], a gate and an up side by side, and x = silu(gate) * up.
+// The weights [outputs_j, inputs] side by side, packed into `packed` [panels, inputs, P] (outputs past theirs zero), the
+// panels split over PyTorch's threads: each thread writes (and so first touches) its own part.
+void pack_panels(const std::vector<torch::Tensor>& weights, torch::Tensor& packed) {
+  TORCH_CHECK(!weights.empty(), "weights to pack");
+  const int64_t inputs = weights[0].size(1);
+  std::vector<const float*> rows;  // each output's weights, in order
+  for (const auto& w : weights) {
+    TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.dim() == 2 && w.size(1) == inputs && w.stride(1) == 1, "float32 weights of ", inputs,
+                " inputs, each output's contiguous");
+    for (int64_t o = 0; o < w.size(0); ++o) rows.push_back(w.data_ptr<float>() + o * w.stride(0));
+  }
+  const int64_t outputs = rows.size(), panels = (outputs + P - 1) / P;
+  TORCH_CHECK(packed.scalar_type() == torch::kFloat32 && packed.is_contiguous() && packed.sizes() == torch::IntArrayRef({panels, inputs, P}),
+              "a float32 contiguous [", panels, ", ", inputs, ", ", P, "] to pack into");
+  float* out = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      float* panel = out + p * inputs * P;
+      for (int64_t k0 = 0; k0 < inputs; k0 += 64)  // 64 inputs of the panel's 48 outputs at a time: reads and writes stay in cache
+        for (int64_t j = 0; j < P; ++j) {
+          const int64_t o = p * P + j;
+          for (int64_t k = k0; k < std::min<int64_t>(k0 + 64, inputs); ++k) panel[k * P + j] = o < outputs ? rows[o][k] : 0.f;
+        }
+    }
+  });
+}
+
 void panel_linear(const torch::Tensor& packed, const torch::Tensor& input, torch::Tensor& out, bool accumulate, bool gated) {
   TORCH_CHECK(packed.scalar_type() == torch::kFloat32 && packed.is_contiguous() && packed.dim() == 3 && packed.size(2) == P,
               "a float32 weight packed in panels of ", P);
@@ -125,7 +153,7 @@ def available() -> bool:
 
 
 def _module() -> Any:
-    return cpp_module("linear kernels", "rlvr_linear_kernels_", SOURCE, ("panel_linear",), ("-ffast-math",))
+    return cpp_module("linear kernels", "rlvr_linear_kernels_", SOURCE, ("pack_panels", "panel_linear"), ("-ffast-math",))
 
 
 class Panels(NamedTuple):
@@ -137,12 +165,11 @@ class Panels(NamedTuple):
 
 
 def pack(layers: list[nn.Linear]) -> Panels:
-    """``layers``' float32 weights (each [out_j, in]) packed side by side for :func:`linear`."""
-    weight = torch.cat([layer.weight.detach() for layer in layers]) if len(layers) > 1 else layers[0].weight.detach()
-    outputs, inputs = weight.shape
-    if outputs % PANEL:
-        weight = torch.nn.functional.pad(weight, (0, 0, 0, PANEL - outputs % PANEL))
-    return Panels(weight.reshape(-1, PANEL, inputs).transpose(1, 2).contiguous(), outputs)
+    """``layers``' float32 weights (each [out_j, in]) packed side by side for :func:`linear` (a copy, in parallel)."""
+    outputs, inputs = sum(layer.out_features for layer in layers), layers[0].in_features
+    packed = huge_pages(torch.empty(-(-outputs // PANEL), inputs, PANEL))  # streamed every step: fewer TLB misses
+    _module().pack_panels([layer.weight.detach() for layer in layers], packed)
+    return Panels(packed, outputs)
 
 
 def linear(panels: Panels, inputs: torch.Tensor, residual: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from rlvr.fastpaths.eligibility import head_dim
+from rlvr.fastpaths.heap import huge_pages
 
 SLOT_LENGTH_QUANTUM = 128  # slot lengths grow and shrink in these steps (fewer buffer reallocations)
 _ALLOCATIONS = itertools.count(1)
@@ -71,7 +72,7 @@ class SlotCache:
         for layer in self.layers:
             shape = (rows, like.shape[1], length, like.shape[3])
             for name in ("keys", "values"):
-                new = like.new_empty(shape)
+                new = huge_pages(like.new_empty(shape))  # read through at every step: fewer TLB misses
                 old = getattr(layer, name)
                 if kept:
                     new[: self.rows, :, :kept] = old[: self.rows, :, :kept]
