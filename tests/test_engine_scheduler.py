@@ -455,6 +455,19 @@ def test_starting_rows_allocates_their_slots_from_the_prompts_cache():
         scheduler.start_rows(request, [Row(request, 0)])
 
 
+def test_a_lane_is_sized_at_once_for_the_started_requests_waiting_to_join_it():
+    scheduler = _scheduler(kv_budget_bytes=100_000, max_rows=32)
+    first, second, longer = (_prefilled(scheduler, _request(n, samples=12)) for n in (5, 6, 300))
+    for request in (first, second, longer):
+        _prompt_cache(scheduler, request)
+    scheduler.add(_request(5, samples=12))  # its prompt not started: it may wait long
+    lane, _ = scheduler.start_rows(first, [Row(first, sample) for sample in range(12)])
+    assert lane.cache.capacity_rows == 24  # its rows and the second's; the longer request's slots would not hold
+    allocation = lane.cache.allocation
+    scheduler.start_rows(second, [Row(second, sample) for sample in range(12)])
+    assert lane.cache.allocation == allocation and lane.cache.rows == 24  # no copy as it joined
+
+
 def test_a_steps_output_moves_prompts_and_rows_on_in_one_place():
     scheduler, request, waiting = _scheduler(), _request(5, samples=3, max_new_tokens=2), _request(50)
     _prefilled(scheduler, request)

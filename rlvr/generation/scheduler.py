@@ -483,15 +483,24 @@ class Scheduler:
 
     def slot_capacity(self, lane: Lane, rows_needed: int, length: int, request: EngineRequest) -> int:
         """Slots to allocate in ``lane`` for ``rows_needed`` rows of ``length`` positions, ``request``'s
-        joining: room to grow (doubling, at least 8, at most ``max_rows``, the free slots within an eighth
-        of the KV budget) where the budget holds it beside the head's need."""
+        joining: room for the rows of started requests waiting to join it (one allocation, not a copy as
+        each joins) and to grow (doubling, at least 8, the free slots within an eighth of the KV budget), at
+        most ``max_rows``, where the budget holds it beside the head's need."""
         cache = lane.cache
         capacity = min(self.max_rows, max(rows_needed, 8, 2 * cache.capacity_rows if cache.capacity_rows < rows_needed else 0))
         capacity = min(capacity, rows_needed + self.kv_budget_bytes // (8 * length * self.bytes_per_token))
+        capacity = max(capacity, min(self.max_rows, len(lane.rows) + self.joining_rows(lane, length)))
         lane_bytes, kept = cache.bytes(self.bytes_per_token), self.kept_for_head(request)
         while capacity > rows_needed and not self.fits(cache.bytes(self.bytes_per_token, capacity, length) - lane_bytes, kept):
             capacity -= 1
         return capacity
+
+    def joining_rows(self, lane: Lane, length: int) -> int:
+        """Rows of the live started requests (their prompts cached or being cached) still to start in
+        ``lane`` within slots of ``length`` positions."""
+        live = (self.states[q] for q in self._active(self.waiting) if not q.cancelled.is_set())
+        started = [s for s in live if s.cache is not None or s.whole_prompt]
+        return sum(s.pending_rows for s in started if self.lane_for(s.request) is lane and quantized(s.request.slot_length) <= length)
 
     def make_room(self) -> None:
         """The prefix cache gives way to what requests hold (after a prompt cache started or a lane grew)."""
