@@ -2,8 +2,8 @@
 
     python bench/linear_kernels.py .rlvr/models/base_policy/<version> --rows 1 4 8 32 256
 
-On the checkpoint's config (random weights: timings depend on shapes only), float32, this process's
-threads: every linear layer once on ``rows`` token rows (one decode step's projections, the output head
+On the checkpoint's config (random weights: timings depend on shapes only), float32 (``--dtype bfloat16``:
+bf16, the trainer's rollout copy), this process's threads: every linear layer once on ``rows`` token rows (one decode step's projections, the output head
 included), grouped as the fused decoder runs them (q/k/v side by side, o with the residual, gate/up side
 by side, down with its SiLU gate and the residual), through ``linear_kernels.linear`` on panels and through
 oneDNN's weights packed for ``rows`` rows (the gate and residual applied apart, as the fused decoder
@@ -41,10 +41,11 @@ def step(model, rows: int, steps: int, panels: bool):
     """``steps`` steps of every group on ``rows`` rows through the fused decoder's projections: on panels
     (the linear kernels) or on oneDNN's packed weights."""
     work = []
+    dtype = model.dtype
     for group, gated, residual in groups(model):
         width, outputs = group[0].in_features, sum(layer.out_features for layer in group)
-        inputs = torch.randn(rows, 2 * width if gated else width)
-        work.append((Projection(group, rows, panels), gated, inputs, torch.randn(rows, outputs) if residual else None))
+        inputs = torch.randn(rows, 2 * width if gated else width, dtype=dtype)
+        work.append((Projection(group, rows, panels), gated, inputs, torch.randn(rows, outputs, dtype=dtype) if residual else None))
 
     def run() -> None:
         for _ in range(steps):
@@ -60,11 +61,13 @@ def main() -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 256])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
-    if not linear_kernels.available():
-        raise SystemExit("the linear kernels are not built here (no C++ compiler?): see `python -m rlvr.fastpaths.linear_kernels`")
-    model = random_weights_model(args.model, torch.float32).eval().requires_grad_(False)
-    print(f"float32, {torch.get_num_threads()} threads; ms per step's projections, median of {args.repeats} x {args.steps} steps\n")
+    dtype = getattr(torch, args.dtype)
+    if not linear_kernels.available(dtype):
+        raise SystemExit(f"the linear kernels are not built here for {args.dtype}: see `python -m rlvr.fastpaths.linear_kernels`")
+    model = random_weights_model(args.model, dtype).eval().requires_grad_(False)
+    print(f"{args.dtype}, {torch.get_num_threads()} threads; ms per step's projections, median of {args.repeats} x {args.steps} steps\n")
     print("| rows | linear kernels ms | oneDNN packed ms | linear kernels' speed |")
     print("|---|---|---|---|")
     for rows in args.rows:

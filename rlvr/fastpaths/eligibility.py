@@ -106,8 +106,9 @@ def use_layer_kernels(fast: FastPaths, device: torch.device, dtype: torch.dtype,
 
 def use_linear_kernels(fast: FastPaths, device: torch.device, dtype: torch.dtype, fused: bool) -> bool:
     """The fused decoder's (``fused``: the runner) linear layers through ``rlvr.fastpaths.linear_kernels``:
-    float32 on CPU, the kernel built here (a C++ compiler; built at the first ask)."""
-    return fast.linear_kernels and fused and device.type == "cpu" and dtype == torch.float32 and linear_kernels.available()
+    float32 on CPU, or bf16 on a CPU with AVX-512 BF16, the kernel built here (a C++ compiler; built at the
+    first ask)."""
+    return fast.linear_kernels and fused and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and linear_kernels.available(dtype)
 
 
 def use_sampling_kernel(fast: FastPaths, device: torch.device) -> bool:

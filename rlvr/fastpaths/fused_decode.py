@@ -2,7 +2,7 @@
 
 :class:`FusedDecoder` computes what the model's forward computes for a decode step (RMSNorm, rotary
 embedding, grouped-query attention over the cache, SiLU-gated MLP) in fewer, larger operations: fused
-projections on weights packed once per rollout (float32 ones through ``rlvr.fastpaths.linear_kernels`` where the
+projections on weights packed once per rollout (through ``rlvr.fastpaths.linear_kernels`` where the
 plan says, others through oneDNN), attention in float32 for bf16 / fp16 where the plan says.
 ``llama``, ``qwen2``, ``qwen3`` and ``mistral`` models with plain linear layers qualify (the plan's
 ``runner``, ``rlvr.fastpaths.plan``); for any other :func:`fused_decoder` returns None and the engine runs
@@ -61,7 +61,7 @@ class FusedDecoder:
     for one new token per row; the cache gets that token's keys and values, as the model's own
     forward would add them. ``kernels``: its RMSNorms and rotary embeddings through
     ``rlvr.fastpaths.layer_kernels``; ``panels``: its linear layers through ``rlvr.fastpaths.linear_kernels``
-    (float32 CPU models only), else through oneDNN's weights packed for ``rows`` rows."""
+    (float32 and bf16 CPU models), else through oneDNN's weights packed for ``rows`` rows."""
 
     def __init__(self, model: Any, rows: int, kernels: bool = False, panels: bool = False):
         self.kernels, self.linear_kernels = kernels, panels

@@ -1,12 +1,12 @@
-"""The fused decoder's float32 CPU linear layers through one compiled GEMM, for any number of token rows.
+"""The fused decoder's float32 and bf16 CPU linear layers through one compiled GEMM, for any number of token rows.
 
-oneDNN's packed GEMM computes, then waits for the next weights, then computes (a step's projections of
-32 rows of the embedded model: 55.5 ms against this kernel's 46.7, ``bench/linear_kernels.py``). This kernel packs each weight
-once into 48-column panels (a panel's 48 outputs' weights for one input side by side), computes 8 rows x
-48 outputs a tile with the sums in registers, and the first tile of each panel prefetches the next, so
-weights stream while the cores multiply; panels are split over PyTorch's threads. The residual is added in
-the same pass; a SiLU-gated input is taken as ``silu(gate) * up`` first. Built once per machine (PyTorch's
-extension builder, cached on disk); ``bench/linear_kernels.py`` times it against oneDNN by row count.
+oneDNN's packed GEMM computes, then waits for the next weights, then computes. This kernel packs each weight
+once into 48-output panels, computes 8 rows x 48 outputs a tile with the sums in registers (bf16: input pairs,
+one AVX-512 BF16 dot product a step, summed in float32, rounded where the model's bf16 layers round), and the
+first tile of each panel prefetches the next, so weights stream while the cores multiply; panels are split
+over PyTorch's threads. The residual is added in the same pass; a SiLU-gated input is taken as
+``silu(gate) * up`` first. Built once per machine (PyTorch's extension builder, cached on disk);
+``bench/linear_kernels.py [--dtype bfloat16]`` times it against oneDNN by row count (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <string>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 typedef float vf __attribute__((vector_size(64)));  // 16 float32 lanes: one AVX-512 register, two or four narrower ones elsewhere
 typedef float vf_unaligned __attribute__((vector_size(64), aligned(4)));
@@ -90,17 +95,9 @@ void pack_panels(const std::vector<torch::Tensor>& weights, torch::Tensor& packe
   });
 }
 
-// out [rows, outputs] (+)= x [rows, inputs] . weight^T, the weight packed by pack_panels as [panels, inputs, P];
-// gated: input is [rows, 2 inputs], a gate and an up side by side, and x = silu(gate) * up.
-void panel_linear(const torch::Tensor& packed, const torch::Tensor& input, torch::Tensor& out, bool accumulate, bool gated) {
-  TORCH_CHECK(packed.scalar_type() == torch::kFloat32 && packed.is_contiguous() && packed.dim() == 3 && packed.size(2) == P,
-              "a float32 weight packed in panels of ", P);
-  TORCH_CHECK(input.scalar_type() == torch::kFloat32 && input.is_contiguous() && input.dim() == 2, "float32 contiguous input rows");
-  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() && out.dim() == 2 && out.size(0) == input.size(0),
-              "float32 contiguous out, a row an input row");
+// float32: out [rows, outputs] (+)= x [rows, inputs] . weight^T (checked by panel_linear).
+void linear_f32(const torch::Tensor& packed, const torch::Tensor& input, torch::Tensor& out, bool accumulate, bool gated) {
   const int64_t rows = input.size(0), inputs = packed.size(1), outputs = out.size(1), panels = packed.size(0);
-  TORCH_CHECK(input.size(1) == (gated ? 2 : 1) * inputs, "input width ", input.size(1), " for a weight of ", inputs, " inputs", gated ? " (gated)" : "");
-  TORCH_CHECK(outputs <= panels * P && outputs > (panels - 1) * P, "out width ", outputs, " for ", panels, " panels");
   torch::Tensor x = input;
   if (gated) {
     x = torch::empty({rows, inputs}, input.options());
@@ -138,16 +135,186 @@ void panel_linear(const torch::Tensor& packed, const torch::Tensor& input, torch
     }
   });
 }
+
+// bf16: weights packed as input pairs, [panels, inputs / 2 (rounded up), P, 2] (a panel's P outputs' weights for inputs 2k and
+// 2k + 1 side by side), each step of a tile one AVX-512 BF16 dot product of a row's input pair with 16 outputs' pairs,
+// summed in float32; the sums rounded to bf16 where the model's bf16 operations round (the output, then with the residual).
+bool bf16_built() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
+}
+
+inline uint16_t to_bf16(float value) {  // round to nearest, ties to even (PyTorch's); NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+inline float from_bf16(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &wide, 4);
+  return value;
+}
+
+void pack_panels_bf16(const std::vector<torch::Tensor>& weights, torch::Tensor& packed) {
+  TORCH_CHECK(!weights.empty(), "weights to pack");
+  const int64_t inputs = weights[0].size(1), pairs = (inputs + 1) / 2;
+  std::vector<const uint16_t*> rows;
+  for (const auto& w : weights) {
+    TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2 && w.size(1) == inputs && w.stride(1) == 1, "bf16 weights of ", inputs,
+                " inputs, each output's contiguous");
+    for (int64_t o = 0; o < w.size(0); ++o) rows.push_back(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()) + o * w.stride(0));
+  }
+  const int64_t outputs = rows.size(), panels = (outputs + P - 1) / P;
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() && packed.sizes() == torch::IntArrayRef({panels, pairs, 2 * P}),
+              "a bf16 contiguous [", panels, ", ", pairs, ", ", 2 * P, "] to pack into");
+  uint16_t* out = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      uint16_t* panel = out + p * pairs * 2 * P;
+      for (int64_t k0 = 0; k0 < pairs; k0 += 32)
+        for (int64_t j = 0; j < P; ++j) {
+          const int64_t o = p * P + j;
+          for (int64_t k = k0; k < std::min<int64_t>(k0 + 32, pairs); ++k)
+            for (int64_t h = 0; h < 2; ++h) {
+              const int64_t i = 2 * k + h;
+              panel[(k * P + j) * 2 + h] = o < outputs && i < inputs ? rows[o][i] : 0;
+            }
+        }
+    }
+  });
+}
+
+#ifdef __AVX512BF16__
+// out[r, 0 .. width) = bf16(x[r] . panel), or bf16(out + bf16(x[r] . panel)) accumulating, for R rows of x (bf16 pairs,
+// rows `pairs` apart) over `pairs` input pairs.
+template <int R>
+void tile_bf16(const uint32_t* x, int64_t pairs, const uint16_t* panel, uint16_t* out, int64_t outputs, int64_t width, bool accumulate,
+               const uint16_t* next) {
+  __m512 sums[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) sums[r][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < pairs; ++k) {
+    const uint16_t* w = panel + k * 2 * P;
+    if (next)
+      for (int v = 0; v < V; v += 2) __builtin_prefetch(next + k * 2 * P + v * 2 * W, 0, 1);
+    __m512bh weights[V];
+    for (int v = 0; v < V; ++v) weights[v] = (__m512bh)_mm512_loadu_si512(w + v * 2 * W);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xr = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * pairs + k]));
+      for (int v = 0; v < V; ++v) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], weights[v], xr);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    uint16_t* o = out + r * outputs;
+    if (width == P) {
+      for (int v = 0; v < V; ++v) {
+        __m256bh rounded = _mm512_cvtneps_pbh(sums[r][v]);
+        if (accumulate) {
+          const __m512 kept = _mm512_cvtpbh_ps((__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + v * W)));
+          rounded = _mm512_cvtneps_pbh(_mm512_add_ps(kept, _mm512_cvtpbh_ps(rounded)));
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + v * W), (__m256i)rounded);
+      }
+      continue;
+    }
+    alignas(64) float lane[P];
+    for (int v = 0; v < V; ++v) _mm512_store_ps(lane + v * W, sums[r][v]);
+    for (int64_t j = 0; j < width; ++j) {
+      const uint16_t rounded = to_bf16(lane[j]);
+      o[j] = accumulate ? to_bf16(from_bf16(o[j]) + from_bf16(rounded)) : rounded;
+    }
+  }
+}
+
+void linear_bf16(const torch::Tensor& packed, const torch::Tensor& input, torch::Tensor& out, bool accumulate, bool gated) {
+  const int64_t rows = input.size(0), pairs = packed.size(1), outputs = out.size(1), panels = packed.size(0);
+  const int64_t inputs = input.size(1) / (gated ? 2 : 1), padded = 2 * pairs;
+  torch::Tensor x = input;
+  if (gated || padded != inputs) {  // silu(gate) * up as the model rounds it (each bf16), or an odd width padded with a zero
+    x = torch::zeros({rows, padded}, input.options());
+    const uint16_t* in = reinterpret_cast<const uint16_t*>(input.data_ptr<at::BFloat16>());
+    uint16_t* g = reinterpret_cast<uint16_t*>(x.data_ptr<at::BFloat16>());
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t k = 0; k < inputs; ++k) {
+          if (!gated) {
+            g[r * padded + k] = in[r * inputs + k];
+            continue;
+          }
+          const float gate = from_bf16(in[r * 2 * inputs + k]), up = from_bf16(in[r * 2 * inputs + inputs + k]);
+          g[r * padded + k] = to_bf16(from_bf16(to_bf16(gate / (1.f + std::exp(-gate)))) * up);
+        }
+    });
+  }
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const uint16_t* panel = w + p * pairs * 2 * P;
+      const uint16_t* next = p + 1 < end ? panel + pairs * 2 * P : nullptr;
+      const int64_t width = std::min<int64_t>(P, outputs - p * P);
+      uint16_t* o = op + p * P;
+      int64_t r = 0;
+      for (; r + ROWS <= rows; r += ROWS, next = nullptr) tile_bf16<ROWS>(xp + r * pairs, pairs, panel, o + r * outputs, outputs, width, accumulate, next);
+      switch (rows - r) {
+        case 1: tile_bf16<1>(xp + r * pairs, pairs, panel, o + r * outputs, outputs, width, accumulate, next); break;
+        case 2: tile_bf16<2>(xp + r * pairs, pairs, panel, o + r * outputs, outputs, width, accumulate, next); break;
+        case 3: tile_bf16<3>(xp + r * pairs, pairs, panel, o + r * outputs, outputs, width, accumulate, next); break;
+        case 4: tile_bf16<4>(xp + r * pairs, pairs, panel, o + r * outputs, outputs, width, accumulate, next); break;
+        case 5: tile_bf16<5>(xp + r * pairs, pairs, panel, o + r * outputs, outputs, width, accumulate, next); break;
+        case 6: tile_bf16<6>(xp + r * pairs, pairs, panel, o + r * outputs, outputs, width, accumulate, next); break;
+        case 7: tile_bf16<7>(xp + r * pairs, pairs, panel, o + r * outputs, outputs, width, accumulate, next); break;
+        default: break;
+      }
+    }
+  });
+}
+#endif
+
+// out [rows, outputs] (+)= x [rows, inputs] . weight^T, the weight packed by pack_panels (float32) or pack_panels_bf16, the
+// input, out and weight of one dtype; gated: input is [rows, 2 inputs], a gate and an up side by side, and x = silu(gate) * up.
+void panel_linear(const torch::Tensor& packed, const torch::Tensor& input, torch::Tensor& out, bool accumulate, bool gated) {
+  const auto dtype = packed.scalar_type();
+  const bool bf16 = dtype == torch::kBFloat16;
+  TORCH_CHECK((dtype == torch::kFloat32 || bf16) && packed.is_contiguous() && packed.dim() == 3 && packed.size(2) == (bf16 ? 2 : 1) * P,
+              "a float32 or bf16 weight packed in panels of ", P);
+  TORCH_CHECK(input.scalar_type() == dtype && input.is_contiguous() && input.dim() == 2, "contiguous input rows of the weight's dtype (",
+              dtype, "), not ", input.scalar_type());
+  TORCH_CHECK(out.scalar_type() == dtype && out.is_contiguous() && out.dim() == 2 && out.size(0) == input.size(0),
+              "a contiguous out of the weight's dtype (", dtype, "), a row an input row");
+  const int64_t width = input.size(1), inputs = gated ? width / 2 : width, panels = packed.size(0), outputs = out.size(1);
+  const bool fits = bf16 ? (inputs + 1) / 2 == packed.size(1) : inputs == packed.size(1);
+  TORCH_CHECK(fits && (!gated || width % 2 == 0), "input width ", width, " for a weight of ",
+              bf16 ? std::to_string(2 * packed.size(1) - 1) + " or " + std::to_string(2 * packed.size(1)) : std::to_string(packed.size(1)),
+              " inputs", gated ? " (gated)" : "");
+  TORCH_CHECK(outputs <= panels * P && outputs > (panels - 1) * P, "out width ", outputs, " for ", panels, " panels");
+  if (!bf16) return linear_f32(packed, input, out, accumulate, gated);
+#ifdef __AVX512BF16__
+  linear_bf16(packed, input, out, accumulate, gated);
+#else
+  TORCH_CHECK(false, "bf16 panels need AVX-512 BF16, which this CPU lacks");
+#endif
+}
 """
 
 
-def available() -> bool:
-    """Whether the kernel is built (or builds now) on this machine: a C++ compiler and ninja present."""
-    return _module() is not None
+def available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether the kernel is built (or builds now) on this machine for ``dtype``: a C++ compiler and ninja
+    present; for bf16, a CPU with AVX-512 BF16 too."""
+    module = _module()
+    return module is not None and (dtype == torch.float32 or (dtype == torch.bfloat16 and module.bf16_built()))
 
 
 def _module() -> Any:
-    return cpp_module("linear kernels", "rlvr_linear_kernels_", SOURCE, ("pack_panels", "panel_linear"), ("-ffast-math",))
+    functions = ("pack_panels", "pack_panels_bf16", "panel_linear", "bf16_built")
+    return cpp_module("linear kernels", "rlvr_linear_kernels_", SOURCE, functions, ("-ffast-math",))
 
 
 class Panels(NamedTuple):
@@ -159,10 +326,16 @@ class Panels(NamedTuple):
 
 
 def pack(layers: list[nn.Linear]) -> Panels:
-    """``layers``' float32 weights (each [out_j, in]) packed side by side for :func:`linear` (a copy, in parallel)."""
-    outputs, inputs = sum(layer.out_features for layer in layers), layers[0].in_features
-    packed = huge_pages(torch.empty(-(-outputs // PANEL), inputs, PANEL))  # streamed every step: fewer TLB misses
-    _module().pack_panels([layer.weight.detach() for layer in layers], packed)
+    """``layers``' float32 or bf16 weights (each [out_j, in]) packed side by side for :func:`linear` (a copy, in
+    parallel; bf16 as input pairs, [panels, in / 2, 2 x PANEL])."""
+    outputs, inputs, dtype = sum(layer.out_features for layer in layers), layers[0].in_features, layers[0].weight.dtype
+    weights, panels = [layer.weight.detach() for layer in layers], -(-outputs // PANEL)
+    if dtype == torch.bfloat16:
+        packed = huge_pages(torch.empty(panels, -(-inputs // 2), 2 * PANEL, dtype=dtype))  # streamed every step: fewer TLB misses
+        _module().pack_panels_bf16(weights, packed)
+    else:
+        packed = huge_pages(torch.empty(panels, inputs, PANEL))
+        _module().pack_panels(weights, packed)
     return Panels(packed, outputs)
 
 
@@ -177,4 +350,5 @@ def linear(panels: Panels, inputs: torch.Tensor, residual: torch.Tensor | None =
 
 if __name__ == "__main__":  # `make setup`: build the kernel once for this machine, or say why it stays off
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print("linear kernels:", "built" if available() else "off (the fused decoder's float32 linear layers run on oneDNN)")
+    bf16 = "; bf16 too" if available(torch.bfloat16) else "; bf16 on oneDNN (no AVX-512 BF16 here)"
+    print("linear kernels:", "built" + bf16 if available() else "off (the fused decoder's float32 and bf16 linear layers run on oneDNN)")
