@@ -20,7 +20,7 @@ class FastPaths:
     slot_attention: bool = True  # the continuous engine's float32 CPU decode attention, each row to its length (slot_attention)
     prompt_attention: bool = True  # a prompt chunk's CPU attention, each query over keys up to its position only (prompt_attention)
     layer_kernels: bool = True  # float32 / bf16 CPU fused decode steps' RMSNorm and rotary embedding, compiled (layer_kernels)
-    linear_kernels: bool = True  # float32 (and bf16 on AVX-512 BF16) CPU fused decode's linear layers through one compiled GEMM on weights packed in panels (linear_kernels)
+    linear_kernels: bool = True  # float32 (bf16 on AVX-512 BF16) CPU fused decode: linear layers through one compiled panel GEMM (linear_kernels)
     sampling_kernel: bool = True  # the engine's CPU sampling of rows without top-p, one compiled pass a row (sampling_kernel)
     float32_attention: bool = True  # bf16/fp16 attention on CPU computed in float32 (attention)
     unpadded_update: bool = True  # the update's per-token work skips completion padding (rlvr.grpo.unpadded)
