@@ -3,11 +3,11 @@
     python bench/linear_kernels.py .rlvr/models/base_policy/<version> --rows 1 4 8 32 256
 
 On the checkpoint's config (random weights: timings depend on shapes only), float32 (``--dtype bfloat16``:
-bf16, the trainer's rollout copy), this process's threads: every linear layer once on ``rows`` token rows (one decode step's projections, the output head
-included), grouped as the fused decoder runs them (q/k/v side by side, o with the residual, gate/up side
-by side, down with its SiLU gate and the residual), through ``linear_kernels.linear`` on panels and through
-oneDNN's weights packed for ``rows`` rows (the gate and residual applied apart, as the fused decoder
-does); median ms of ``--repeats`` runs of ``--steps`` steps, and the ratio.
+bf16, the trainer's rollout copy), this process's threads: every linear layer once on ``rows`` token rows
+(one decode step's projections, the output head included), grouped as the fused decoder runs them (q/k/v
+side by side, o with the residual, gate/up side by side, down with its SiLU gate and the residual), through
+``linear_kernels.linear`` on panels and through oneDNN's weights packed for ``rows`` rows (the gate and
+residual applied apart, as the fused decoder does); median ms of ``--repeats`` runs of ``--steps`` steps.
 """
 
 from __future__ import annotations
