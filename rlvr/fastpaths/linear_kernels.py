@@ -173,18 +173,21 @@ void pack_panels_bf16(const std::vector<torch::Tensor>& weights, torch::Tensor& 
   const int64_t outputs = rows.size(), panels = (outputs + P - 1) / P;
   TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() && packed.sizes() == torch::IntArrayRef({panels, pairs, 2 * P}),
               "a bf16 contiguous [", panels, ", ", pairs, ", ", 2 * P, "] to pack into");
-  uint16_t* out = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
+  uint32_t* out = reinterpret_cast<uint32_t*>(packed.data_ptr<at::BFloat16>());  // a pair a word: input 2k low, 2k + 1 high
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p) {
-      uint16_t* panel = out + p * pairs * 2 * P;
+      uint32_t* panel = out + p * pairs * P;
       for (int64_t k0 = 0; k0 < pairs; k0 += 32)
         for (int64_t j = 0; j < P; ++j) {
-          const int64_t o = p * P + j;
-          for (int64_t k = k0; k < std::min<int64_t>(k0 + 32, pairs); ++k)
-            for (int64_t h = 0; h < 2; ++h) {
-              const int64_t i = 2 * k + h;
-              panel[(k * P + j) * 2 + h] = o < outputs && i < inputs ? rows[o][i] : 0;
-            }
+          const int64_t o = p * P + j, last = std::min<int64_t>(k0 + 32, pairs);
+          for (int64_t k = k0; k < last; ++k) {
+            uint32_t pair = 0;
+            if (o < outputs && 2 * k + 1 < inputs)
+              std::memcpy(&pair, rows[o] + 2 * k, 4);
+            else if (o < outputs)
+              pair = rows[o][2 * k];  // an odd width's last input, beside a zero
+            panel[k * P + j] = pair;
+          }
         }
     }
   });
