@@ -205,7 +205,7 @@ void tile_bf16(const uint32_t* x, int64_t pairs, const uint16_t* panel, uint16_t
   for (int64_t k = 0; k < pairs; ++k) {
     const uint16_t* w = panel + k * 2 * P;
     if (next)
-      for (int v = 0; v < V; v += 2) __builtin_prefetch(next + k * 2 * P + v * 2 * W, 0, 1);
+      for (int v = 0; v < V; ++v) __builtin_prefetch(next + k * 2 * P + v * 2 * W, 0, 1);  // the 3 lines of a pair step
     __m512bh weights[V];
     for (int v = 0; v < V; ++v) weights[v] = (__m512bh)_mm512_loadu_si512(w + v * 2 * W);
     for (int r = 0; r < R; ++r) {
