@@ -29,6 +29,7 @@ SOURCE = r"""
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
@@ -66,6 +67,34 @@ void tile(const float* x, int64_t inputs, const float* panel, float* out, int64_
       for (int j = 0; j < width; ++j) o[j] = accumulate ? o[j] + sums[r][j / W][j % W] : sums[r][j / W][j % W];
     }
   }
+}
+
+// Every panel (split over PyTorch's threads) against the rows of x (`row` elements apart), 8 rows a tile then the rest:
+// run(std::integral_constant<int, R>, x's R rows, panel, out's R rows, panel width, next panel to prefetch or null).
+template <typename X, typename Wt, typename O, typename Run>
+void over_panels(int64_t rows, int64_t row, const X* x, const Wt* w, int64_t panel_size, int64_t panels, int64_t outputs, O* out, const Run& run) {
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const Wt* panel = w + p * panel_size;
+      const Wt* next = p + 1 < end ? panel + panel_size : nullptr;  // the first tile streams the thread's next panel in
+      const int64_t width = std::min<int64_t>(P, outputs - p * P);
+      O* o = out + p * P;
+      int64_t r = 0;
+      for (; r + ROWS <= rows; r += ROWS, next = nullptr) run(std::integral_constant<int, ROWS>{}, x + r * row, panel, o + r * outputs, width, next);
+      const X* xr = x + r * row;
+      O* orow = o + r * outputs;
+      switch (rows - r) {
+        case 1: run(std::integral_constant<int, 1>{}, xr, panel, orow, width, next); break;
+        case 2: run(std::integral_constant<int, 2>{}, xr, panel, orow, width, next); break;
+        case 3: run(std::integral_constant<int, 3>{}, xr, panel, orow, width, next); break;
+        case 4: run(std::integral_constant<int, 4>{}, xr, panel, orow, width, next); break;
+        case 5: run(std::integral_constant<int, 5>{}, xr, panel, orow, width, next); break;
+        case 6: run(std::integral_constant<int, 6>{}, xr, panel, orow, width, next); break;
+        case 7: run(std::integral_constant<int, 7>{}, xr, panel, orow, width, next); break;
+        default: break;
+      }
+    }
+  });
 }
 
 // The weights [outputs_j, inputs] side by side, packed into `packed` [panels, inputs, P] (outputs past theirs zero), the
@@ -111,29 +140,10 @@ void linear_f32(const torch::Tensor& packed, const torch::Tensor& input, torch::
       }
     });
   }
-  const float* w = packed.data_ptr<float>();
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const float* panel = w + p * inputs * P;
-      const float* next = p + 1 < end ? panel + inputs * P : nullptr;  // the first tile streams the thread's next panel in
-      const int64_t width = std::min<int64_t>(P, outputs - p * P);
-      float* o = op + p * P;
-      int64_t r = 0;
-      for (; r + ROWS <= rows; r += ROWS, next = nullptr) tile<ROWS>(xp + r * inputs, inputs, panel, o + r * outputs, outputs, width, accumulate, next);
-      switch (rows - r) {
-        case 1: tile<1>(xp + r * inputs, inputs, panel, o + r * outputs, outputs, width, accumulate, next); break;
-        case 2: tile<2>(xp + r * inputs, inputs, panel, o + r * outputs, outputs, width, accumulate, next); break;
-        case 3: tile<3>(xp + r * inputs, inputs, panel, o + r * outputs, outputs, width, accumulate, next); break;
-        case 4: tile<4>(xp + r * inputs, inputs, panel, o + r * outputs, outputs, width, accumulate, next); break;
-        case 5: tile<5>(xp + r * inputs, inputs, panel, o + r * outputs, outputs, width, accumulate, next); break;
-        case 6: tile<6>(xp + r * inputs, inputs, panel, o + r * outputs, outputs, width, accumulate, next); break;
-        case 7: tile<7>(xp + r * inputs, inputs, panel, o + r * outputs, outputs, width, accumulate, next); break;
-        default: break;
-      }
-    }
-  });
+  const auto run = [&](auto R, const float* rows_x, const float* panel, float* o, int64_t width, const float* next) {
+    tile<decltype(R)::value>(rows_x, inputs, panel, o, outputs, width, accumulate, next);
+  };
+  over_panels(rows, inputs, x.data_ptr<float>(), packed.data_ptr<float>(), inputs * P, panels, outputs, out.data_ptr<float>(), run);
 }
 
 // bf16: weights packed as input pairs, [panels, inputs / 2 (rounded up), P, 2] (a panel's P outputs' weights for inputs 2k and
@@ -255,29 +265,12 @@ void linear_bf16(const torch::Tensor& packed, const torch::Tensor& input, torch:
         }
     });
   }
-  const uint16_t* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-  const uint32_t* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const uint16_t* panel = w + p * pairs * 2 * P;
-      const uint16_t* next = p + 1 < end ? panel + pairs * 2 * P : nullptr;
-      const int64_t width = std::min<int64_t>(P, outputs - p * P);
-      uint16_t* o = op + p * P;
-      int64_t r = 0;
-      for (; r + ROWS <= rows; r += ROWS, next = nullptr) tile_bf16<ROWS>(xp + r * pairs, pairs, panel, o + r * outputs, outputs, width, accumulate, next);
-      switch (rows - r) {
-        case 1: tile_bf16<1>(xp + r * pairs, pairs, panel, o + r * outputs, outputs, width, accumulate, next); break;
-        case 2: tile_bf16<2>(xp + r * pairs, pairs, panel, o + r * outputs, outputs, width, accumulate, next); break;
-        case 3: tile_bf16<3>(xp + r * pairs, pairs, panel, o + r * outputs, outputs, width, accumulate, next); break;
-        case 4: tile_bf16<4>(xp + r * pairs, pairs, panel, o + r * outputs, outputs, width, accumulate, next); break;
-        case 5: tile_bf16<5>(xp + r * pairs, pairs, panel, o + r * outputs, outputs, width, accumulate, next); break;
-        case 6: tile_bf16<6>(xp + r * pairs, pairs, panel, o + r * outputs, outputs, width, accumulate, next); break;
-        case 7: tile_bf16<7>(xp + r * pairs, pairs, panel, o + r * outputs, outputs, width, accumulate, next); break;
-        default: break;
-      }
-    }
-  });
+  const auto run = [&](auto R, const uint32_t* rows_x, const uint16_t* panel, uint16_t* o, int64_t width, const uint16_t* next) {
+    tile_bf16<decltype(R)::value>(rows_x, pairs, panel, o, outputs, width, accumulate, next);
+  };
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<at::BFloat16>());
+  over_panels(rows, pairs, xp, w, pairs * 2 * P, panels, outputs, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), run);
 }
 #endif
 
